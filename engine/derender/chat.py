@@ -1,0 +1,459 @@
+"""Stateful chat derender: generate output → OpenAI chat chunks or one completion.
+
+One `ChatChoiceState` per choice lives for the whole request: a detokenizer,
+stop strings, and one reasoning/tool parser, each fed only the new tokens
+(O(delta) per chunk). `ChatDerender` wraps the choices of one request and
+emits `ChatCompletionChunk`s; the non-streaming `ChatCompletion` is the fold
+of the very same deltas, so both shapes always agree.
+
+Output follows vLLM 0.32's coupled `/v1/chat/completions`, with these
+deliberate choices:
+- the reasoning field is `reasoning` (vLLM's name), `reasoning_content`, or
+  both (`ReasoningField`), since clients differ in which they read;
+- a tool-call header delta carries `arguments: ""` as OpenAI's does;
+- `finish_reason` turns from `stop` into `tool_calls` when calls were made,
+  unless a stop string ended the output (the call may be cut short);
+- tool-call ids are `chatcmpl-tool-<hex>` in both shapes;
+- the EOS token's text never reaches `content`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from engine.derender.logprobs import chat_logprobs
+from engine.derender.parser import (
+    REASONING_PARSERS,
+    TOOL_PARSERS,
+    MarkerIds,
+    OutputParser,
+    ToolDelta,
+    UnknownParser,
+    new_tool_call_id,
+    resolve_markers,
+    starts_in_reasoning,
+)
+from engine.derender.text import TextParams, TextPipeline
+from engine.derender.vocab import TokenVocab
+from engine.openai_schema import (
+    ChatCompletion,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionChunkChoice,
+    ChatCompletionMessage,
+    ChatCompletionRequest,
+    ChatDelta,
+    ChatLogprobs,
+    ChatLogprobToken,
+    CompletionTokensDetails,
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCall,
+    PromptTokensDetails,
+    ToolCall,
+    Usage,
+)
+from engine.protocol import GenerateLogProbsContent
+
+ReasoningField = Literal["reasoning", "reasoning_content", "both"]
+
+
+@dataclass(frozen=True, slots=True)
+class ChatOptions:
+    """Everything a chat choice needs from the request, resolved once."""
+
+    text: TextParams = field(default_factory=TextParams)
+    reasoning_parser: str | None = None
+    tool_parser: str | None = None
+    tools_enabled: bool = False
+    """Tools were offered and `tool_choice` is not `none`."""
+    enable_thinking: bool = True
+    include_reasoning: bool = True
+    parallel_tool_calls: bool = True
+    logprobs: bool = False
+    top_logprobs: int = 0
+    return_token_ids: bool = False
+    reasoning_field: ReasoningField = "reasoning"
+
+    @classmethod
+    def from_request(
+        cls,
+        request: ChatCompletionRequest,
+        *,
+        reasoning_parser: str | None,
+        tool_parser: str | None,
+        reasoning_field: ReasoningField = "reasoning",
+    ) -> ChatOptions:
+        stop = request.stop
+        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        kwargs = request.chat_template_kwargs or {}
+        return cls(
+            text=TextParams(
+                skip_special_tokens=request.skip_special_tokens,
+                spaces_between_special_tokens=request.spaces_between_special_tokens,
+                stop=stops,
+                include_stop_str_in_output=request.include_stop_str_in_output,
+                min_tokens=request.min_tokens,
+            ),
+            reasoning_parser=reasoning_parser,
+            tool_parser=tool_parser,
+            tools_enabled=bool(request.tools) and request.effective_tool_choice() != "none",
+            enable_thinking=bool(kwargs.get("enable_thinking", True)),
+            include_reasoning=request.include_reasoning,
+            parallel_tool_calls=request.parallel_tool_calls is not False,
+            logprobs=bool(request.logprobs),
+            top_logprobs=request.top_logprobs or 0,
+            return_token_ids=bool(request.return_token_ids),
+            reasoning_field=reasoning_field,
+        )
+
+
+def chat_markers(vocab: TokenVocab, options: ChatOptions) -> MarkerIds | None:
+    """The parser markers in this vocabulary, or None when no parser is configured."""
+    if options.reasoning_parser is None and options.tool_parser is None:
+        return None
+    try:
+        reasoning = REASONING_PARSERS[options.reasoning_parser] if options.reasoning_parser else None
+        tools = TOOL_PARSERS[options.tool_parser] if options.tool_parser else None
+    except KeyError as exc:
+        raise UnknownParser(f"unknown parser {exc.args[0]!r}") from exc
+    return resolve_markers(vocab, reasoning, tools)
+
+
+@dataclass(slots=True)
+class _CallAcc:
+    id: str
+    name: str
+    arguments: list[str]
+
+
+class ChatChoiceState:
+    """One choice's derender state for the life of the request."""
+
+    __slots__ = (
+        "index",
+        "_vocab",
+        "_options",
+        "_text",
+        "_parser",
+        "_counter",
+        "_reasoning",
+        "_content",
+        "_calls",
+        "_logprobs",
+        "token_ids",
+        "finish_reason",
+        "stop_reason",
+        "reasoning_tokens",
+    )
+
+    def __init__(
+        self,
+        index: int,
+        vocab: TokenVocab,
+        options: ChatOptions,
+        *,
+        prompt_token_ids: Sequence[int] = (),
+        new_tool_call_id: Callable[[], str] = new_tool_call_id,
+    ) -> None:
+        self.index = index
+        self._vocab = vocab
+        self._options = options
+        markers = chat_markers(vocab, options)
+        atomic = markers.ids if markers is not None else frozenset()
+        self._text = TextPipeline(vocab, options.text, atomic_ids=atomic, prompt_token_ids=prompt_token_ids)
+        self._parser: OutputParser | None = None
+        self._counter: _ReasoningCounter | None = None
+        if markers is not None:
+            reasoning = options.reasoning_parser is not None and starts_in_reasoning(
+                prompt_token_ids, markers, enable_thinking=options.enable_thinking
+            )
+            self._parser = OutputParser(
+                markers,
+                reasoning=reasoning,
+                tools=options.tools_enabled and options.tool_parser is not None,
+                parallel_tool_calls=options.parallel_tool_calls,
+                new_id=new_tool_call_id,
+            )
+            if options.reasoning_parser is not None:
+                self._counter = _ReasoningCounter(markers, reasoning, tools=options.tools_enabled)
+        self._reasoning: list[str] = []
+        self._content: list[str] = []
+        self._calls: list[_CallAcc] = []
+        self._logprobs: list[ChatLogprobToken] = []
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.reasoning_tokens = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def feed(
+        self,
+        token_ids: Sequence[int],
+        logprobs: Sequence[GenerateLogProbsContent] | None = None,
+        *,
+        finish_reason: str | None = None,
+        stop_reason: int | str | None = None,
+    ) -> ChatCompletionChunkChoice | None:
+        """Take one step of output; return the chunk choice to stream, if any."""
+        step = self._text.feed(token_ids, finish_reason=finish_reason, stop_reason=stop_reason)
+        kept = token_ids[: step.kept] if step.kept < len(token_ids) else token_ids
+        self.token_ids.extend(kept)
+        if self._counter is not None:
+            self.reasoning_tokens = self._counter.feed(kept)
+        reasoning, content, tool_deltas = self._parse(step.pieces, step.finish_reason is not None)
+        self._reasoning.append(reasoning)
+        self._content.append(content)
+        self._collect_calls(tool_deltas)
+        entries = self._format_logprobs(logprobs, len(kept))
+        if step.finish_reason is not None:
+            self.finish_reason = self._final_reason(step.finish_reason, step.stop_reason)
+            self.stop_reason = step.stop_reason
+        return self._chunk_choice(reasoning, content, tool_deltas, entries, kept)
+
+    # -- per-step pieces ----------------------------------------------------
+
+    def _parse(self, pieces: list[tuple[str, int]], finishing: bool) -> tuple[str, str, list[ToolDelta]]:
+        parser = self._parser
+        if parser is None:
+            return "", "".join(text for text, _ in pieces), []
+        parser.feed(pieces)
+        if finishing:
+            parser.finish()
+        return parser.drain()
+
+    def _collect_calls(self, deltas: list[ToolDelta]) -> None:
+        for delta in deltas:
+            if delta.name is not None:
+                self._calls.append(_CallAcc(id=delta.id or "", name=delta.name, arguments=[]))
+            if delta.arguments:
+                self._calls[delta.index].arguments.append(delta.arguments)
+
+    def _format_logprobs(
+        self, logprobs: Sequence[GenerateLogProbsContent] | None, kept: int
+    ) -> list[ChatLogprobToken] | None:
+        if not self._options.logprobs or logprobs is None:
+            return None
+        entries = chat_logprobs(self._vocab, logprobs[:kept], self._options.top_logprobs)
+        self._logprobs.extend(entries)
+        return entries
+
+    def _final_reason(self, finish_reason: str, stop_reason: int | str | None) -> str:
+        if finish_reason == "stop" and self._calls and not isinstance(stop_reason, str):
+            return "tool_calls"
+        return finish_reason
+
+    def _chunk_choice(
+        self,
+        reasoning: str,
+        content: str,
+        tool_deltas: list[ToolDelta],
+        logprobs: list[ChatLogprobToken] | None,
+        kept: Sequence[int],
+    ) -> ChatCompletionChunkChoice | None:
+        delta = ChatDelta()
+        empty = True
+        if reasoning and self._options.include_reasoning:
+            self._set_reasoning(delta, reasoning)
+            empty = False
+        if content:
+            delta.content = content
+            empty = False
+        if tool_deltas:
+            delta.tool_calls = _merge_tool_deltas(tool_deltas)
+            empty = False
+        if empty and logprobs is None and self.finish_reason is None:
+            return None
+        choice = ChatCompletionChunkChoice(
+            index=self.index,
+            delta=delta,
+            logprobs=ChatLogprobs(content=logprobs) if logprobs is not None else None,
+            finish_reason=self.finish_reason,
+        )
+        if self.finish_reason is not None:
+            choice.stop_reason = self.stop_reason
+        if self._options.return_token_ids:
+            choice.token_ids = list(kept)
+        return choice
+
+    def _set_reasoning(self, target: ChatDelta | ChatCompletionMessage, text: str | None) -> None:
+        field_name = self._options.reasoning_field
+        if field_name != "reasoning_content":
+            target.reasoning = text
+        if field_name != "reasoning":
+            target.reasoning_content = text
+
+    # -- non-streaming ------------------------------------------------------
+
+    def choice(self) -> ChatCompletionChoice:
+        """The non-streaming choice: everything streamed so far, joined."""
+        reasoning = "".join(self._reasoning) or None
+        content = "".join(self._content) or None
+        message = ChatCompletionMessage(content=content)
+        if self._options.reasoning_field == "reasoning_content":
+            message.reasoning = None
+        self._set_reasoning(message, reasoning if self._options.include_reasoning else None)
+        if self._calls:
+            message.tool_calls = [
+                ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments="".join(c.arguments)))
+                for c in self._calls
+            ]
+        return ChatCompletionChoice(
+            index=self.index,
+            message=message,
+            logprobs=ChatLogprobs(content=self._logprobs) if self._options.logprobs else None,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            token_ids=self.token_ids if self._options.return_token_ids else None,
+        )
+
+
+def _merge_tool_deltas(deltas: list[ToolDelta]) -> list[DeltaToolCall]:
+    """One entry per call index and chunk: header fields first, fragments joined."""
+    merged: list[DeltaToolCall] = []
+    by_index: dict[int, tuple[DeltaToolCall, list[str]]] = {}
+    for delta in deltas:
+        slot = by_index.get(delta.index)
+        if slot is None:
+            entry = DeltaToolCall(index=delta.index)
+            slot = (entry, [])
+            by_index[delta.index] = slot
+            merged.append(entry)
+        entry, parts = slot
+        if delta.name is not None:
+            entry.id = delta.id
+            entry.type = "function"
+            entry.function = DeltaFunctionCall(name=delta.name, arguments="")
+        if delta.arguments:
+            parts.append(delta.arguments)
+    for entry, parts in by_index.values():
+        if parts:
+            arguments = "".join(parts)
+            if isinstance(entry.function, DeltaFunctionCall):
+                entry.function.arguments = arguments
+            else:
+                entry.function = DeltaFunctionCall(arguments=arguments)
+    return merged
+
+
+class _ReasoningCounter:
+    """Counts output tokens inside reasoning, markers excluded, from ids alone."""
+
+    __slots__ = ("_start", "_end", "_tool", "_inside", "count")
+
+    def __init__(self, markers: MarkerIds, inside: bool, *, tools: bool) -> None:
+        self._start = markers.think_start
+        self._end = markers.think_end
+        self._tool = markers.tool_start if tools else -1
+        self._inside = inside
+        self.count = 0
+
+    def feed(self, token_ids: Sequence[int]) -> int:
+        for token_id in token_ids:
+            if token_id == self._start:
+                self._inside = True
+            elif token_id == self._end or token_id == self._tool:
+                self._inside = False
+            elif self._inside:
+                self.count += 1
+        return self.count
+
+
+class ChatDerender:
+    """All choices of one chat request, producing chunks or the final completion."""
+
+    def __init__(
+        self,
+        vocab: TokenVocab,
+        options: ChatOptions,
+        *,
+        model: str,
+        n: int = 1,
+        prompt_token_ids: Sequence[int] = (),
+        response_id: str | None = None,
+        created: int | None = None,
+        include_usage: bool = False,
+        continuous_usage: bool = False,
+        cached_tokens: int | None = None,
+        new_tool_call_id: Callable[[], str] = new_tool_call_id,
+    ) -> None:
+        self.choices = [
+            ChatChoiceState(i, vocab, options, prompt_token_ids=prompt_token_ids, new_tool_call_id=new_tool_call_id)
+            for i in range(n)
+        ]
+        self.id = response_id or f"chatcmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time()) if created is None else created
+        self.model = model
+        self.prompt_tokens = len(prompt_token_ids)
+        self._include_usage = include_usage
+        self._continuous = continuous_usage and include_usage
+        self._cached_tokens = cached_tokens
+        self._count_reasoning = options.reasoning_parser is not None
+
+    @property
+    def finished(self) -> bool:
+        return all(choice.finished for choice in self.choices)
+
+    def _chunk(self, choices: list[ChatCompletionChunkChoice]) -> ChatCompletionChunk:
+        chunk = ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices)
+        if self._continuous:
+            chunk.usage = self.usage()
+        return chunk
+
+    def start(self) -> list[ChatCompletionChunk]:
+        """The role chunk of every choice, sent before any output."""
+        return [
+            self._chunk([ChatCompletionChunkChoice(index=c.index, delta=ChatDelta(role="assistant", content=""))])
+            for c in self.choices
+        ]
+
+    def step(
+        self,
+        index: int,
+        token_ids: Sequence[int],
+        logprobs: Sequence[GenerateLogProbsContent] | None = None,
+        *,
+        finish_reason: str | None = None,
+        stop_reason: int | str | None = None,
+    ) -> ChatCompletionChunk | None:
+        """Feed one choice's new tokens; the chunk to stream, or None if nothing is visible yet."""
+        choice = self.choices[index].feed(token_ids, logprobs, finish_reason=finish_reason, stop_reason=stop_reason)
+        return None if choice is None else self._chunk([choice])
+
+    def usage(self) -> Usage:
+        completion = sum(len(c.token_ids) for c in self.choices)
+        usage = Usage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=completion,
+            total_tokens=self.prompt_tokens + completion,
+        )
+        if self._cached_tokens is not None:
+            usage.prompt_tokens_details = PromptTokensDetails(cached_tokens=self._cached_tokens)
+        if self._count_reasoning:
+            usage.completion_tokens_details = CompletionTokensDetails(
+                reasoning_tokens=sum(c.reasoning_tokens for c in self.choices)
+            )
+        return usage
+
+    def usage_chunk(self) -> ChatCompletionChunk | None:
+        """The trailing usage-only chunk when `stream_options.include_usage` asked for it."""
+        if not self._include_usage:
+            return None
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=self.usage())
+
+    def response(self) -> ChatCompletion:
+        """The non-streaming completion, once every choice has finished."""
+        return ChatCompletion(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=[c.choice() for c in self.choices],
+            usage=self.usage(),
+        )

@@ -1,0 +1,511 @@
+"""The engine wire contract: ``POST /inference/v1/generate`` and ``/inference/v1/abort_requests``.
+
+Wire-compatible with vLLM 0.32's token-in/token-out protocol, so a stock vLLM
+server is a valid engine for the ``tokens`` and ``text`` modes and a onehop
+engine answers vLLM's clients. onehop's extension, marked below, is
+``output_mode="derender"``: the request carries the original OpenAI request
+once and the engine answers with OpenAI ``ChatCompletion``/``Completion``
+objects (and their chunks), ready to relay.
+
+Errors:
+
+    ProtocolError (ValueError)   a body that breaks this contract; the server answers 400
+    EngineError                  the engine answered with an OpenAI-shaped error body
+
+Decoding responses: a missing ``output_mode`` means ``tokens`` (servers that
+predate the field never send it). Each response struct carries its mode as a
+msgspec tag, so it is always encoded, checked when present and optional when
+decoding one known type. Callers that know the mode they asked for pass it to
+``decode_generate_response``/``decode_generate_stream_chunk`` and pay for one
+decode; without it, a small view of the routing keys is decoded first.
+
+Encoding differs from vLLM in bytes, not meaning: stream chunks (the per-token
+hot path) and logprob entries omit fields at their defaults, where vLLM writes
+``null``/``[]`` (missing and default decode the same on both sides).
+Non-streaming responses emit every field, as vLLM does.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar, Literal, TypeVar, cast
+
+import msgspec
+from msgspec import UNSET, Meta, Struct, UnsetType
+
+from engine.openai_schema import (
+    INT64_MAX,
+    INT64_MIN,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatLogprobs,
+    Completion,
+    CompletionChunk,
+    CompletionRequest,
+    ErrorInfo,
+    ErrorResponse,
+    PerRequestMetrics,
+    PromptLogprobs,
+    RepetitionDetectionParams,
+    StreamOptions,
+    TokenId,
+    Usage,
+    random_uuid,
+)
+
+__all__ = [
+    "AbortRequest",
+    "EngineError",
+    "GenerateLogProb",
+    "GenerateLogProbs",
+    "GenerateLogProbsContent",
+    "GenerateRequest",
+    "GenerateRequestView",
+    "GenerateTextChoice",
+    "GenerateTextResponse",
+    "GenerateTextStreamChoice",
+    "GenerateTextStreamResponse",
+    "GenerateTokensChoice",
+    "GenerateTokensResponse",
+    "GenerateTokensStreamChoice",
+    "GenerateTokensStreamResponse",
+    "OutputMode",
+    "ProtocolError",
+    "ReasoningParserKwargs",
+    "SamplingParams",
+    "StreamOptions",
+    "WeightVersionSpan",
+    "decode_abort_request",
+    "decode_generate_request",
+    "decode_generate_request_view",
+    "decode_generate_response",
+    "decode_generate_stream_chunk",
+    "encode",
+    "sampling_params_sent_keys",
+]
+
+OutputMode = Literal["tokens", "text", "derender"]
+
+_CACHE_SALT_MAX_CHARS = 128
+_CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
+
+
+class ProtocolError(ValueError):
+    """A request or response that breaks the engine contract."""
+
+
+class EngineError(Exception):
+    """The engine answered (or ended a stream) with an OpenAI-shaped error."""
+
+    def __init__(self, info: ErrorInfo) -> None:
+        super().__init__(info.message)
+        self.info = info
+
+
+# ------------------------------------------------------------ request
+
+
+class SamplingParams(Struct, omit_defaults=True, forbid_unknown_fields=True, kw_only=True):
+    """vLLM 0.32's ``SamplingParams`` as JSON carries it, with its defaults.
+
+    Every field vLLM accepts from JSON is declared, so any body vLLM takes
+    decodes here and a misspelt one is refused by name instead of ignored.
+    Range checks are vLLM's ``_verify_args``; its normalisations (a lone
+    ``stop`` string to a list, ``seed=-1`` to none, tiny temperatures raised)
+    are the backend's business.
+    """
+
+    n: Annotated[int, Meta(ge=1)] = 1
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[float, Meta(gt=0.0)] = 1.0
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 1.0
+    watermarking: bool | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Meta(ge=-1)] = 0  # 0 or -1: all tokens
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: Annotated[int, Meta(ge=1)] | None = 16
+    min_tokens: Annotated[int, Meta(ge=0)] = 0
+    # How many top alternatives to return per token (-1: the whole vocabulary);
+    # the sampled token is always reported too. None: no logprobs.
+    logprobs: Annotated[int, Meta(ge=-1)] | None = None
+    prompt_logprobs: Annotated[int, Meta(ge=-1)] | None = None
+    prompt_logprob_token_ids: list[list[int]] | None = None
+    prompt_logprob_start: int | None = None
+    logprob_token_ids: list[int] | None = None
+    flat_logprobs: bool = False
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    output_kind: Literal[0, 1, 2] = 0  # vLLM's RequestOutputKind: cumulative, delta, final only
+    stream_interval: Annotated[int, Meta(ge=1)] | None = None
+    skip_clone: bool = False
+    # Derived by vLLM's own constructor, but its /render output echoes it.
+    output_text_buffer_length: int = 0
+    structured_outputs: msgspec.Raw | UnsetType = UNSET  # passed through to the backend
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    extra_args: dict[str, Any] | None = None
+    bad_words: list[str] | None = None
+    skip_reading_prefix_cache: bool | None = None
+    thinking_token_budget: int | None = None
+    repetition_detection: RepetitionDetectionParams | None = None
+    routed_experts_prompt_start: int = 0
+    trace_decode_token_ids: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ProtocolError(
+                f"min_tokens must be at most max_tokens={self.max_tokens}, got {self.min_tokens}"
+            )
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or ()
+        if any(not s for s in stops):
+            raise ProtocolError("stop cannot contain an empty string")
+        if stops and not self.detokenize:
+            raise ProtocolError("stop strings need sampling_params.detokenize to be true")
+        if self.bad_words and any(not w for w in self.bad_words):
+            raise ProtocolError("bad_words cannot contain an empty string")
+
+
+class ReasoningParserKwargs(Struct, forbid_unknown_fields=True):
+    """What ``/render`` tells the engine's reasoning parser (``enable_thinking``, ...)."""
+
+    chat_template_kwargs: dict[str, Any] = {}
+
+
+class GenerateRequest(Struct, omit_defaults=True, forbid_unknown_fields=True, kw_only=True):
+    request_id: str = msgspec.field(default_factory=random_uuid)
+    token_ids: Annotated[list[TokenId], Meta(min_length=1)]
+    token_offsets: list[tuple[int, int]] | None = None
+    # Multimodal input, relayed to a backend that takes it; null reads as absent.
+    features: msgspec.Raw | UnsetType = UNSET
+    content_parts: list[msgspec.Raw] | None = None
+    sampling_params: SamplingParams
+    model: str | None = None
+    reasoning_ended: bool | None = None
+    reasoning_parser_kwargs: ReasoningParserKwargs | None = None
+    return_token_ids: bool | None = None
+    output_mode: OutputMode = "tokens"  # "derender" is onehop's
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    # vLLM's field allows 1024 characters, but its validator stops at 128.
+    cache_salt: Annotated[str, Meta(min_length=1, max_length=_CACHE_SALT_MAX_CHARS)] | None = None
+    priority: Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)] = 0
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+
+    # onehop extension, read only with output_mode="derender": the original
+    # OpenAI request (exactly one of the two), sent once for the request's life.
+    chat_request: ChatCompletionRequest | None = None
+    completion_request: CompletionRequest | None = None
+    # Which prompt of a multi-prompt completion_request this is: the engine
+    # numbers its choices from prompt_index * n, as vLLM's /v1/completions
+    # does, so the gateway can relay several engines' chunks unchanged.
+    prompt_index: Annotated[int, Meta(ge=0)] = 0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """The cross-field rules; field types and ranges are checked by the decoder."""
+        if self.cache_salt is not None and not _CACHE_SALT_FORBIDDEN.isdisjoint(self.cache_salt):
+            raise ProtocolError("cache_salt must not contain '@', '/', '\\' or NUL")
+        if self.content_parts and _raw_present(self.features):
+            raise ProtocolError("content_parts and features are mutually exclusive")
+        if self.output_mode != "tokens" and not self.sampling_params.detokenize:
+            raise ProtocolError(
+                f"output_mode={self.output_mode!r} requires sampling_params.detokenize to be true"
+            )
+        if self.output_mode == "derender":
+            self._validate_derender()
+        elif self.chat_request is not None or self.completion_request is not None:
+            raise ProtocolError("chat_request and completion_request need output_mode='derender'")
+
+    def _validate_derender(self) -> None:
+        originals = [r for r in (self.chat_request, self.completion_request) if r is not None]
+        if len(originals) != 1:
+            raise ProtocolError(
+                "output_mode='derender' needs exactly one of chat_request and completion_request"
+            )
+        if bool(originals[0].stream) != bool(self.stream):
+            raise ProtocolError("stream must match the stream of the original request")
+
+
+class AbortRequest(Struct, forbid_unknown_fields=True):
+    request_ids: list[str]
+
+
+class _SamplingView(Struct):
+    n: int = 1
+    logprobs: int | None = None
+    max_tokens: int | None = 16
+
+
+class GenerateRequestView(Struct):
+    """The routing keys of a generate body, decoded without the rest (token ids, media)."""
+
+    output_mode: str = "tokens"
+    stream: bool | None = False
+    model: str | None = None
+    request_id: str | None = None  # None: the engine will make one up
+    sampling_params: _SamplingView = msgspec.field(default_factory=_SamplingView)
+
+
+class _SamplingKeys(Struct):
+    sampling_params: dict[str, msgspec.Raw] = {}
+
+
+def _raw_present(raw: msgspec.Raw | UnsetType) -> bool:
+    return raw is not UNSET and bytes(raw) != b"null"
+
+
+# ------------------------------------------------------------ logprobs
+
+
+class GenerateLogProb(Struct, omit_defaults=True):
+    """One (token id, logprob) candidate; ``rank`` is null where the engine has none."""
+
+    token_id: int
+    logprob: float
+    rank: int | None = None
+
+
+class GenerateLogProbsContent(GenerateLogProb, omit_defaults=True):
+    """The sampled token at one position, then its candidates: sampled first, then by rank."""
+
+    top_logprobs: list[GenerateLogProb] = []
+
+
+class GenerateLogProbs(Struct, omit_defaults=True):
+    content: list[GenerateLogProbsContent] | None = None
+
+
+class WeightVersionSpan(Struct):
+    """Output tokens ``[start, end)`` were sampled by weights labelled ``version``."""
+
+    version: str
+    start: int
+    end: int
+
+
+# ------------------------------------------------------------ non-streaming responses
+
+
+class _GenerateChoiceBase(Struct, kw_only=True):
+    index: int
+    finish_reason: str | None = "stop"
+    # The stop string or token id that ended generation; null on EOS, length, abort.
+    stop_reason: int | str | None = None
+    token_ids: list[TokenId] | None = None
+    routed_experts: str | None = None  # base64 .npy
+    sampling_mask: list[list[int]] | None = None
+    weight_versions: list[WeightVersionSpan] | None = None
+
+
+class GenerateTokensChoice(_GenerateChoiceBase, kw_only=True):
+    logprobs: GenerateLogProbs | None = None
+
+
+class GenerateTextChoice(_GenerateChoiceBase, kw_only=True):
+    # Leaves out a matched stop string (unless include_stop_str_in_output);
+    # token_ids keep every generated token, so re-decoding them is not this text.
+    text: str
+    logprobs: ChatLogprobs | None = None
+
+
+class _GenerateResponseBase(Struct, kw_only=True):
+    request_id: str = msgspec.field(default_factory=random_uuid)
+    model: str | None = None
+    created: int | None = None
+    usage: Usage | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_id_logprobs: str | None = None
+    prompt_token_ids: list[TokenId] | None = None
+    mm_placeholders: dict[str, list[dict[str, int]]] | None = None
+    metrics: PerRequestMetrics | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+
+
+class GenerateTokensResponse(
+    _GenerateResponseBase, tag_field="output_mode", tag="tokens", kw_only=True
+):
+    output_mode: ClassVar[str] = "tokens"
+    choices: list[GenerateTokensChoice]
+
+
+class GenerateTextResponse(
+    _GenerateResponseBase, tag_field="output_mode", tag="text", kw_only=True
+):
+    output_mode: ClassVar[str] = "text"
+    choices: list[GenerateTextChoice]
+
+
+# ------------------------------------------------------------ stream chunks (hot path)
+
+
+class _GenerateStreamChoiceBase(Struct, omit_defaults=True, kw_only=True):
+    index: int
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # New tokens of this chunk. A final text-mode chunk may carry text held
+    # back for stop-string matching with no new ids, or only a finish_reason.
+    token_ids: list[TokenId] | None = None
+    routed_experts: str | None = None
+    sampling_mask: list[list[int]] | None = None
+    weight_versions: list[WeightVersionSpan] | None = None  # final chunk only
+
+
+class GenerateTokensStreamChoice(_GenerateStreamChoiceBase, omit_defaults=True, kw_only=True):
+    logprobs: GenerateLogProbs | None = None
+
+
+class GenerateTextStreamChoice(_GenerateStreamChoiceBase, omit_defaults=True, kw_only=True):
+    text: str  # the delta since this choice's previous chunk
+    logprobs: ChatLogprobs | None = None
+
+
+class _GenerateStreamResponseBase(Struct, omit_defaults=True, kw_only=True):
+    request_id: str = msgspec.field(default_factory=random_uuid)
+    usage: Usage | None = None
+    prompt_token_ids: list[TokenId] | None = None  # first chunk, with return_token_ids
+    mm_placeholders: dict[str, list[dict[str, int]]] | None = None
+    metrics: PerRequestMetrics | None = None
+
+
+class GenerateTokensStreamResponse(
+    _GenerateStreamResponseBase, tag_field="output_mode", tag="tokens", kw_only=True
+):
+    output_mode: ClassVar[str] = "tokens"
+    choices: list[GenerateTokensStreamChoice]
+
+
+class GenerateTextStreamResponse(
+    _GenerateStreamResponseBase, tag_field="output_mode", tag="text", kw_only=True
+):
+    output_mode: ClassVar[str] = "text"
+    choices: list[GenerateTextStreamChoice]
+
+
+GenerateResponse = GenerateTokensResponse | GenerateTextResponse | ChatCompletion | Completion
+GenerateStreamResponse = (
+    GenerateTokensStreamResponse
+    | GenerateTextStreamResponse
+    | ChatCompletionChunk
+    | CompletionChunk
+)
+
+
+class _ResponseView(Struct):
+    output_mode: str = "tokens"
+    object: str | UnsetType = UNSET  # set on derender's OpenAI objects
+    error: ErrorInfo | UnsetType = UNSET
+
+
+# ------------------------------------------------------------ codecs, built once
+
+_ENCODER = msgspec.json.Encoder()
+encode = _ENCODER.encode
+
+_REQUEST = msgspec.json.Decoder(GenerateRequest)
+_REQUEST_VIEW = msgspec.json.Decoder(GenerateRequestView)
+_SAMPLING_KEYS = msgspec.json.Decoder(_SamplingKeys)
+_ABORT = msgspec.json.Decoder(AbortRequest)
+_RESPONSE_VIEW = msgspec.json.Decoder(_ResponseView)
+_ERROR = msgspec.json.Decoder(ErrorResponse)
+
+_RESPONSES: dict[str, msgspec.json.Decoder[Any]] = {
+    "tokens": msgspec.json.Decoder(GenerateTokensResponse),
+    "text": msgspec.json.Decoder(GenerateTextResponse),
+    "chat.completion": msgspec.json.Decoder(ChatCompletion),
+    "text_completion": msgspec.json.Decoder(Completion),
+}
+_CHUNKS: dict[str, msgspec.json.Decoder[Any]] = {
+    "tokens": msgspec.json.Decoder(GenerateTokensStreamResponse),
+    "text": msgspec.json.Decoder(GenerateTextStreamResponse),
+    "chat.completion.chunk": msgspec.json.Decoder(ChatCompletionChunk),
+    "text_completion": msgspec.json.Decoder(CompletionChunk),
+}
+
+
+_T = TypeVar("_T")
+
+
+def _decode(decoder: msgspec.json.Decoder[_T], data: bytes, what: str) -> _T:
+    try:
+        return decoder.decode(data)
+    except msgspec.DecodeError as exc:  # ValidationError included
+        raise ProtocolError(f"invalid {what}: {exc}") from exc
+
+
+def decode_generate_request(data: bytes) -> GenerateRequest:
+    return _decode(_REQUEST, data, "generate request")
+
+
+def decode_generate_request_view(data: bytes) -> GenerateRequestView:
+    return _decode(_REQUEST_VIEW, data, "generate request")
+
+
+def sampling_params_sent_keys(data: bytes) -> frozenset[str]:
+    """The ``sampling_params`` keys a generate body set explicitly.
+
+    A decoded ``SamplingParams`` cannot tell a sent ``max_tokens=16`` from the
+    default; vLLM applies the model's generation-config defaults only to keys
+    that were not sent, and an engine doing the same needs this.
+    """
+    return frozenset(_decode(_SAMPLING_KEYS, data, "generate request").sampling_params)
+
+
+def decode_abort_request(data: bytes) -> AbortRequest:
+    return _decode(_ABORT, data, "abort request")
+
+
+def decode_generate_response(data: bytes, mode: OutputMode | None = None) -> GenerateResponse:
+    """A non-streaming ``/inference/v1/generate`` body; raises EngineError for an error body."""
+    return cast(GenerateResponse, _dispatch(_RESPONSES, data, mode, "generate response"))
+
+
+def decode_generate_stream_chunk(
+    data: bytes, mode: OutputMode | None = None
+) -> GenerateStreamResponse:
+    """One SSE ``data:`` payload (without the prefix, not ``[DONE]``) of a generate stream.
+
+    Pass the ``output_mode`` the request asked for: the chunk is then decoded
+    once, and a chunk of another mode is refused. A derender stream always
+    needs the view (its chunks are chat or completion objects).
+    """
+    return cast(GenerateStreamResponse, _dispatch(_CHUNKS, data, mode, "generate stream chunk"))
+
+
+def _dispatch(
+    decoders: dict[str, msgspec.json.Decoder[Any]], data: bytes, mode: str | None, what: str
+) -> Any:
+    if mode is not None and mode != "derender":
+        try:
+            return decoders[mode].decode(data)
+        except msgspec.DecodeError as exc:
+            _raise_engine_error(data)
+            raise ProtocolError(f"invalid {what}: {exc}") from exc
+    view = _decode(_RESPONSE_VIEW, data, what)
+    if view.error is not UNSET:
+        raise EngineError(view.error)
+    key = view.object if view.object is not UNSET else view.output_mode
+    if mode == "derender" and view.object is UNSET:
+        raise ProtocolError(f"invalid {what}: a derender answer must be an OpenAI object")
+    decoder = decoders.get(key)
+    if decoder is None:
+        raise ProtocolError(f"invalid {what}: unknown output_mode or object {key!r}")
+    return _decode(decoder, data, what)
+
+
+def _raise_engine_error(data: bytes) -> None:
+    try:
+        body = _ERROR.decode(data)
+    except msgspec.DecodeError:
+        return
+    raise EngineError(body.error)
