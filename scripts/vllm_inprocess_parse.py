@@ -80,8 +80,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 REASONING_PARSER = "qwen3"
 TOOL_PARSER = "hermes"
 MODEL_NAME = "onehop-bench"
-# Placeholder request id (vLLM: chatcmpl-<random>); same length as the real one.
-REQUEST_ID = "chatcmpl-" + "0" * 32
+# Placeholder request id; vLLM uses chatcmpl-<16 hex> (random_uuid), same length.
+REQUEST_ID = "chatcmpl-" + "0" * 16
 
 
 @dataclass(frozen=True)
@@ -171,8 +171,16 @@ def build_env(spec: Spec) -> Env:
         read_generation_config(spec.tokenizer), tokenizer.eos_token_id
     )
     token_ids, finish_reason, stop_reason = cut_at_stop(spec.output_token_ids, sampling_params)
-    return Env(tokenizer, parser_cls, request, chat_template_kwargs, sampling_params,
-               token_ids, finish_reason, stop_reason)
+    return Env(
+        tokenizer,
+        parser_cls,
+        request,
+        chat_template_kwargs,
+        sampling_params,
+        token_ids,
+        finish_reason,
+        stop_reason,
+    )
 
 
 def cut_at_stop(ids: Sequence[int], params: Any) -> tuple[list[int], str, int | None]:
@@ -214,16 +222,16 @@ class ServingStream:
     no logprobs, no usage options, output logging off -- vLLM classes, same order."""
 
     def __init__(self, env: Env, parser: Any) -> None:
+        from vllm import __version__
+        from vllm.entrypoints.generate.base.protocol import DeltaMessage
         from vllm.entrypoints.openai.chat_completion.protocol import (
             ChatCompletionNamedToolChoiceParam,
             ChatCompletionResponseStreamChoice,
             ChatCompletionStreamResponse,
         )
-        from vllm.entrypoints.generate.base.protocol import DeltaMessage
         from vllm.entrypoints.serve.utils.tool_calls_utils import (
             maybe_filter_parallel_tool_calls,
         )
-        from vllm import __version__
 
         self._choice_cls = ChatCompletionResponseStreamChoice
         self._chunk_cls = ChatCompletionStreamResponse
@@ -241,8 +249,13 @@ class ServingStream:
         self.reasoning_tokens = 0
 
     def _frame(self, choice: Any) -> str:
-        chunk = self._chunk_cls(id=REQUEST_ID, object="chat.completion.chunk",
-                                created=self.created, choices=[choice], model=MODEL_NAME)
+        chunk = self._chunk_cls(
+            id=REQUEST_ID,
+            object="chat.completion.chunk",
+            created=self.created,
+            choices=[choice],
+            model=MODEL_NAME,
+        )
         if self.fingerprint is not None and choice.finish_reason is not None:
             chunk.system_fingerprint = self.fingerprint
         return f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
@@ -250,17 +263,33 @@ class ServingStream:
     def first(self) -> str:
         role = self._delta_cls(role="assistant", content="")
         choice = self._choice_cls(index=0, delta=role, logprobs=None, finish_reason=None)
-        chunk = self._chunk_cls(id=REQUEST_ID, object="chat.completion.chunk",
-                                created=self.created, choices=[choice], model=MODEL_NAME,
-                                prompt_token_ids=None, prompt_text=None)
+        chunk = self._chunk_cls(
+            id=REQUEST_ID,
+            object="chat.completion.chunk",
+            created=self.created,
+            choices=[choice],
+            model=MODEL_NAME,
+            prompt_token_ids=None,
+            prompt_text=None,
+        )
         return f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
 
-    def chunk(self, delta_text: str, token_ids: list[int], prompt_ids: list[int],
-              finish_reason: str | None, stop_reason: int | str | None) -> str | None:
+    def chunk(
+        self,
+        delta_text: str,
+        token_ids: list[int],
+        prompt_ids: list[int],
+        finish_reason: str | None,
+        stop_reason: int | str | None,
+    ) -> str | None:
         """One engine output -> one SSE event (or None when serving sends nothing)."""
-        delta = self.parser.parse_delta(delta_text=delta_text, delta_token_ids=token_ids,
-                                        request=self.request, prompt_token_ids=prompt_ids,
-                                        finished=finish_reason is not None)
+        delta = self.parser.parse_delta(
+            delta_text=delta_text,
+            delta_token_ids=token_ids,
+            request=self.request,
+            prompt_token_ids=prompt_ids,
+            finished=finish_reason is not None,
+        )
         if delta is not None and delta.tool_calls:
             self.tools_streamed = True
         self.previous_text += delta_text
@@ -271,14 +300,20 @@ class ServingStream:
                 return None
             delta = self._delta_cls()
         if finish_reason is None:
-            choice = self._choice_cls(index=0, delta=delta, logprobs=None,
-                                      finish_reason=None, token_ids=None)
+            choice = self._choice_cls(
+                index=0, delta=delta, logprobs=None, finish_reason=None, token_ids=None
+            )
         else:
             if self.tools_streamed and not self.named_tool and finish_reason == "stop":
                 finish_reason = "tool_calls"
-            choice = self._choice_cls(index=0, delta=delta, logprobs=None,
-                                      finish_reason=finish_reason, stop_reason=stop_reason,
-                                      token_ids=None)
+            choice = self._choice_cls(
+                index=0,
+                delta=delta,
+                logprobs=None,
+                finish_reason=finish_reason,
+                stop_reason=stop_reason,
+                token_ids=None,
+            )
         return self._frame(self._filter(choice, self.request))
 
     def close(self) -> str:
@@ -293,8 +328,10 @@ def finish_at(env: Env, i: int) -> tuple[str | None, int | None]:
 def chunks_of(env: Env) -> list[tuple[list[int], bool, bool]]:
     """(delta_token_ids, finished, stop_terminated) per chunk, built before timing."""
     last = len(env.token_ids) - 1
-    return [([tid], i == last, i == last and env.finish_reason == "stop")
-            for i, tid in enumerate(env.token_ids)]
+    return [
+        ([tid], i == last, i == last and env.finish_reason == "stop")
+        for i, tid in enumerate(env.token_ids)
+    ]
 
 
 def run_detok(env: Env, spec: Spec) -> tuple[float, float, list[Any]]:
@@ -329,8 +366,15 @@ def run_detok_parse(env: Env, spec: Spec) -> tuple[float, float, list[Any]]:
     for ids, finished, stop_terminated in chunks:
         detok.update(ids, stop_terminated)
         text = detok.get_next_output_text(finished, True)
-        out.append(parser.parse_delta(delta_text=text, delta_token_ids=ids, request=request,
-                                      prompt_token_ids=prompt, finished=finished))
+        out.append(
+            parser.parse_delta(
+                delta_text=text,
+                delta_token_ids=ids,
+                request=request,
+                prompt_token_ids=prompt,
+                finished=finished,
+            )
+        )
     return time.thread_time() - t0, setup, out
 
 
@@ -365,10 +409,15 @@ def run_output_processor(env: Env, spec: Spec) -> tuple[float, float, list[Any]]
     prompt = spec.prompt_token_ids
     last = len(env.token_ids) - 1
     final = FinishReason.STOP if env.finish_reason == "stop" else FinishReason.LENGTH
-    outputs = [EngineCoreOutput(request_id=REQUEST_ID, new_token_ids=[tid],
-                                finish_reason=final if i == last else None,
-                                stop_reason=env.stop_reason if i == last else None)
-               for i, tid in enumerate(env.token_ids)]
+    outputs = [
+        EngineCoreOutput(
+            request_id=REQUEST_ID,
+            new_token_ids=[tid],
+            finish_reason=final if i == last else None,
+            stop_reason=env.stop_reason if i == last else None,
+        )
+        for i, tid in enumerate(env.token_ids)
+    ]
     t0 = time.thread_time()
     processor = OutputProcessor(env.tokenizer, log_stats=True, stream_interval=1)
     queue = RequestOutputCollector(env.sampling_params.output_kind, REQUEST_ID)
@@ -385,8 +434,9 @@ def run_output_processor(env: Env, spec: Spec) -> tuple[float, float, list[Any]]
         if i == 0:
             events.append(serving.first())
         out = res.outputs[0]
-        event = serving.chunk(out.text, out.token_ids, res.prompt_token_ids,
-                              out.finish_reason, out.stop_reason)
+        event = serving.chunk(
+            out.text, out.token_ids, res.prompt_token_ids, out.finish_reason, out.stop_reason
+        )
         if event is not None:
             events.append(event)
     events.append(serving.close())
@@ -482,8 +532,12 @@ def assemble_events(events: Sequence[str]) -> dict[str, Any]:
 def comparable(result: dict[str, Any]) -> dict[str, Any]:
     """Drop random tool-call ids; the role chunk's ``content: ""`` equals no content."""
     calls = [{"name": c["name"], "arguments": c["arguments"]} for c in result["tool_calls"]]
-    return {"reasoning": result["reasoning"] or None, "content": result["content"] or None,
-            "n_chunks_with_delta": result["n_chunks_with_delta"], "tool_calls": calls}
+    return {
+        "reasoning": result["reasoning"] or None,
+        "content": result["content"] or None,
+        "n_chunks_with_delta": result["n_chunks_with_delta"],
+        "tool_calls": calls,
+    }
 
 
 def measure(spec: Spec) -> dict[str, Any]:
@@ -502,8 +556,9 @@ def measure(spec: Spec) -> dict[str, Any]:
     parsed = assemble_deltas(tiers["detok_parse"].output)
     text = "".join(tiers["detok"].output)
     if spec.events_path:
-        Path(spec.events_path).write_text("".join(tiers["detok_parse_serialize"].output),
-                                          encoding="utf-8")
+        Path(spec.events_path).write_text(
+            "".join(tiers["detok_parse_serialize"].output), encoding="utf-8"
+        )
     return {
         "vllm_version": vllm.__version__,
         "n_tokens": n,

@@ -41,7 +41,7 @@ def _byte_level_bytes(token: str) -> bytes:
     return bytes(table[ch] for ch in token)
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(frozen=True, slots=True, eq=False, repr=False)
 class TokenVocab:
     """What derender needs to know about a tokenizer, precomputed.
 
@@ -57,6 +57,10 @@ class TokenVocab:
     special_ids: frozenset[int]
     size: int
     _pieces: dict[int, tuple[str, list[int]]] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        kind = "byte-level" if self.byte_level else "windowed"
+        return f"TokenVocab({self.size} tokens, {kind}, {len(self.added_text)} added)"
 
     def check_ids(self, token_ids: Sequence[int]) -> None:
         """Raise `TokenIdOutOfRange` for an id the tokenizer cannot decode."""
