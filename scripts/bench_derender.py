@@ -238,6 +238,15 @@ def measure(lengths: list[int], vllm_python: Path | None, repeats: int) -> dict[
     return {"rows": rows, "vllm": vllm_python is not None}
 
 
+def same_answer(ours: dict[str, Any], vllm: dict[str, Any]) -> bool:
+    calls = [(c["name"], c["arguments"]) for c in ours["tool_calls"]]
+    return (
+        ours["reasoning"] == vllm["reasoning"]
+        and ours["content"] == vllm["content"]
+        and calls == [(c["name"], c["arguments"]) for c in vllm["tool_calls"]]
+    )
+
+
 def report(results: dict[str, Any]) -> str:
     rows = results["rows"]
     has_c = results["vllm"]
@@ -265,7 +274,10 @@ def report(results: dict[str, Any]) -> str:
         f"(b)/(a) grows {first['b_serialize_us'] / first['a_serialize_us']:.0f}× → "
         f"{last['b_serialize_us'] / last['a_serialize_us']:.0f}×",
     ]
-    if not has_c:
+    if has_c:
+        same = all(same_answer(row["result"], row["vllm_result"]) for row in rows)
+        lines.append(f"same reasoning, content and tool calls as vLLM at every length: {'yes' if same else 'NO'}")
+    else:
         lines.append("(c) skipped: no vLLM venv found (run scripts/setup_vllm.sh or set ONEHOP_VLLM_PYTHON)")
     return "\n".join(lines)
 
