@@ -21,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_fixtures(commands)
+    _add_engine(commands)
     return parser
 
 
@@ -48,6 +49,81 @@ def _run_fixtures(args: argparse.Namespace) -> int:
     print(f"tokenizer: {ensure_tokenizer(args.cache_dir)}")
     if args.model:
         print(f"tiny model: {ensure_tiny_model(args.cache_dir)}")
+    return 0
+
+
+def _add_engine(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    engine = commands.add_parser(
+        "engine",
+        help="serve /inference/v1/generate (tokens, text, derender) over a backend",
+        description="The engine: vLLM's generate API plus output_mode=derender, over hf, sim or vllm.",
+    )
+    engine.add_argument("--backend", choices=["hf", "sim", "vllm"], default="hf")
+    engine.add_argument(
+        "--model",
+        default=None,
+        help="model folder (hf, vllm) or tokenizer folder (sim); default: the tiny Qwen3 model, built on first use",
+    )
+    engine.add_argument("--served-model-name", default=None)
+    engine.add_argument("--host", default="127.0.0.1")
+    engine.add_argument("--port", type=int, default=8100)
+    engine.add_argument("--tokens-only", action="store_true", help="load no tokenizer: tokens mode only")
+    engine.add_argument("--reasoning-parser", default="qwen3", help="reasoning parser, or 'none'")
+    engine.add_argument("--tool-parser", default="hermes", help="tool-call parser, or 'none'")
+    engine.add_argument(
+        "--reasoning-field", choices=["reasoning", "reasoning_content", "both"], default="reasoning"
+    )
+    engine.add_argument(
+        "--backend-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a field of the backend's config (VALUE parsed as JSON when it can be), e.g. itl_ms=20",
+    )
+    engine.set_defaults(func=_run_engine)
+
+
+def _backend_options(pairs: Sequence[str]) -> dict[str, object]:
+    import json
+
+    options: dict[str, object] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--backend-option wants KEY=VALUE, got {pair!r}")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
+
+
+def _none_or(value: str) -> str | None:
+    return None if value.lower() == "none" else value
+
+
+def _run_engine(args: argparse.Namespace) -> int:
+    from engine.app import run
+    from engine.config import EngineConfig
+
+    model = args.model
+    if model is None:
+        from engine.qwen3.fixtures import ensure_tiny_model, ensure_tokenizer
+
+        model = str(ensure_tokenizer() if args.backend == "sim" else ensure_tiny_model())
+    config = EngineConfig(
+        backend=args.backend,
+        model=model,
+        served_model_name=args.served_model_name,
+        host=args.host,
+        port=args.port,
+        tokens_only=args.tokens_only,
+        reasoning_parser=_none_or(args.reasoning_parser),
+        tool_parser=_none_or(args.tool_parser),
+        reasoning_field=args.reasoning_field,
+        backend_options=_backend_options(args.backend_option),
+    )
+    run(config)
     return 0
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from engine.derender.logprobs import chat_logprobs
+from engine.derender.markers import MarkerSplitter
 from engine.derender.parser import (
     REASONING_PARSERS,
     TOOL_PARSERS,
@@ -139,6 +140,8 @@ class ChatChoiceState:
         "_vocab",
         "_options",
         "_text",
+        "_markers",
+        "_splitter",
         "_parser",
         "_counter",
         "_reasoning",
@@ -164,6 +167,8 @@ class ChatChoiceState:
         self._vocab = vocab
         self._options = options
         markers = chat_markers(vocab, options)
+        self._markers = markers
+        self._splitter: MarkerSplitter | None = None  # made on the first text-route step
         atomic = markers.ids if markers is not None else frozenset()
         self._text = TextPipeline(vocab, options.text, atomic_ids=atomic, prompt_token_ids=prompt_token_ids)
         self._parser: OutputParser | None = None
@@ -202,20 +207,54 @@ class ChatChoiceState:
         finish_reason: str | None = None,
         stop_reason: int | str | None = None,
     ) -> ChatCompletionChunkChoice | None:
-        """Take one step of output; return the chunk choice to stream, if any."""
+        """Take one step of token output; return the chunk choice to stream, if any."""
         step = self._text.feed(token_ids, finish_reason=finish_reason, stop_reason=stop_reason)
         kept = token_ids[: step.kept] if step.kept < len(token_ids) else token_ids
+        entries = self._format_logprobs(logprobs, len(kept))
+        return self._emit(step.pieces, kept, entries, step.finish_reason, step.stop_reason)
+
+    def feed_text(
+        self,
+        text: str,
+        token_ids: Sequence[int] = (),
+        logprobs: list[ChatLogprobToken] | None = None,
+        *,
+        finish_reason: str | None = None,
+        stop_reason: int | str | None = None,
+    ) -> ChatCompletionChunkChoice | None:
+        """Take one step of an engine's `text` output (stop strings and EOS already applied there)."""
+        if self._splitter is None:
+            self._splitter = MarkerSplitter(self._markers) if self._markers is not None else None
+        if self._splitter is None:
+            pieces = [(text, -1)] if text else []
+        else:
+            pieces = self._splitter.feed(text) if text else []
+            if finish_reason is not None:
+                pieces += self._splitter.finish()
+        if logprobs is not None and self._options.logprobs:
+            self._logprobs.extend(logprobs)
+        else:
+            logprobs = None
+        return self._emit(pieces, token_ids, logprobs, finish_reason, stop_reason)
+
+    def _emit(
+        self,
+        pieces: list[tuple[str, int]],
+        kept: Sequence[int],
+        entries: list[ChatLogprobToken] | None,
+        finish_reason: str | None,
+        stop_reason: int | str | None,
+    ) -> ChatCompletionChunkChoice | None:
         self.token_ids.extend(kept)
         if self._counter is not None:
             self.reasoning_tokens = self._counter.feed(kept)
-        reasoning, content, tool_deltas = self._parse(step.pieces, step.finish_reason is not None)
+        reasoning, content, tool_deltas = self._parse(pieces, finish_reason is not None)
         self._reasoning.append(reasoning)
         self._content.append(content)
         self._collect_calls(tool_deltas)
-        entries = self._format_logprobs(logprobs, len(kept))
-        if step.finish_reason is not None:
-            self.finish_reason = self._final_reason(step.finish_reason, step.stop_reason)
-            self.stop_reason = step.stop_reason
+        if finish_reason is not None:
+            self.finish_reason = self._final_reason(finish_reason, stop_reason)
+            self.stop_reason = stop_reason
         return self._chunk_choice(reasoning, content, tool_deltas, entries, kept)
 
     # -- per-step pieces ----------------------------------------------------
@@ -425,6 +464,22 @@ class ChatDerender:
     ) -> ChatCompletionChunk | None:
         """Feed one choice's new tokens; the chunk to stream, or None if nothing is visible yet."""
         choice = self.choices[index].feed(token_ids, logprobs, finish_reason=finish_reason, stop_reason=stop_reason)
+        return None if choice is None else self._chunk([choice])
+
+    def step_text(
+        self,
+        index: int,
+        text: str,
+        token_ids: Sequence[int] = (),
+        logprobs: list[ChatLogprobToken] | None = None,
+        *,
+        finish_reason: str | None = None,
+        stop_reason: int | str | None = None,
+    ) -> ChatCompletionChunk | None:
+        """Feed one choice's `text`-mode step (the text route)."""
+        choice = self.choices[index].feed_text(
+            text, token_ids, logprobs, finish_reason=finish_reason, stop_reason=stop_reason
+        )
         return None if choice is None else self._chunk([choice])
 
     def usage(self) -> Usage:

@@ -115,3 +115,60 @@ def test_stop_strings_never_leak(
         else:
             assert not any(stop in text for stop in stops)
             assert full.startswith(text + hit)
+
+
+ROUTE_WORDS = [w for w in WORDS if w not in ("</", "nk>")]  # no way to spell a marker without its token
+
+
+@st.composite
+def marker_free_streams(draw: Any, tokenizer: Any) -> list[int]:
+    ids = draw(token_streams(tokenizer))
+    text_ids = tokenizer.encode("".join(draw(st.lists(st.sampled_from(ROUTE_WORDS), max_size=6))))
+    return text_ids + [i for i in ids if not _spells_marker(tokenizer, i)]
+
+
+def _spells_marker(tokenizer: Any, token_id: int) -> bool:
+    return tokenizer.decode([token_id]) in ("</", "nk>")
+
+
+@SETTINGS
+@given(data=st.data(), stops=STOPS, tools=st.booleans(), width=st.integers(1, 5), seed=st.integers(0, 10_000))
+def test_text_route_equals_token_route(
+    qwen3_tokenizer: Any, qwen3_vocab: TokenVocab, data: Any, stops: list[str], tools: bool, width: int, seed: int
+) -> None:
+    """Engine `text` mode + gateway-side parsing gives the token route's answer."""
+    from engine.derender.chat import ChatDerender
+    from engine.derender.logprobs import chat_logprobs
+    from tests.support.streams import counter_ids, default_finish, fake_logprobs, fold_chunks
+
+    ids = data.draw(marker_free_streams(qwen3_tokenizer))
+    options = replace(BASE, tools_enabled=tools, text=TextParams(stop=tuple(stops)))
+    reference = stream(qwen3_vocab, options, ids, random_splits(seed), with_logprobs=True).folded
+    # The engine's text mode: same pipeline, text deltas out.
+    engine = TextPipeline(qwen3_vocab, options.text)
+    gateway = ChatDerender(qwen3_vocab, options, model="m", include_usage=True, new_tool_call_id=counter_ids())
+    chunks = gateway.start()
+    logprobs = fake_logprobs(ids)
+    finish = default_finish(ids)
+    for start in range(0, len(ids), width):
+        last = start + width >= len(ids)
+        step = engine.feed(ids[start : start + width], finish_reason=finish if last else None)
+        kept = ids[start : start + width][: step.kept]
+        decoded = chat_logprobs(qwen3_vocab, logprobs[start : start + len(kept)], options.top_logprobs)
+        chunk = gateway.step_text(
+            0,
+            "".join(text for text, _ in step.pieces),
+            kept,
+            decoded,
+            finish_reason=step.finish_reason,
+            stop_reason=step.stop_reason,
+        )
+        if chunk is not None:
+            chunks.append(chunk)
+        if step.finish_reason is not None:
+            break
+    usage = gateway.usage_chunk()
+    assert usage is not None
+    folded = fold_chunks([*chunks, usage])
+    assert folded.as_comparable() == reference.as_comparable()
+    assert folded.usage == reference.usage

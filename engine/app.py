@@ -1,0 +1,147 @@
+"""The engine's aiohttp application: wiring, lifecycle and the small endpoints.
+
+`create_app(config, backend=...)` takes its collaborators as arguments so tests
+run a real server on port 0 with any backend; `run(config)` serves it with
+uvloop and handler cancellation (a client that leaves cancels its handler).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from engine.backends import make_backend
+from engine.backends.base import Backend
+from engine.config import EngineConfig
+from engine.derender.parser import REASONING_PARSERS, TOOL_PARSERS, UnknownParser
+from engine.derender.vocab import TokenVocab, vocab_for
+from engine.errors import error_middleware
+from engine.generate import handle_abort, handle_generate
+from engine.openai_schema import ModelCard, ModelList
+from engine.protocol import encode
+from engine.state import ENGINE, EngineState
+
+log = logging.getLogger(__name__)
+
+GENERATE_PATH = "/inference/v1/generate"
+ABORT_PATH = "/inference/v1/abort_requests"
+LEGACY_ABORT_PATH = "/abort_requests"
+CAPABILITIES_PATH = "/inference/v1/capabilities"
+
+
+class Capabilities(msgspec.Struct, kw_only=True):
+    """What the gateway probes before routing to this engine."""
+
+    backend: str
+    model: str
+    max_model_len: int
+    output_modes: list[str]
+    tokenizer: bool
+    reasoning_parser: str | None
+    tool_parser: str | None
+    reasoning_field: str
+
+
+def _load_vocab(config: EngineConfig) -> TokenVocab:
+    from transformers import AutoTokenizer
+
+    return vocab_for(AutoTokenizer.from_pretrained(config.model))
+
+
+def _check_parsers(config: EngineConfig) -> None:
+    if config.reasoning_parser is not None and config.reasoning_parser not in REASONING_PARSERS:
+        raise UnknownParser(f"unknown reasoning parser {config.reasoning_parser!r}; known: {sorted(REASONING_PARSERS)}")
+    if config.tool_parser is not None and config.tool_parser not in TOOL_PARSERS:
+        raise UnknownParser(f"unknown tool parser {config.tool_parser!r}; known: {sorted(TOOL_PARSERS)}")
+
+
+async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    state = app[ENGINE]
+    await state.backend.start()
+    if not state.config.tokens_only:
+        state.vocab = await asyncio.to_thread(_load_vocab, state.config)
+    state.ready = True
+    yield
+    state.ready = False
+    await state.backend.close()
+
+
+def create_app(config: EngineConfig, *, backend: Backend | None = None) -> web.Application:
+    _check_parsers(config)
+    app = web.Application(middlewares=[error_middleware], client_max_size=config.max_body_bytes)
+    app[ENGINE] = EngineState(config=config, backend=backend if backend is not None else make_backend(config))
+    app.cleanup_ctx.append(_lifecycle)
+    app.router.add_post(GENERATE_PATH, handle_generate)
+    app.router.add_post(ABORT_PATH, handle_abort)
+    app.router.add_post(LEGACY_ABORT_PATH, handle_abort)
+    app.router.add_get("/health", handle_health)
+    app.router.add_get("/v1/models", handle_models)
+    app.router.add_get("/metrics", handle_metrics)
+    app.router.add_get(CAPABILITIES_PATH, handle_capabilities)
+    return app
+
+
+def _json(value: Any, status: int = 200) -> web.Response:
+    return web.Response(body=encode(value), status=status, content_type="application/json")
+
+
+async def handle_health(http: web.Request) -> web.Response:
+    state = http.app[ENGINE]
+    if not state.ready:
+        return _json({"status": "loading"}, status=503)
+    return _json({"status": "ok"})
+
+
+async def handle_models(http: web.Request) -> web.Response:
+    info = http.app[ENGINE].backend.info
+    return _json(ModelList(data=[ModelCard(id=info.model, root=info.model, max_model_len=info.max_model_len)]))
+
+
+async def handle_metrics(http: web.Request) -> web.Response:
+    body = http.app[ENGINE].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+async def handle_capabilities(http: web.Request) -> web.Response:
+    state = http.app[ENGINE]
+    has_text = state.vocab is not None
+    info = state.backend.info
+    return _json(
+        Capabilities(
+            backend=info.name,
+            model=info.model,
+            max_model_len=info.max_model_len,
+            output_modes=["tokens", "text", "derender"] if has_text else ["tokens"],
+            tokenizer=has_text,
+            reasoning_parser=state.config.reasoning_parser if has_text else None,
+            tool_parser=state.config.tool_parser if has_text else None,
+            reasoning_field=state.config.reasoning_field,
+        )
+    )
+
+
+def run(config: EngineConfig) -> None:
+    """Serve until interrupted (the `onehop engine` command)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    web.run_app(
+        create_app(config),
+        host=config.host,
+        port=config.port,
+        handler_cancellation=True,
+        print=None,
+        loop=new_event_loop(),
+    )
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop where it is built, else asyncio's own loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()

@@ -1,0 +1,26 @@
+"""Generation backends behind one `Backend` protocol (see `base.py`).
+
+`make_backend` imports the chosen backend only, so a gateway-only install
+(no torch) and an engine without vLLM both work.
+"""
+
+from __future__ import annotations
+
+from engine.backends.base import Backend
+from engine.config import EngineConfig, convert_backend_config
+
+
+def make_backend(config: EngineConfig) -> Backend:
+    name = config.served_model_name
+    if config.backend == "sim":
+        from engine.backends.sim import SimBackend, SimBackendConfig
+
+        base = {"tokenizer": config.model, **({"served_model_name": name} if name else {})}
+        return SimBackend(convert_backend_config(config, SimBackendConfig, base))
+    if config.backend == "hf":
+        from engine.backends.hf import HFBackend, HFBackendConfig
+
+        return HFBackend(convert_backend_config(config, HFBackendConfig, {"model": config.model, "served_model_name": name}))
+    from engine.backends.vllm import VLLMBackend, VLLMBackendConfig
+
+    return VLLMBackend(convert_backend_config(config, VLLMBackendConfig, {"model": config.model, "served_model_name": name}))

@@ -1,0 +1,91 @@
+"""The contract between the engine server and a generation backend.
+
+A backend turns prompt token ids into generated token ids. It owns sampling
+and the token-level stop conditions (EOS, `stop_token_ids`, `max_tokens`,
+`min_tokens`, `ignore_eos`); it knows nothing about text. Stop *strings*,
+detokenization and parsing happen in the engine server, which aborts the
+backend request when a stop string matches.
+
+Cancellation: `generate()` is an async generator. When its consumer stops
+iterating (the client went away, the engine saw a stop string, an abort
+arrived), the generator is closed; the backend must then stop the request
+within a bounded time, free its resources, and not generate any more tokens
+for it. `abort()` does the same by id from outside the generator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+from engine.protocol import GenerateLogProbsContent, SamplingParams
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class BackendError(Exception):
+    """A backend failed to generate (not the client's fault): mapped to a 5xx."""
+
+
+class BackendRequestError(ValueError):
+    """A request the backend cannot take (prompt too long, bad parameter): mapped to a 400."""
+
+
+@dataclass(frozen=True, slots=True)
+class BackendRequest:
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    sampling: SamplingParams
+    """The wire sampling params; backends ignore `stop`/`detokenize` (the engine handles text)."""
+    eos_token_ids: frozenset[int] = frozenset()
+    """Ids that end generation unless `ignore_eos` (from the model's generation config)."""
+    kv_transfer_params: dict[str, object] | None = None
+
+
+@dataclass(slots=True)
+class BackendOutput:
+    """New output of one choice since the previous step."""
+
+    index: int
+    """Choice index, 0..n-1."""
+    token_ids: list[int]
+    logprobs: list[GenerateLogProbsContent] | None = None
+    """One entry per token when `sampling.logprobs` is set: sampled first, then top-k by rank."""
+    finish_reason: FinishReason | None = None
+    stop_reason: int | None = None
+    """The stop token id that ended the choice; None for EOS, length and abort."""
+    num_cached_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BackendInfo:
+    name: str
+    """"hf", "sim" or "vllm"."""
+    model: str
+    """Served model name."""
+    max_model_len: int
+    vocab_size: int
+    """Ids at or above this are rejected with a 400 before generation."""
+    eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+
+
+@runtime_checkable
+class Backend(Protocol):
+    @property
+    def info(self) -> BackendInfo: ...
+
+    async def start(self) -> None:
+        """Load the model, start background loops."""
+
+    async def close(self) -> None:
+        """Stop every request and release resources."""
+
+    def generate(self, request: BackendRequest) -> AsyncIterator[list[BackendOutput]]:
+        """Yield batches of per-choice outputs until every choice has a finish_reason."""
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a running request by id; a no-op for an unknown id."""
+
+    def running(self) -> frozenset[str]:
+        """Ids of requests still generating (tests assert on this after disconnects)."""

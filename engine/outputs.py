@@ -1,0 +1,413 @@
+"""Backend outputs → response bytes, one writer per `output_mode`.
+
+A writer lives for one request and keeps one derender state per choice:
+`tokens` (ids and id logprobs, stop strings still checked when text exists),
+`text` (vLLM's text mode: text deltas, decoded logprobs) and onehop's
+`derender` (finished OpenAI chat or completion objects). Every writer turns
+one backend step of one choice into at most one SSE payload (one choice per
+event, as vLLM streams) and can also build the non-streaming body.
+
+The engine spends its CPU here; `cpu_s` accumulates the thread CPU of every
+call so the cost policy can see what each mode costs on the GPU pod.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from engine.backends.base import BackendOutput
+from engine.derender.chat import ChatDerender, ChatOptions, ReasoningField
+from engine.derender.completion import CompletionDerender, CompletionOptions
+from engine.derender.logprobs import chat_logprobs
+from engine.derender.text import TextParams, TextPipeline
+from engine.derender.vocab import TokenVocab
+from engine.openai_schema import ChatLogprobs, ChatLogprobToken, Usage
+from engine.protocol import (
+    GenerateLogProbs,
+    GenerateLogProbsContent,
+    GenerateRequest,
+    GenerateTextChoice,
+    GenerateTextResponse,
+    GenerateTextStreamChoice,
+    GenerateTextStreamResponse,
+    GenerateTokensChoice,
+    GenerateTokensResponse,
+    GenerateTokensStreamChoice,
+    GenerateTokensStreamResponse,
+    SamplingParams,
+    encode,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class WriterContext:
+    """What the engine knows beyond the request: its model, tokenizer and parsers."""
+
+    model: str
+    vocab: TokenVocab | None
+    reasoning_parser: str | None = None
+    tool_parser: str | None = None
+    reasoning_field: ReasoningField = "reasoning"
+
+
+class OutputWriter(Protocol):
+    cpu_s: float
+
+    def head(self) -> list[bytes]:
+        """Payloads to stream before any output (chat role chunks)."""
+
+    def step(self, output: BackendOutput) -> bytes | None:
+        """One choice's step as one payload, or None when nothing is visible yet."""
+
+    def tail(self) -> list[bytes]:
+        """Payloads after every choice finished (the usage chunk)."""
+
+    def body(self) -> bytes:
+        """The non-streaming response."""
+
+    def open_choices(self) -> list[int]:
+        """Indices of choices that have not finished."""
+
+
+def text_params(sampling: SamplingParams) -> TextParams:
+    stop = sampling.stop
+    return TextParams(
+        skip_special_tokens=sampling.skip_special_tokens,
+        spaces_between_special_tokens=sampling.spaces_between_special_tokens,
+        stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
+        include_stop_str_in_output=sampling.include_stop_str_in_output,
+        min_tokens=sampling.min_tokens,
+    )
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> Usage:
+    return Usage(
+        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
+    )
+
+
+class _Choices:
+    """Per-choice bookkeeping shared by the tokens and text writers."""
+
+    def __init__(self, request: GenerateRequest, context: WriterContext) -> None:
+        n = request.sampling_params.n
+        self.request = request
+        self.context = context
+        self.token_ids: list[list[int]] = [[] for _ in range(n)]
+        self.finish: list[tuple[str | None, int | str | None]] = [(None, None)] * n
+        options = request.stream_options
+        self.include_usage = bool(options and options.include_usage)
+        self.continuous = self.include_usage and bool(options and options.continuous_usage_stats)
+        self.pipelines: list[TextPipeline] | None = None
+        if context.vocab is not None and request.sampling_params.detokenize:
+            params = text_params(request.sampling_params)
+            self.pipelines = [
+                TextPipeline(context.vocab, params, prompt_token_ids=request.token_ids) for _ in range(n)
+            ]
+
+    def usage(self) -> Usage:
+        return _usage(len(self.request.token_ids), sum(len(ids) for ids in self.token_ids))
+
+    def open_choices(self) -> list[int]:
+        return [i for i, (reason, _) in enumerate(self.finish) if reason is None]
+
+    def advance(self, output: BackendOutput) -> tuple[Sequence[int], str, str | None, int | str | None] | None:
+        """Run the choice's text pipeline; (kept ids, text, finish_reason, stop_reason), None if finished."""
+        index = output.index
+        if self.finish[index][0] is not None:
+            return None  # a stop string already ended this choice; later ids are dropped
+        ids: Sequence[int] = output.token_ids
+        finish_reason: str | None = output.finish_reason
+        stop_reason: int | str | None = output.stop_reason
+        text = ""
+        if self.pipelines is not None:
+            step = self.pipelines[index].feed(ids, finish_reason=finish_reason, stop_reason=stop_reason)
+            ids = ids[: step.kept]
+            text = "".join(piece for piece, _ in step.pieces)
+            finish_reason, stop_reason = step.finish_reason, step.stop_reason
+        self.token_ids[index].extend(ids)
+        if finish_reason is not None:
+            self.finish[index] = (finish_reason, stop_reason)
+        return ids, text, finish_reason, stop_reason
+
+
+def _kept_logprobs(output: BackendOutput, kept: int) -> list[GenerateLogProbsContent] | None:
+    if output.logprobs is None:
+        return None
+    return output.logprobs[:kept]
+
+
+class TokensWriter:
+    """`output_mode: "tokens"`: ids out; text is only decoded to find stop strings."""
+
+    def __init__(self, request: GenerateRequest, context: WriterContext) -> None:
+        self.cpu_s = 0.0
+        self._c = _Choices(request, context)
+        self._logprobs: list[list[GenerateLogProbsContent]] = [[] for _ in range(request.sampling_params.n)]
+
+    def head(self) -> list[bytes]:
+        return []
+
+    def open_choices(self) -> list[int]:
+        return self._c.open_choices()
+
+    def step(self, output: BackendOutput) -> bytes | None:
+        start = time.thread_time()
+        try:
+            advanced = self._c.advance(output)
+            if advanced is None:
+                return None
+            ids, _, finish_reason, stop_reason = advanced
+            logprobs = _kept_logprobs(output, len(ids))
+            if logprobs is not None:
+                self._logprobs[output.index].extend(logprobs)
+            choice = GenerateTokensStreamChoice(
+                index=output.index,
+                token_ids=list(ids),
+                finish_reason=finish_reason,
+                stop_reason=stop_reason,
+                logprobs=GenerateLogProbs(content=logprobs) if logprobs is not None else None,
+            )
+            chunk = GenerateTokensStreamResponse(request_id=self._c.request.request_id, choices=[choice])
+            if self._c.continuous:
+                chunk.usage = self._c.usage()
+            return encode(chunk)
+        finally:
+            self.cpu_s += time.thread_time() - start
+
+    def tail(self) -> list[bytes]:
+        if not self._c.include_usage:
+            return []
+        return [encode(GenerateTokensStreamResponse(request_id=self._c.request.request_id, choices=[], usage=self._c.usage()))]
+
+    def body(self) -> bytes:
+        start = time.thread_time()
+        wants_logprobs = self._c.request.sampling_params.logprobs is not None
+        choices = [
+            GenerateTokensChoice(
+                index=i,
+                token_ids=ids,
+                finish_reason=self._c.finish[i][0],
+                stop_reason=self._c.finish[i][1],
+                logprobs=GenerateLogProbs(content=self._logprobs[i]) if wants_logprobs else None,
+            )
+            for i, ids in enumerate(self._c.token_ids)
+        ]
+        out = encode(
+            GenerateTokensResponse(
+                request_id=self._c.request.request_id,
+                model=self._c.context.model,
+                created=int(time.time()),
+                usage=self._c.usage(),
+                choices=choices,
+                prompt_token_ids=list(self._c.request.token_ids) if self._c.request.return_token_ids else None,
+            )
+        )
+        self.cpu_s += time.thread_time() - start
+        return out
+
+
+class TextWriter:
+    """`output_mode: "text"`: vLLM's text mode — text deltas plus ids, decoded logprobs."""
+
+    def __init__(self, request: GenerateRequest, context: WriterContext) -> None:
+        assert context.vocab is not None
+        self.cpu_s = 0.0
+        self._c = _Choices(request, context)
+        self._vocab = context.vocab
+        n = request.sampling_params.n
+        self._texts: list[list[str]] = [[] for _ in range(n)]
+        self._logprobs: list[list[ChatLogprobToken]] = [[] for _ in range(n)]
+        self._top = request.sampling_params.logprobs or 0
+
+    def head(self) -> list[bytes]:
+        return []
+
+    def open_choices(self) -> list[int]:
+        return self._c.open_choices()
+
+    def step(self, output: BackendOutput) -> bytes | None:
+        start = time.thread_time()
+        try:
+            advanced = self._c.advance(output)
+            if advanced is None:
+                return None
+            ids, text, finish_reason, stop_reason = advanced
+            self._texts[output.index].append(text)
+            raw = _kept_logprobs(output, len(ids))
+            logprobs = chat_logprobs(self._vocab, raw, self._top) if raw is not None else None
+            if logprobs is not None:
+                self._logprobs[output.index].extend(logprobs)
+            if not ids and not text and finish_reason is None:
+                return None
+            choice = GenerateTextStreamChoice(
+                index=output.index,
+                text=text,
+                token_ids=list(ids),
+                finish_reason=finish_reason,
+                stop_reason=stop_reason,
+                logprobs=ChatLogprobs(content=logprobs) if logprobs is not None else None,
+            )
+            chunk = GenerateTextStreamResponse(request_id=self._c.request.request_id, choices=[choice])
+            if self._c.continuous:
+                chunk.usage = self._c.usage()
+            return encode(chunk)
+        finally:
+            self.cpu_s += time.thread_time() - start
+
+    def tail(self) -> list[bytes]:
+        if not self._c.include_usage:
+            return []
+        return [encode(GenerateTextStreamResponse(request_id=self._c.request.request_id, choices=[], usage=self._c.usage()))]
+
+    def body(self) -> bytes:
+        start = time.thread_time()
+        wants_logprobs = self._c.request.sampling_params.logprobs is not None
+        choices = [
+            GenerateTextChoice(
+                index=i,
+                text="".join(self._texts[i]),
+                token_ids=ids,
+                finish_reason=self._c.finish[i][0],
+                stop_reason=self._c.finish[i][1],
+                logprobs=ChatLogprobs(content=self._logprobs[i]) if wants_logprobs else None,
+            )
+            for i, ids in enumerate(self._c.token_ids)
+        ]
+        out = encode(
+            GenerateTextResponse(
+                request_id=self._c.request.request_id,
+                model=self._c.context.model,
+                created=int(time.time()),
+                usage=self._c.usage(),
+                choices=choices,
+                prompt_token_ids=list(self._c.request.token_ids) if self._c.request.return_token_ids else None,
+            )
+        )
+        self.cpu_s += time.thread_time() - start
+        return out
+
+
+def _response_id(request_id: str, prefix: str) -> str:
+    return request_id if request_id.startswith(prefix) else f"{prefix}{request_id}"
+
+
+class DerenderWriter:
+    """`output_mode: "derender"`: finished OpenAI chat / completion objects, ready to relay."""
+
+    def __init__(self, request: GenerateRequest, context: WriterContext) -> None:
+        assert context.vocab is not None
+        self.cpu_s = 0.0
+        sampling = request.sampling_params
+        options = request.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous = bool(options and options.continuous_usage_stats)
+        self._derender: ChatDerender | CompletionDerender
+        if request.chat_request is not None:
+            chat = request.chat_request
+            base = ChatOptions.from_request(
+                chat,
+                reasoning_parser=context.reasoning_parser,
+                tool_parser=context.tool_parser,
+                reasoning_field=context.reasoning_field,
+            )
+            kwargs = _template_kwargs(request)
+            chat_options = ChatOptions(
+                text=text_params(sampling),  # the rendered sampling params are the truth for text
+                reasoning_parser=base.reasoning_parser,
+                tool_parser=base.tool_parser,
+                tools_enabled=base.tools_enabled,
+                enable_thinking=bool(kwargs.get("enable_thinking", base.enable_thinking)),
+                include_reasoning=base.include_reasoning,
+                parallel_tool_calls=base.parallel_tool_calls,
+                logprobs=base.logprobs,
+                top_logprobs=base.top_logprobs,
+                return_token_ids=base.return_token_ids,
+                reasoning_field=base.reasoning_field,
+            )
+            self._derender = ChatDerender(
+                context.vocab,
+                chat_options,
+                model=chat.model or context.model,
+                n=sampling.n,
+                prompt_token_ids=request.token_ids,
+                response_id=_response_id(request.request_id, "chatcmpl-"),
+                include_usage=include_usage,
+                continuous_usage=continuous,
+            )
+        else:
+            completion = request.completion_request
+            assert completion is not None
+            base_options = CompletionOptions.from_request(completion)
+            completion_options = CompletionOptions(
+                text=text_params(sampling),
+                logprobs=base_options.logprobs,
+                echo=base_options.echo,
+                return_token_ids=base_options.return_token_ids,
+            )
+            self._derender = CompletionDerender(
+                context.vocab,
+                completion_options,
+                model=completion.model or context.model,
+                n=sampling.n,
+                first_index=request.prompt_index * sampling.n,
+                prompt_token_ids=request.token_ids,
+                response_id=_response_id(request.request_id, "cmpl-"),
+                include_usage=include_usage,
+                continuous_usage=continuous,
+            )
+
+    def head(self) -> list[bytes]:
+        if isinstance(self._derender, ChatDerender):
+            return [encode(chunk) for chunk in self._derender.start()]
+        return []
+
+    def open_choices(self) -> list[int]:
+        return [i for i, choice in enumerate(self._derender.choices) if not choice.finished]
+
+    def step(self, output: BackendOutput) -> bytes | None:
+        start = time.thread_time()
+        try:
+            if self._derender.choices[output.index].finished:
+                return None
+            chunk = self._derender.step(
+                output.index,
+                output.token_ids,
+                output.logprobs,
+                finish_reason=output.finish_reason,
+                stop_reason=output.stop_reason,
+            )
+            return None if chunk is None else encode(chunk)
+        finally:
+            self.cpu_s += time.thread_time() - start
+
+    def tail(self) -> list[bytes]:
+        chunk = self._derender.usage_chunk()
+        return [] if chunk is None else [encode(chunk)]
+
+    def body(self) -> bytes:
+        start = time.thread_time()
+        out = encode(self._derender.response())
+        self.cpu_s += time.thread_time() - start
+        return out
+
+
+def _template_kwargs(request: GenerateRequest) -> dict[str, object]:
+    """`enable_thinking` and friends: /render's parser kwargs win over the chat request's."""
+    kwargs: dict[str, object] = {}
+    if request.chat_request is not None and request.chat_request.chat_template_kwargs:
+        kwargs.update(request.chat_request.chat_template_kwargs)
+    if request.reasoning_parser_kwargs is not None:
+        kwargs.update(request.reasoning_parser_kwargs.chat_template_kwargs)
+    return kwargs
+
+
+def make_writer(request: GenerateRequest, context: WriterContext) -> OutputWriter:
+    if request.output_mode == "tokens":
+        return TokensWriter(request, context)
+    if request.output_mode == "text":
+        return TextWriter(request, context)
+    return DerenderWriter(request, context)

@@ -1,0 +1,48 @@
+"""What one engine process holds for its life: backend, tokenizer tables, metrics, running requests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from engine.backends.base import Backend
+from engine.config import EngineConfig
+from engine.derender.vocab import TokenVocab
+from engine.metrics import EngineMetrics
+from engine.outputs import WriterContext
+
+
+@dataclass
+class RunningRequest:
+    request_id: str
+    mode: str
+    aborted: bool = False
+    """Set by `/abort_requests`; the stream then ends its open choices with `abort`."""
+
+
+@dataclass
+class EngineState:
+    config: EngineConfig
+    backend: Backend
+    metrics: EngineMetrics = field(default_factory=EngineMetrics)
+    vocab: TokenVocab | None = None
+    """None until the tokenizer is loaded, and always None with `tokens_only`."""
+    running: dict[str, RunningRequest] = field(default_factory=dict)
+    ready: bool = False
+
+    @property
+    def model(self) -> str:
+        return self.backend.info.model
+
+    def writer_context(self) -> WriterContext:
+        return WriterContext(
+            model=self.model,
+            vocab=self.vocab,
+            reasoning_parser=self.config.reasoning_parser,
+            tool_parser=self.config.tool_parser,
+            reasoning_field=self.config.reasoning_field,
+        )
+
+
+ENGINE = web.AppKey("engine", EngineState)
