@@ -25,6 +25,7 @@ a onehop engine over this backend answers as a stock vLLM server does):
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import math
 from collections.abc import AsyncIterator, Sequence
@@ -105,9 +106,10 @@ class VLLMBackend:
         if self._llm is not None:
             return
         # Blocking (model load, engine-core process start): the server is not serving yet.
-        llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._config.engine_args()))
-        self._llm = llm
-        self._info = _backend_info(llm, self._config)
+        # No local keeps the engine: vLLM's start-up retains this frame, and
+        # close() must leave the engine unreferenced.
+        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._config.engine_args()))
+        self._info = _backend_info(self._llm, self._config)
 
     async def close(self) -> None:
         llm, self._llm = self._llm, None
@@ -116,6 +118,10 @@ class VLLMBackend:
         if self._running:
             await llm.abort(list(self._running))
         llm.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
+        # Tracebacks of refused requests keep it in reference cycles; collect
+        # them now, or its __del__ runs at interpreter exit and fails there.
+        del llm
+        gc.collect()
 
     def running(self) -> frozenset[str]:
         return frozenset(self._running)
@@ -163,6 +169,7 @@ def vllm_sampling_params(request: BackendRequest, engine_eos: frozenset[int] = f
     config); ids in `request.eos_token_ids` that vLLM does not know are
     added as stop tokens unless `ignore_eos`.
     """
+    from vllm.exceptions import VLLMError
     from vllm.sampling_params import RequestOutputKind
     from vllm.sampling_params import SamplingParams as VLLMSamplingParams
 
@@ -207,7 +214,7 @@ def vllm_sampling_params(request: BackendRequest, engine_eos: frozenset[int] = f
             routed_experts_prompt_start=s.routed_experts_prompt_start,
             trace_decode_token_ids=s.trace_decode_token_ids,
         )
-    except (ValueError, TypeError) as exc:  # VLLMValidationError is a ValueError
+    except (VLLMError, ValueError, TypeError) as exc:
         raise BackendRequestError(str(exc)) from exc
 
 
@@ -236,13 +243,14 @@ def _structured_outputs(raw: msgspec.Raw | msgspec.UnsetType) -> Any:
 
 async def _render_prompt(llm: AsyncLLM, token_ids: Sequence[int]) -> Any:
     """Token ids → vLLM's engine input (the renderer checks length and vocabulary)."""
+    from vllm.exceptions import VLLMError
     from vllm.inputs import TokensPrompt
 
     try:
         (engine_input,) = await llm.renderer.render_cmpl_async(
             [TokensPrompt(prompt_token_ids=list(token_ids))]
         )
-    except (ValueError, TypeError) as exc:
+    except (VLLMError, ValueError, TypeError) as exc:
         raise BackendRequestError(str(exc)) from exc
     return engine_input
 

@@ -267,16 +267,26 @@ class OutputParser:
             self._text(text)
 
     def _content_text(self, text: str) -> None:
-        if not self._tools_on:
+        if not self._tools_on or (self._content_started and not self.calls):
             self._content.append(text)
             return
-        if (not self._content_started or self.calls) and text.isspace():
+        # Holding whitespace: before any content (it is dropped if a call comes
+        # first) and after a call (dropped unless more text follows). Only the
+        # trailing run is held, so the result does not depend on how the text
+        # was split into pieces.
+        body = text.rstrip()
+        if not body:
             self._held_space.append(text)
             return
         if self._held_space:
             self._content.extend(self._held_space)
             self._held_space.clear()
-        self._content.append(text)
+        if self.calls:
+            self._content.append(body)
+            if len(body) < len(text):
+                self._held_space.append(text[len(body) :])
+        else:
+            self._content.append(text)
         self._content_started = True
 
     def _start_call(self, marker_text: str) -> None:

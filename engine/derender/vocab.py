@@ -9,7 +9,6 @@ the tokenizer renders them atomically from their content, never byte by byte.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,7 +40,6 @@ def _byte_level_bytes(token: str) -> bytes:
     return bytes(table[ch] for ch in token)
 
 
-@dataclass(frozen=True, slots=True, eq=False, repr=False)
 class TokenVocab:
     """What derender needs to know about a tokenizer, precomputed.
 
@@ -50,13 +48,25 @@ class TokenVocab:
     content; `special_ids` are the ones `skip_special_tokens` removes.
     """
 
-    backend: Tokenizer
-    byte_level: bool
-    token_bytes: tuple[bytes, ...]
-    added_text: dict[int, str]
-    special_ids: frozenset[int]
-    size: int
-    _pieces: dict[int, tuple[str, list[int]]] = field(default_factory=dict)
+    __slots__ = ("backend", "byte_level", "token_bytes", "added_text", "special_ids", "size", "_pieces")
+
+    def __init__(
+        self,
+        *,
+        backend: Tokenizer,
+        byte_level: bool,
+        token_bytes: tuple[bytes, ...],
+        added_text: dict[int, str],
+        special_ids: frozenset[int],
+        size: int,
+    ) -> None:
+        self.backend = backend
+        self.byte_level = byte_level
+        self.token_bytes = token_bytes
+        self.added_text = added_text
+        self.special_ids = special_ids
+        self.size = size
+        self._pieces: dict[int, tuple[str, list[int]]] = {}
 
     def __repr__(self) -> str:
         kind = "byte-level" if self.byte_level else "windowed"

@@ -7,7 +7,7 @@ import os
 from dataclasses import replace
 from typing import Any
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from engine.derender.chat import ChatOptions
@@ -142,6 +142,7 @@ def test_text_route_equals_token_route(
     from tests.support.streams import counter_ids, default_finish, fake_logprobs, fold_chunks
 
     ids = data.draw(marker_free_streams(qwen3_tokenizer))
+    assume(ids)
     options = replace(BASE, tools_enabled=tools, text=TextParams(stop=tuple(stops)))
     reference = stream(qwen3_vocab, options, ids, random_splits(seed), with_logprobs=True).folded
     # The engine's text mode: same pipeline, text deltas out.
