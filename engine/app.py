@@ -8,12 +8,15 @@ uvloop and handler cancellation (a client that leaves cancels its handler).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
 from aiohttp import web
+from tokenizers import Tokenizer
 
 from engine.backends import make_backend
 from engine.backends.base import Backend
@@ -47,10 +50,19 @@ class Capabilities(msgspec.Struct, kw_only=True):
     reasoning_field: str
 
 
-def _load_vocab(config: EngineConfig) -> TokenVocab:
+@functools.lru_cache(maxsize=4)
+def load_vocab(model: str) -> TokenVocab:
+    """The decode tables of a model folder's tokenizer, loaded once per process.
+
+    `tokenizer.json` is read directly (the engine only decodes); a folder with
+    only a slow tokenizer goes through transformers.
+    """
+    path = Path(model) / "tokenizer.json"
+    if path.exists():
+        return vocab_for(Tokenizer.from_file(str(path)))
     from transformers import AutoTokenizer
 
-    return vocab_for(AutoTokenizer.from_pretrained(config.model))
+    return vocab_for(AutoTokenizer.from_pretrained(model))
 
 
 def _check_parsers(config: EngineConfig) -> None:
@@ -64,7 +76,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     state = app[ENGINE]
     await state.backend.start()
     if not state.config.tokens_only:
-        state.vocab = await asyncio.to_thread(_load_vocab, state.config)
+        state.vocab = await asyncio.to_thread(load_vocab, state.config.model)
     state.ready = True
     yield
     state.ready = False

@@ -308,25 +308,13 @@ class DerenderWriter:
         self._derender: ChatDerender | CompletionDerender
         if request.chat_request is not None:
             chat = request.chat_request
-            base = ChatOptions.from_request(
+            chat_options = ChatOptions.from_request(
                 chat,
                 reasoning_parser=context.reasoning_parser,
                 tool_parser=context.tool_parser,
                 reasoning_field=context.reasoning_field,
-            )
-            kwargs = _template_kwargs(request)
-            chat_options = ChatOptions(
                 text=text_params(sampling),  # the rendered sampling params are the truth for text
-                reasoning_parser=base.reasoning_parser,
-                tool_parser=base.tool_parser,
-                tools_enabled=base.tools_enabled,
-                enable_thinking=bool(kwargs.get("enable_thinking", base.enable_thinking)),
-                include_reasoning=base.include_reasoning,
-                parallel_tool_calls=base.parallel_tool_calls,
-                logprobs=base.logprobs,
-                top_logprobs=base.top_logprobs,
-                return_token_ids=base.return_token_ids,
-                reasoning_field=base.reasoning_field,
+                template_kwargs=template_kwargs(request),
             )
             self._derender = ChatDerender(
                 context.vocab,
@@ -395,7 +383,7 @@ class DerenderWriter:
         return out
 
 
-def _template_kwargs(request: GenerateRequest) -> dict[str, object]:
+def template_kwargs(request: GenerateRequest) -> dict[str, object]:
     """`enable_thinking` and friends: /render's parser kwargs win over the chat request's."""
     kwargs: dict[str, object] = {}
     if request.chat_request is not None and request.chat_request.chat_template_kwargs:

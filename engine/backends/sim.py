@@ -21,8 +21,9 @@ Configuration (`SimBackendConfig`, decoded strictly: unknown keys are errors)::
 What each mode plans before the token rules below apply:
 
 - ``echo``: the text of the last user turn of a ChatML prompt (between the
-  last ``<|im_start|>user\\n`` and its ``<|im_end|>``), or the whole prompt
-  text when the prompt has no ``<|im_start|>``, re-encoded, then EOS.
+  last ``<|im_start|>user\\n`` and its ``<|im_end|>``; a turn of tool
+  responses counts), or the whole prompt text when the prompt has no
+  ``<|im_start|>``, re-encoded, then EOS.
 - ``script``: the next text of ``script`` (the k-th request gets text
   ``k mod len(script)``; all choices of a request share it), encoded as is so
   it may carry ``<think>``/``<tool_call>`` markers, then EOS.
@@ -67,9 +68,10 @@ Token rules, the same in every mode, as vLLM's scheduler applies them:
 Determinism: every choice draws from its own random stream, seeded with
 ``seed``, the request's ``sampling.seed``, the prompt ids and the choice
 index, so the same request gives the same ids (for one Python version) and
-``n`` choices differ from each other. Sampling knobs (temperature, top-p,
-penalties, ...) are accepted and ignored. Script mode also depends on how
-many requests came before.
+``n`` choices differ from each other. Echo and script plans come from the
+prompt or the script alone (the streams then only pick padding words), and
+script mode also depends on how many requests came before. Sampling knobs
+(temperature, top-p, penalties, ...) are accepted and ignored.
 
 Logprobs (``sampling.logprobs = k``; -1 means 20, more than 20 is refused as
 vLLM refuses it by default) are synthetic but well formed: per token the
@@ -91,7 +93,10 @@ the vocabulary (the tokenizer's full size, added tokens included), too many
 logprobs, or a request id that is already running. Closing the generator,
 cancelling its consumer, or ``abort(id)`` stops a request at once; after an
 abort, the generator yields a last batch with finish ``abort`` for each
-unfinished choice. ``close()`` aborts everything.
+unfinished choice. ``close()`` aborts everything; ``generate`` then raises
+`BackendError` until ``start()`` is called again. The tokenizer is loaded by
+the constructor, so ``start()`` has nothing else to do. Each choice's first
+output reports ``num_cached_tokens=0``: there is no prefix cache.
 """
 
 from __future__ import annotations
@@ -133,7 +138,7 @@ _REASONING_WORDS = (8, 32)
 _SENTENCE_WORDS = (5, 12)
 _MAX_SCHEMA_DEPTH = 4
 _RANK_STEP = 1.5
-_TAIL_WINDOW = 8  # tokens decoded to read the generation prompt; it is 3-6 tokens long
+_TAIL_WINDOW = 8  # prompt tokens decoded to find the generation prompt (3 tokens in Qwen3)
 
 _ASCII_WORDS = tuple(
     """
@@ -241,6 +246,12 @@ def _load_tokenizer(folder: Path) -> Tokenizer:
         raise SimConfigError(f"cannot load a tokenizer from {path}: {exc}") from exc
 
 
+def _vocab_size(tokenizer: Tokenizer) -> int:
+    """The full size, added tokens included: one past the highest id."""
+    added = tokenizer.get_added_tokens_decoder()
+    return max(tokenizer.get_vocab_size(with_added_tokens=False), max(added, default=-1) + 1)
+
+
 def _eos_ids(folder: Path, tokenizer: Tokenizer) -> tuple[int, ...]:
     """EOS ids in preference order: generation_config.json, else the tokenizer's EOS."""
     generation = _read_json(folder / "generation_config.json")
@@ -281,14 +292,15 @@ class _PromptReader:
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
-        self._start = tokenizer.token_to_id(_CHATML_START)
-        self._end = tokenizer.token_to_id(_CHATML_END)
+        # -1 never occurs in a checked prompt, so a tokenizer without ChatML matches nothing.
+        self._start = _token_id(tokenizer, _CHATML_START)
+        self._end = _token_id(tokenizer, _CHATML_END)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=False)
 
     def read(self, ids: list[int]) -> _Prompt:
-        chatml = self._start is not None and self._start in ids
+        chatml = self._start in ids
         tail = self.decode(ids[-_TAIL_WINDOW:]) if chatml else ""
         return _Prompt(ids=ids, thinking_open=tail.endswith(_GENERATION_PROMPT), tools=self._tools(ids))
 
@@ -309,12 +321,17 @@ class _PromptReader:
 
     def _tools(self, ids: list[int]) -> tuple[dict[str, Any], ...]:
         # The chat template puts the tool list in the system turn, which comes first.
-        if self._start is None or not ids or ids[0] != self._start:
+        if not ids or ids[0] != self._start:
             return ()
         system = self.decode(ids[1 : self._turn_end(ids, 0)])
         if not system.startswith(_SYSTEM_ROLE):
             return ()
         return _parse_tools(system)
+
+
+def _token_id(tokenizer: Tokenizer, token: str) -> int:
+    token_id = tokenizer.token_to_id(token)
+    return -1 if token_id is None else token_id
 
 
 @functools.lru_cache(maxsize=64)  # load tests resend one system prompt over and over
@@ -366,7 +383,8 @@ def _fake_value(schema: object, rng: random.Random, depth: int) -> Any:
         options = schema.get(key)
         if isinstance(options, list) and options:
             return _fake_value(options[0], rng, depth)
-    return _FAKERS.get(_schema_type(schema), _fake_string)(schema, rng, depth)
+    faker: _Faker = _FAKERS.get(_schema_type(schema), _fake_string)
+    return faker(schema, rng, depth)
 
 
 def _schema_type(schema: dict[str, Any]) -> str:
@@ -383,10 +401,10 @@ def _schema_type(schema: dict[str, Any]) -> str:
 def _fake_object(schema: dict[str, Any], rng: random.Random, depth: int) -> dict[str, Any]:
     if depth >= _MAX_SCHEMA_DEPTH:
         return {}
-    properties = schema.get("properties")
-    properties = properties if isinstance(properties, dict) else {}
-    required = schema.get("required")
-    required = [r for r in required if isinstance(r, str)] if isinstance(required, list) else []
+    declared = schema.get("properties")
+    properties: dict[str, Any] = declared if isinstance(declared, dict) else {}
+    listed = schema.get("required")
+    required = [r for r in listed if isinstance(r, str)] if isinstance(listed, list) else []
     optional = [name for name in properties if name not in required and rng.random() < 0.5]
     return {name: _fake_value(properties.get(name, {}), rng, depth + 1) for name in required + optional}
 
@@ -422,19 +440,23 @@ def _fake_null(schema: dict[str, Any], rng: random.Random, depth: int) -> None:
 
 
 def _bounds(schema: dict[str, Any]) -> tuple[float, float]:
-    low, high = schema.get("minimum"), schema.get("maximum")
-    low = low if isinstance(low, (int, float)) and not isinstance(low, bool) else None
-    high = high if isinstance(high, (int, float)) and not isinstance(high, bool) else None
+    """`minimum`/`maximum`, or a range of 100 on the side that is missing."""
+    low, high = _number(schema.get("minimum")), _number(schema.get("maximum"))
     if low is None:
         low = 0 if high is None or high >= 0 else high - 100
-    return low, low + 100 if high is None else high
+    return low, (low + 100 if high is None else high)
+
+
+def _number(value: object) -> float | None:
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def _phrase(rng: random.Random) -> str:
     return " ".join(rng.choice(_ALL_WORDS) for _ in range(rng.randint(1, 3)))
 
 
-_FAKERS: dict[str, Any] = {
+_Faker = Callable[[dict[str, Any], random.Random, int], Any]
+_FAKERS: dict[str, _Faker] = {
     "object": _fake_object,
     "array": _fake_array,
     "string": _fake_string,
@@ -463,7 +485,7 @@ class _Rules:
 class _Choice:
     """One choice: its planned ids, then padding, under the request's stop rules."""
 
-    __slots__ = ("index", "finished", "_rules", "_source", "_count", "_logprobs", "_started")
+    __slots__ = ("_count", "_logprobs", "_rules", "_source", "_started", "finished", "index")
 
     def __init__(self, index: int, plan: list[int], padding: Iterator[int], rules: _Rules, logprobs: _Logprobs) -> None:
         self.index = index
@@ -483,7 +505,10 @@ class _Choice:
             yield next(padding)
 
     def take(self, width: int) -> BackendOutput:
-        """The next step: up to `width` tokens, with a finish reason when the choice ends."""
+        """The next step: up to `width` tokens, with a finish reason when the choice ends.
+
+        Hot path (per token): set lookups only; ids were encoded before the first step.
+        """
         rules = self._rules
         ids: list[int] = []
         finish: FinishReason | None = None
@@ -523,7 +548,7 @@ class _Choice:
 class _Logprobs:
     """Synthetic logprobs: the sampled id ranks first, k distinct other ids follow."""
 
-    __slots__ = ("_k", "_vocab_size", "_stride")
+    __slots__ = ("_k", "_stride", "_vocab_size")
 
     def __init__(self, k: int, vocab_size: int) -> None:
         self._k = min(k, vocab_size - 1)
@@ -549,7 +574,7 @@ class _Logprobs:
 class _Live:
     """A running request: the abort flag and the timer future it may be waiting on."""
 
-    __slots__ = ("request_id", "aborted", "waiter")
+    __slots__ = ("aborted", "request_id", "waiter")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
@@ -582,7 +607,7 @@ class SimBackend:
             name="sim",
             model=config.served_model_name,
             max_model_len=config.max_model_len,
-            vocab_size=max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1,
+            vocab_size=_vocab_size(tokenizer),
             eos_token_ids=frozenset(self._eos),
         )
         self._think_open = self._encode("<think>\n")
@@ -737,6 +762,8 @@ class SimBackend:
 
     async def _wait(self, live: _Live, loop: asyncio.AbstractEventLoop, deadline: float) -> None:
         """Sleep until `deadline` on a loop timer; an abort wakes it early."""
+        if live.aborted:
+            return  # aborted while the consumer held the stream between steps
         if deadline <= loop.time():
             await asyncio.sleep(0)  # still yield, so aborts and other requests run between steps
             return

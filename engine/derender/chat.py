@@ -23,7 +23,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from engine.derender.logprobs import chat_logprobs
 from engine.derender.markers import MarkerSplitter
@@ -88,12 +88,17 @@ class ChatOptions:
         reasoning_parser: str | None,
         tool_parser: str | None,
         reasoning_field: ReasoningField = "reasoning",
+        text: TextParams | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> ChatOptions:
+        """Options for a chat request; `text` and `template_kwargs` override what the
+        request says when the rendered generate request is the truth (the engine)."""
         stop = request.stop
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        kwargs = request.chat_template_kwargs or {}
+        kwargs = template_kwargs if template_kwargs is not None else (request.chat_template_kwargs or {})
         return cls(
-            text=TextParams(
+            text=text
+            or TextParams(
                 skip_special_tokens=request.skip_special_tokens,
                 spaces_between_special_tokens=request.spaces_between_special_tokens,
                 stop=stops,

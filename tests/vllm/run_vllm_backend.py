@@ -21,6 +21,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 GREEDY_TOKENS = 16
+TOP_LOGPROBS = 3
 LONG_TOKENS = 2000
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
 # vLLM refuses n > 1 with greedy sampling; seeded sampling keeps the run repeatable.
@@ -156,7 +157,7 @@ async def main(model_dir: str) -> dict[str, Any]:
         report["greedy"] = await collect(backend, request("greedy", prompt, max_tokens=GREEDY_TOKENS))
         report["greedy_again"] = await collect(backend, request("greedy-2", prompt, max_tokens=GREEDY_TOKENS))
         report["n2_logprobs"] = await collect(
-            backend, request("n2", prompt, max_tokens=GREEDY_TOKENS, n=2, logprobs=3, **SEEDED)
+            backend, request("n2", prompt, max_tokens=GREEDY_TOKENS, n=2, logprobs=TOP_LOGPROBS, **SEEDED)
         )
         report["refused_greedy_n2"] = await refused(backend, request("greedy-n2", prompt, n=2))
         report["abort_by_close"] = await abort_by_close(backend, prompt)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -11,7 +12,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from engine.backends.base import Backend, BackendOutput, BackendRequest, BackendRequestError
+from engine.backends.base import Backend, BackendError, BackendOutput, BackendRequest, BackendRequestError
 from engine.backends.sim import SimBackend, SimBackendConfig, SimConfigError
 from engine.derender.chat import ChatDerender, ChatOptions
 from engine.derender.vocab import TokenVocab
@@ -35,7 +36,10 @@ WEATHER = {
                 "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
                 "detail": {
                     "type": "object",
-                    "properties": {"hourly": {"type": "boolean"}, "tags": {"type": "array", "items": {"type": "string"}}},
+                    "properties": {
+                        "hourly": {"type": "boolean"},
+                        "tags": {"type": "array", "items": {"type": "string"}},
+                    },
                     "required": ["hourly", "tags"],
                 },
                 "note": {"type": ["string", "null"]},
@@ -75,6 +79,12 @@ def sim(qwen3_tokenizer_dir: Path) -> SimBackend:
     return SimBackend(SimBackendConfig(tokenizer=str(qwen3_tokenizer_dir)))
 
 
+@pytest.fixture(scope="module")
+def slow(qwen3_tokenizer_dir: Path) -> SimBackend:
+    """Ten seconds between steps: a stream that is still running whenever a test looks."""
+    return SimBackend(SimBackendConfig(tokenizer=str(qwen3_tokenizer_dir), itl_ms=10_000))
+
+
 @pytest.fixture
 def render(qwen3_tokenizer: Any) -> Callable[..., list[int]]:
     def chat(messages: list[dict[str, Any]], *, tools: list[Any] | None = None, thinking: bool = True) -> list[int]:
@@ -111,7 +121,9 @@ def derendered(vocab: TokenVocab, prompt: list[int], batches: Batches, *, thinki
     derender = ChatDerender(vocab, options, model="sim", prompt_token_ids=prompt)
     for batch in batches:
         for out in batch:
-            derender.step(out.index, out.token_ids, out.logprobs, finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+            derender.step(
+                out.index, out.token_ids, out.logprobs, finish_reason=out.finish_reason, stop_reason=out.stop_reason
+            )
     assert derender.finished
     return derender.response()
 
@@ -133,14 +145,19 @@ def test_info_comes_from_the_tokenizer_folder(sim: SimBackend, qwen3_tokenizer: 
     assert info.eos_token_ids == {IM_END_ID, ENDOFTEXT_ID}
 
 
-def test_config_is_strict() -> None:
-    decode = msgspec.json.Decoder(SimBackendConfig).decode
-    assert decode(b'{"tokenizer": "t", "itl_ms": 5}').itl_ms == 5
-    for bad in (b'{"tokenizer": "t", "itl": 5}', b'{"tokenizer": "t", "itl_ms": -1}', b'{"tokenizer": "t", "mode": "script"}'):
-        with pytest.raises(msgspec.ValidationError):
-            decode(bad)
+def test_config_decodes_with_defaults() -> None:
+    config = msgspec.json.decode(b'{"tokenizer": "t", "itl_ms": 5}', type=SimBackendConfig)
+    assert (config.itl_ms, config.ttft_ms, config.mode, config.output_tokens) == (5, 0, "auto", None)
     with pytest.raises(SimConfigError):
         SimBackendConfig(tokenizer="t", tokens_per_step=0)
+
+
+@pytest.mark.parametrize(
+    "extra", ['"itl": 5', '"itl_ms": -1', '"mode": "script"'], ids=["unknown", "negative", "no-script"]
+)
+def test_config_is_strict(extra: str) -> None:
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.json.decode(f'{{"tokenizer": "t", {extra}}}', type=SimBackendConfig)
 
 
 def test_missing_tokenizer_folder(tmp_path: Path) -> None:
@@ -234,12 +251,15 @@ async def test_echo_repeats_the_last_user_turn(make: Make, render: Any, qwen3_to
     assert qwen3_tokenizer.decode(ids_of(await collect(backend, request(plain)))[:-1]) == "not a chat prompt 𓀀"
 
 
-async def test_script_cycles_and_its_markers_parse(make: Make, render: Any, qwen3_vocab: TokenVocab, qwen3_tokenizer: Any) -> None:
+async def test_script_cycles_and_its_markers_parse(
+    make: Make, render: Any, qwen3_vocab: TokenVocab, qwen3_tokenizer: Any
+) -> None:
+    thought = "<think>\nhmm\n</think>\n\nDone."
     call = '<tool_call>\n{"name": "search", "arguments": {"query": "x", "limit": 1}}\n</tool_call>'
-    backend = make(mode="script", script=["<think>\nhmm\n</think>\n\nDone.", call])
+    backend = make(mode="script", script=[thought, call])
     prompt = render(HELLO, tools=TOOLS)
     texts = [qwen3_tokenizer.decode(ids_of(await collect(backend, request(prompt)))) for _ in range(3)]
-    assert texts == ["<think>\nhmm\n</think>\n\nDone.<|im_end|>", call + "<|im_end|>", "<think>\nhmm\n</think>\n\nDone.<|im_end|>"]
+    assert texts == [thought + "<|im_end|>", call + "<|im_end|>", thought + "<|im_end|>"]
     choice = derendered(qwen3_vocab, prompt, await collect(backend, request(prompt))).choices[0]
     assert choice.message.tool_calls[0].function.name == "search"
 
@@ -319,25 +339,21 @@ async def test_logprobs_shape(sim: SimBackend, render: Any, k: int, width: int) 
         top = entry.top_logprobs
         assert len(top) == width and (entry.rank, top[0].token_id, top[0].rank) == (1, entry.token_id, 1)
         assert [c.rank for c in top] == list(range(1, width + 1))
-        assert all(a.logprob > b.logprob for a, b in zip(top, top[1:], strict=False)) and top[0].logprob < 0
+        assert all(a.logprob > b.logprob for a, b in itertools.pairwise(top)) and top[0].logprob < 0
         assert len({c.token_id for c in top}) == width
     assert ids_of(await collect(sim, request(render(HELLO)))) == ids_of(batches)  # logprobs change no ids
 
 
-@pytest.mark.parametrize(
-    "prompt",
-    [[], [1] * 8, [IM_START_ID, 151_669], [-1]],
-    ids=["empty", "too-long", "id-past-vocab", "negative-id"],
-)
-async def test_bad_requests_fail_before_output(make: Make, prompt: list[int]) -> None:
+async def test_bad_requests_fail_before_output(make: Make) -> None:
     backend = make(max_model_len=8)
-    with pytest.raises(BackendRequestError):
-        await collect(backend, request(prompt))
+    for prompt in ([], [1] * 8, [IM_START_ID, 151_669], [-1]):  # empty, too long, past the vocab, negative
+        with pytest.raises(BackendRequestError):
+            await collect(backend, request(prompt))
     assert not backend.running()
 
 
-async def test_too_many_logprobs_and_duplicate_ids_are_refused(make: Make, qwen3_tokenizer: Any) -> None:
-    backend = make(itl_ms=1000)
+async def test_too_many_logprobs_and_duplicate_ids_are_refused(slow: SimBackend, qwen3_tokenizer: Any) -> None:
+    backend = slow
     prompt = qwen3_tokenizer.encode("hi")
     with pytest.raises(BackendRequestError):
         await collect(backend, request(prompt, logprobs=21))
@@ -351,8 +367,8 @@ async def test_too_many_logprobs_and_duplicate_ids_are_refused(make: Make, qwen3
 # -- cancellation ---------------------------------------------------------------
 
 
-async def test_abort_wakes_a_waiting_stream(make: Make, render: Any) -> None:
-    backend = make(itl_ms=10_000)
+async def test_abort_wakes_a_waiting_stream(slow: SimBackend, render: Any) -> None:
+    backend = slow
     seen: Batches = []
 
     async def consume() -> None:
@@ -372,8 +388,8 @@ async def test_abort_wakes_a_waiting_stream(make: Make, render: Any) -> None:
     await backend.abort("unknown")  # a no-op
 
 
-async def test_aclose_ends_the_request(make: Make, render: Any) -> None:
-    backend = make(itl_ms=10_000)
+async def test_aclose_ends_the_request(slow: SimBackend, render: Any) -> None:
+    backend = slow
     stream = backend.generate(request(render(HELLO), "c"))
     await anext(stream)
     assert backend.running() == {"c"}
@@ -381,8 +397,8 @@ async def test_aclose_ends_the_request(make: Make, render: Any) -> None:
     await wait_idle(backend)
 
 
-async def test_cancelled_consumer_ends_the_request(make: Make, render: Any) -> None:
-    backend = make(ttft_ms=10_000)
+async def test_cancelled_consumer_ends_the_request(slow: SimBackend, render: Any) -> None:
+    backend = slow
 
     async def consume() -> None:
         async for _ in backend.generate(request(render(HELLO), "x")):
@@ -406,8 +422,11 @@ async def test_close_aborts_everything(make: Make, render: Any) -> None:
     assert backend.running() == {"s0", "s1", "s2"}
     await backend.close()
     assert not backend.running()
-    for stream in streams:
-        assert [out.finish_reason for batch in [b async for b in stream] for out in batch] == ["abort"]
+    async with asyncio.timeout(IDLE_TIMEOUT_S):  # held streams must not sleep out their 10 s step
+        for stream in streams:
+            assert [out.finish_reason for batch in [b async for b in stream] for out in batch] == ["abort"]
+    with pytest.raises(BackendError):
+        await collect(backend, request(render(HELLO)))
 
 
 # -- timing ---------------------------------------------------------------------
