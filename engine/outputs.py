@@ -92,7 +92,7 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> Usage:
 class _Choices:
     """Per-choice bookkeeping shared by the tokens and text writers."""
 
-    def __init__(self, request: GenerateRequest, context: WriterContext) -> None:
+    def __init__(self, request: GenerateRequest, context: WriterContext, *, decode: bool) -> None:
         n = request.sampling_params.n
         self.request = request
         self.context = context
@@ -102,7 +102,7 @@ class _Choices:
         self.include_usage = bool(options and options.include_usage)
         self.continuous = self.include_usage and bool(options and options.continuous_usage_stats)
         self.pipelines: list[TextPipeline] | None = None
-        if context.vocab is not None and request.sampling_params.detokenize:
+        if decode and context.vocab is not None and request.sampling_params.detokenize:
             params = text_params(request.sampling_params)
             self.pipelines = [
                 TextPipeline(context.vocab, params, prompt_token_ids=request.token_ids) for _ in range(n)
@@ -145,7 +145,8 @@ class TokensWriter:
 
     def __init__(self, request: GenerateRequest, context: WriterContext) -> None:
         self.cpu_s = 0.0
-        self._c = _Choices(request, context)
+        # Tokens mode decodes only to find stop strings, as vLLM does.
+        self._c = _Choices(request, context, decode=bool(request.sampling_params.stop))
         self._logprobs: list[list[GenerateLogProbsContent]] = [[] for _ in range(request.sampling_params.n)]
 
     def head(self) -> list[bytes]:
@@ -216,7 +217,7 @@ class TextWriter:
     def __init__(self, request: GenerateRequest, context: WriterContext) -> None:
         assert context.vocab is not None
         self.cpu_s = 0.0
-        self._c = _Choices(request, context)
+        self._c = _Choices(request, context, decode=True)
         self._vocab = context.vocab
         n = request.sampling_params.n
         self._texts: list[list[str]] = [[] for _ in range(n)]

@@ -1,0 +1,205 @@
+"""Stock vLLM 0.32 and onehop's engine over the `vllm` backend answer `/inference/v1/generate` alike.
+
+Both servers run from vLLM's venv on the tiny Qwen3 model and get the same
+greedy requests; responses are decoded with `engine.protocol` and compared.
+The differences allowed, each asserted where it shows (so a change on either
+side is noticed):
+
+- `request_id`: vLLM answers `generate-tokens-<id>` (in text mode too);
+  onehop echoes `<id>`. `created` is a timestamp.
+- `weight_versions`: vLLM puts its weight-version span on the final choice
+  (`[{"version": "default", "start": 0, "end": n}]`); onehop sends null,
+  because `BackendOutput` has no field to carry it.
+- stream chunk boundaries: a chunk may carry several tokens when a consumer
+  lags (vLLM's output collector merges deltas; onehop's engine coalesces),
+  so ids, text and logprobs are compared concatenated per choice, and chunk
+  shapes as a set.
+- stream encoding: onehop leaves out fields at their defaults (null, [])
+  in chunks, where vLLM writes them (see `engine/protocol.py`); chunk shapes
+  compare the keys whose values are not null. Non-streaming bodies carry
+  every key on both sides and are compared key for key.
+- onehop adds an SSE comment (`: onehop-engine-cpu-us=N`) before `[DONE]`;
+  SSE clients skip comments.
+- error bodies: both are OpenAI-shaped with code 400; message, `type`
+  (`"Bad Request"` vs `"BadRequestError"`) and `param` differ.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from engine.protocol import EngineError, OutputMode, decode_generate_response, decode_generate_stream_chunk
+from tests.vllm.conftest import ROOT, chat_prompt_ids, free_port, has_done, post, server_env, servers, sse_payloads
+
+pytestmark = pytest.mark.vllm
+
+MAX_MODEL_LEN = 2048
+MAX_TOKENS = 12
+TOP_LOGPROBS = 2
+# Logprobs come from the same vLLM kernels in both servers; allow float noise only.
+LOGPROB_DIGITS = 4
+GENERATE = "/inference/v1/generate"
+VLLM_REQUEST_ID_PREFIX = "generate-tokens-"
+PEERS = ("stock", "onehop")
+
+
+@pytest.fixture(scope="module")
+def engines(vllm_python: Path, tiny_model_dir: Path) -> Iterator[dict[str, str]]:
+    """Both servers, started together once for the module: name → base URL."""
+    model = str(tiny_model_dir)
+    stock_port, onehop_port = free_port(), free_port()
+    stock = ["bash", str(ROOT / "scripts" / "vllm_serve.sh"), model, str(stock_port)]
+    onehop = [str(vllm_python), "-m", "gateway", "engine", "--backend", "vllm", "--model", model]
+    specs = [
+        ("stock vLLM", [*stock, "--max-model-len", str(MAX_MODEL_LEN)], stock_port),
+        (
+            "onehop engine (vllm backend)",
+            [*onehop, "--port", str(onehop_port), "--backend-option", f"max_model_len={MAX_MODEL_LEN}"],
+            onehop_port,
+        ),
+    ]
+    with servers(specs, server_env(ONEHOP_VLLM_PYTHON=str(vllm_python))) as (stock_server, onehop_server):
+        yield {"stock": stock_server.url, "onehop": onehop_server.url}
+
+
+@pytest.fixture(scope="module")
+def prompt(qwen3_tokenizer: Any) -> list[int]:
+    return chat_prompt_ids(qwen3_tokenizer, "Name three colours.")
+
+
+def generate_body(rid: str, prompt: list[int], mode: OutputMode, stream: bool, logprobs: int | None) -> bytes:
+    sampling: dict[str, Any] = {"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+    if logprobs is not None:
+        sampling["logprobs"] = logprobs
+    body = {"request_id": rid, "token_ids": prompt, "sampling_params": sampling, "output_mode": mode, "stream": stream}
+    return json.dumps(body).encode()
+
+
+def ask_both(engines: dict[str, str], body: bytes) -> dict[str, bytes]:
+    answers: dict[str, bytes] = {}
+    for name in PEERS:
+        status, answer = post(engines[name] + GENERATE, body)
+        assert status == 200, f"{name}: {status} {answer[:500]!r}"
+        answers[name] = answer
+    return answers
+
+
+@pytest.mark.parametrize("logprobs", [None, TOP_LOGPROBS], ids=["no-logprobs", "logprobs"])
+@pytest.mark.parametrize("mode", ["tokens", "text"])
+def test_same_response(engines: dict[str, str], prompt: list[int], mode: OutputMode, logprobs: int | None) -> None:
+    rid = f"conf-json-{mode}-{logprobs}"
+    answers = ask_both(engines, generate_body(rid, prompt, mode, False, logprobs))
+    raw = {name: json.loads(answer) for name, answer in answers.items()}
+    # Non-streaming bodies carry every key on both sides.
+    assert set(raw["onehop"]) == set(raw["stock"])
+    assert [set(c) for c in raw["onehop"]["choices"]] == [set(c) for c in raw["stock"]["choices"]]
+
+    stock, onehop = (decode_generate_response(answers[name], mode) for name in PEERS)
+    assert stock.request_id == VLLM_REQUEST_ID_PREFIX + rid
+    assert onehop.request_id == rid
+    for s, o in zip(stock.choices, onehop.choices, strict=True):
+        assert len(s.token_ids or ()) == MAX_TOKENS and s.finish_reason == "length"
+        assert o.weight_versions in (None, s.weight_versions)
+    assert comparable(onehop) == comparable(stock)
+
+
+def comparable(response: Any) -> Any:
+    """A decoded response as builtins, without the allowed differences, logprobs rounded."""
+    data = msgspec.to_builtins(response)
+    data.pop("request_id")
+    data.pop("created")
+    for choice in data["choices"]:
+        choice.pop("weight_versions")
+    return rounded(data)
+
+
+def rounded(value: Any) -> Any:
+    if isinstance(value, float):
+        return round(value, LOGPROB_DIGITS)
+    if isinstance(value, dict):
+        return {k: rounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [rounded(v) for v in value]
+    return value
+
+
+@pytest.mark.parametrize("logprobs", [None, TOP_LOGPROBS], ids=["no-logprobs", "logprobs"])
+@pytest.mark.parametrize("mode", ["tokens", "text"])
+def test_same_stream(engines: dict[str, str], prompt: list[int], mode: OutputMode, logprobs: int | None) -> None:
+    rid = f"conf-sse-{mode}-{logprobs}"
+    answers = ask_both(engines, generate_body(rid, prompt, mode, True, logprobs))
+    for name, answer in answers.items():
+        assert has_done(answer), f"{name} did not end its stream with [DONE]"
+    payloads = {name: sse_payloads(answer) for name, answer in answers.items()}
+    shapes = {name: {chunk_shape(json.loads(p)) for p in payloads[name]} for name in PEERS}
+    assert shapes["onehop"] == shapes["stock"]
+
+    folded = {name: fold(payloads[name], mode, logprobs is not None) for name in PEERS}
+    assert {c["request_id"] for c in folded["stock"]} == {VLLM_REQUEST_ID_PREFIX + rid}
+    assert {c["request_id"] for c in folded["onehop"]} == {rid}
+    for name in PEERS:
+        for choice in folded[name]:
+            choice.pop("request_id")
+    (stock_choice,) = folded["stock"]
+    assert len(stock_choice["token_ids"]) == MAX_TOKENS and stock_choice["finish_reason"] == "length"
+    assert folded["onehop"] == folded["stock"]
+
+
+def chunk_shape(chunk: Any) -> Any:
+    """The keys with non-null values, recursively; list elements as a set of shapes."""
+    if isinstance(chunk, dict):
+        return frozenset(
+            (key, chunk_shape(value))
+            for key, value in chunk.items()
+            if value is not None and key != "weight_versions"
+        )
+    if isinstance(chunk, list):
+        return ("list", frozenset(chunk_shape(item) for item in chunk))
+    return type(chunk).__name__
+
+
+def fold(payloads: list[bytes], mode: OutputMode, with_logprobs: bool) -> list[dict[str, Any]]:
+    """A stream's chunks decoded and concatenated per choice; checks one choice per event."""
+    choices: dict[int, dict[str, Any]] = {}
+    for payload in payloads:
+        chunk = decode_generate_stream_chunk(payload, mode)
+        (choice,) = chunk.choices
+        folded = choices.setdefault(
+            choice.index,
+            {"request_id": chunk.request_id, "token_ids": [], "text": "", "logprobs": [], "finish_reason": None},
+        )
+        assert folded["finish_reason"] is None, "a chunk after the choice finished"
+        ids = choice.token_ids or []
+        folded["token_ids"] += ids
+        folded["text"] += getattr(choice, "text", "")
+        if with_logprobs:
+            assert choice.logprobs is not None and choice.logprobs.content is not None
+            assert len(choice.logprobs.content) == len(ids)
+            folded["logprobs"] += rounded(msgspec.to_builtins(choice.logprobs.content))
+        folded["finish_reason"] = choice.finish_reason
+        folded["stop_reason"] = choice.stop_reason
+    return [choices[i] for i in sorted(choices)]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_text_mode_without_detokenize_is_refused(
+    engines: dict[str, str], prompt: list[int], stream: bool
+) -> None:
+    body = {
+        "token_ids": prompt,
+        "sampling_params": {"temperature": 0, "max_tokens": MAX_TOKENS, "detokenize": False},
+        "output_mode": "text",
+        "stream": stream,
+    }
+    for name in PEERS:
+        status, answer = post(engines[name] + GENERATE, json.dumps(body).encode())
+        assert status == 400, f"{name}: {status} {answer[:500]!r}"
+        with pytest.raises(EngineError) as refused:
+            decode_generate_response(answer, "text")
+        assert refused.value.info.code == 400, name
