@@ -11,6 +11,7 @@ it, so the backend stops generating for text nobody will read.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
@@ -20,7 +21,7 @@ from aiohttp import web
 from engine.backends.base import BackendOutput, BackendRequest
 from engine.errors import BadRequest, Conflict, EngineHTTPError, NotFound, Unavailable, as_http_error, error_body
 from engine.outputs import OutputWriter, make_writer
-from engine.protocol import GenerateRequest, decode_abort_request, decode_generate_request
+from engine.protocol import GenerateRequest, decode_abort_request, decode_generate_request, sampling_params_sent_keys
 from engine.state import ENGINE, EngineState, RunningRequest
 
 CPU_HEADER = "onehop-engine-cpu-us"
@@ -72,7 +73,12 @@ def backend_request(state: EngineState, request: GenerateRequest) -> BackendRequ
 
 async def handle_generate(http: web.Request) -> web.StreamResponse:
     state = http.app[ENGINE]
-    request = decode_generate_request(await http.read())
+    body = await http.read()
+    request = decode_generate_request(body)
+    if "max_tokens" not in sampling_params_sent_keys(body):
+        # Not sent means "up to the context length", as in vLLM's generate API
+        # (its SamplingParams default of 16 applies only to direct callers).
+        request.sampling_params.max_tokens = None
     check_request(state, request)
     writer = make_writer(request, state.writer_context())
     running = RunningRequest(request_id=request.request_id, mode=request.output_mode)
@@ -86,11 +92,11 @@ async def handle_generate(http: web.Request) -> web.StreamResponse:
         if request.stream:
             return await _stream(http, state, request, writer, outputs, started)
         return await _json(state, request, writer, outputs, started)
-    except EngineHTTPError as exc:
-        status = exc.status
+    except asyncio.CancelledError:
+        status = 499  # the client went away
         raise
-    except BaseException:
-        status = 499  # cancelled: the client went away
+    except Exception as exc:
+        status = as_http_error(exc).status
         raise
     finally:
         del state.running[request.request_id]

@@ -222,7 +222,9 @@ class TextWriter:
         n = request.sampling_params.n
         self._texts: list[list[str]] = [[] for _ in range(n)]
         self._logprobs: list[list[ChatLogprobToken]] = [[] for _ in range(n)]
-        self._top = request.sampling_params.logprobs or 0
+        # Text mode keeps every candidate the backend sent (the sampled token at least),
+        # as vLLM's text mode does; only chat's `top_logprobs` cuts the list.
+        self._top = 1 << 30
 
     def head(self) -> list[bytes]:
         return []

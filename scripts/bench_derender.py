@@ -158,7 +158,7 @@ def best_of(repeats: int, fn: Callable[[], tuple[float, list[Any]]]) -> tuple[fl
 def default_vllm_python() -> Path | None:
     configured = os.environ.get("ONEHOP_VLLM_PYTHON")
     if configured:
-        return Path(configured)
+        return Path(configured) if Path(configured).exists() else None
     venv = Path(os.environ.get("ONEHOP_VLLM_VENV", Path.home() / ".cache" / "onehop" / "vllm-venv"))
     candidate = venv / "bin" / "python"
     return candidate if candidate.exists() else None

@@ -103,9 +103,15 @@ class Server:
 
 def start_server(name: str, argv: Sequence[str], port: int, env: Mapping[str, str]) -> Server:
     """Start `argv` in a new process group, its output in a temporary log."""
-    log = tempfile.TemporaryFile(prefix=f"onehop-{name}-")
+    # Closed by stop_server: the log lives as long as the server.
+    log = tempfile.TemporaryFile(prefix=f"onehop-{name}-")  # noqa: SIM115
     proc = subprocess.Popen(
-        list(argv), cwd=ROOT, env=dict(env), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+        list(argv),
+        cwd=ROOT,
+        env=dict(env),
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
         start_new_session=True,
     )
     return Server(name=name, proc=proc, port=port, log=log, started=time.monotonic())
@@ -135,15 +141,17 @@ def _healthy(url: str) -> bool:
 
 def stop_server(server: Server) -> None:
     """SIGTERM the server's process group, SIGKILL it if it lingers, close its log."""
+    stopping = time.monotonic()
     try:
         _signal_group(server.proc.pid, signal.SIGTERM)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             server.proc.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            pass
+        graceful = server.proc.returncode is not None
         # vLLM's engine core and workers are in the group too; none may outlive the test.
         _signal_group(server.proc.pid, signal.SIGKILL)
         server.proc.wait(timeout=STOP_TIMEOUT_S)
+        how = "" if graceful else f" (SIGKILL: no exit {STOP_TIMEOUT_S:.0f} s after SIGTERM)"
+        print(f"\n{server.name} stopped in {time.monotonic() - stopping:.1f} s{how}", file=sys.stderr)
     finally:
         server.log.close()
 

@@ -47,6 +47,16 @@ LOGPROB_DIGITS = 4
 GENERATE = "/inference/v1/generate"
 VLLM_REQUEST_ID_PREFIX = "generate-tokens-"
 PEERS = ("stock", "onehop")
+GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+# vLLM refuses n > 1 with greedy sampling; a seed makes sampling repeatable on both servers.
+SEEDED_N2: dict[str, Any] = {"temperature": 0.8, "seed": 1, "n": 2, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+CASES = {
+    "greedy": GREEDY,
+    "greedy-logprobs": {**GREEDY, "logprobs": TOP_LOGPROBS},
+    "seeded-n2": SEEDED_N2,
+    # The stop token id is the greedy answer's 4th token, filled in by `sampling_for`.
+    "stop-token": {"temperature": 0, "max_tokens": MAX_TOKENS},
+}
 
 
 @pytest.fixture(scope="module")
@@ -73,11 +83,36 @@ def prompt(qwen3_tokenizer: Any) -> list[int]:
     return chat_prompt_ids(qwen3_tokenizer, "Name three colours.")
 
 
-def generate_body(rid: str, prompt: list[int], mode: OutputMode, stream: bool, logprobs: int | None) -> bytes:
-    sampling: dict[str, Any] = {"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
-    if logprobs is not None:
-        sampling["logprobs"] = logprobs
-    body = {"request_id": rid, "token_ids": prompt, "sampling_params": sampling, "output_mode": mode, "stream": stream}
+@pytest.fixture(scope="module")
+def greedy_ids(engines: dict[str, str], prompt: list[int]) -> list[int]:
+    """Stock vLLM's greedy answer, to pick a stop token that is really generated."""
+    status, answer = post(engines["stock"] + GENERATE, generate_body("conf-probe", prompt, "tokens", False, GREEDY))
+    assert status == 200, answer[:500]
+    return list(decode_generate_response(answer, "tokens").choices[0].token_ids or ())
+
+
+def sampling_for(case: str, greedy_ids: list[int]) -> dict[str, Any]:
+    if case == "stop-token":
+        return {**CASES[case], "stop_token_ids": [greedy_ids[3]]}
+    return CASES[case]
+
+
+def expected_finish(case: str, greedy_ids: list[int]) -> tuple[str, int | None]:
+    return ("stop", greedy_ids[3]) if case == "stop-token" else ("length", None)
+
+
+def generate_body(
+    rid: str, prompt: list[int], mode: OutputMode, stream: bool, sampling: dict[str, Any]
+) -> bytes:
+    body: dict[str, Any] = {
+        "request_id": rid,
+        "token_ids": prompt,
+        "sampling_params": sampling,
+        "output_mode": mode,
+        "stream": stream,
+    }
+    if stream:
+        body["stream_options"] = {"include_usage": True}
     return json.dumps(body).encode()
 
 
@@ -90,11 +125,13 @@ def ask_both(engines: dict[str, str], body: bytes) -> dict[str, bytes]:
     return answers
 
 
-@pytest.mark.parametrize("logprobs", [None, TOP_LOGPROBS], ids=["no-logprobs", "logprobs"])
+@pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("mode", ["tokens", "text"])
-def test_same_response(engines: dict[str, str], prompt: list[int], mode: OutputMode, logprobs: int | None) -> None:
-    rid = f"conf-json-{mode}-{logprobs}"
-    answers = ask_both(engines, generate_body(rid, prompt, mode, False, logprobs))
+def test_same_response(
+    engines: dict[str, str], prompt: list[int], greedy_ids: list[int], mode: OutputMode, case: str
+) -> None:
+    rid = f"conf-json-{mode}-{case}"
+    answers = ask_both(engines, generate_body(rid, prompt, mode, False, sampling_for(case, greedy_ids)))
     raw = {name: json.loads(answer) for name, answer in answers.items()}
     # Non-streaming bodies carry every key on both sides.
     assert set(raw["onehop"]) == set(raw["stock"])
@@ -103,8 +140,11 @@ def test_same_response(engines: dict[str, str], prompt: list[int], mode: OutputM
     stock, onehop = (decode_generate_response(answers[name], mode) for name in PEERS)
     assert stock.request_id == VLLM_REQUEST_ID_PREFIX + rid
     assert onehop.request_id == rid
+    finish, stop_reason = expected_finish(case, greedy_ids)
     for s, o in zip(stock.choices, onehop.choices, strict=True):
-        assert len(s.token_ids or ()) == MAX_TOKENS and s.finish_reason == "length"
+        assert (s.finish_reason, s.stop_reason) == (finish, stop_reason)
+        if finish == "length":
+            assert len(s.token_ids or ()) == MAX_TOKENS
         assert o.weight_versions in (None, s.weight_versions)
     assert comparable(onehop) == comparable(stock)
 
@@ -129,25 +169,29 @@ def rounded(value: Any) -> Any:
     return value
 
 
-@pytest.mark.parametrize("logprobs", [None, TOP_LOGPROBS], ids=["no-logprobs", "logprobs"])
+@pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("mode", ["tokens", "text"])
-def test_same_stream(engines: dict[str, str], prompt: list[int], mode: OutputMode, logprobs: int | None) -> None:
-    rid = f"conf-sse-{mode}-{logprobs}"
-    answers = ask_both(engines, generate_body(rid, prompt, mode, True, logprobs))
+def test_same_stream(
+    engines: dict[str, str], prompt: list[int], greedy_ids: list[int], mode: OutputMode, case: str
+) -> None:
+    rid = f"conf-sse-{mode}-{case}"
+    sampling = sampling_for(case, greedy_ids)
+    answers = ask_both(engines, generate_body(rid, prompt, mode, True, sampling))
     for name, answer in answers.items():
         assert has_done(answer), f"{name} did not end its stream with [DONE]"
     payloads = {name: sse_payloads(answer) for name, answer in answers.items()}
     shapes = {name: {chunk_shape(json.loads(p)) for p in payloads[name]} for name in PEERS}
     assert shapes["onehop"] == shapes["stock"]
 
-    folded = {name: fold(payloads[name], mode, logprobs is not None) for name in PEERS}
-    assert {c["request_id"] for c in folded["stock"]} == {VLLM_REQUEST_ID_PREFIX + rid}
-    assert {c["request_id"] for c in folded["onehop"]} == {rid}
+    folded = {name: fold(payloads[name], mode, "logprobs" in sampling) for name in PEERS}
+    assert folded["stock"]["request_ids"] == {VLLM_REQUEST_ID_PREFIX + rid}
+    assert folded["onehop"]["request_ids"] == {rid}
+    finish, stop_reason = expected_finish(case, greedy_ids)
+    stock_choices = folded["stock"]["choices"]
+    assert len(stock_choices) == sampling.get("n", 1)
+    assert {(c["finish_reason"], c["stop_reason"]) for c in stock_choices} == {(finish, stop_reason)}
     for name in PEERS:
-        for choice in folded[name]:
-            choice.pop("request_id")
-    (stock_choice,) = folded["stock"]
-    assert len(stock_choice["token_ids"]) == MAX_TOKENS and stock_choice["finish_reason"] == "length"
+        del folded[name]["request_ids"]
     assert folded["onehop"] == folded["stock"]
 
 
@@ -164,15 +208,20 @@ def chunk_shape(chunk: Any) -> Any:
     return type(chunk).__name__
 
 
-def fold(payloads: list[bytes], mode: OutputMode, with_logprobs: bool) -> list[dict[str, Any]]:
+def fold(payloads: list[bytes], mode: OutputMode, with_logprobs: bool) -> dict[str, Any]:
     """A stream's chunks decoded and concatenated per choice; checks one choice per event."""
     choices: dict[int, dict[str, Any]] = {}
+    request_ids: set[str] = set()
+    usage: list[Any] = []
     for payload in payloads:
         chunk = decode_generate_stream_chunk(payload, mode)
+        request_ids.add(chunk.request_id)
+        if not chunk.choices:  # the usage chunk (stream_options.include_usage)
+            usage.append(msgspec.to_builtins(chunk.usage))
+            continue
         (choice,) = chunk.choices
         folded = choices.setdefault(
-            choice.index,
-            {"request_id": chunk.request_id, "token_ids": [], "text": "", "logprobs": [], "finish_reason": None},
+            choice.index, {"token_ids": [], "text": "", "logprobs": [], "finish_reason": None, "stop_reason": None}
         )
         assert folded["finish_reason"] is None, "a chunk after the choice finished"
         ids = choice.token_ids or []
@@ -184,7 +233,8 @@ def fold(payloads: list[bytes], mode: OutputMode, with_logprobs: bool) -> list[d
             folded["logprobs"] += rounded(msgspec.to_builtins(choice.logprobs.content))
         folded["finish_reason"] = choice.finish_reason
         folded["stop_reason"] = choice.stop_reason
-    return [choices[i] for i in sorted(choices)]
+    assert len(usage) == 1, "include_usage: exactly one usage chunk"
+    return {"request_ids": request_ids, "choices": [choices[i] for i in sorted(choices)], "usage": usage}
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
@@ -193,7 +243,7 @@ def test_text_mode_without_detokenize_is_refused(
 ) -> None:
     body = {
         "token_ids": prompt,
-        "sampling_params": {"temperature": 0, "max_tokens": MAX_TOKENS, "detokenize": False},
+        "sampling_params": {**GREEDY, "detokenize": False},
         "output_mode": "text",
         "stream": stream,
     }
@@ -203,3 +253,25 @@ def test_text_mode_without_detokenize_is_refused(
         with pytest.raises(EngineError) as refused:
             decode_generate_response(answer, "text")
         assert refused.value.info.code == 400, name
+
+
+# ------------------------------------------------------------ defaults where vLLM's behaviour is the contract
+
+
+def test_text_logprobs_zero_lists_the_sampled_token(engines: dict[str, str], prompt: list[int]) -> None:
+    sampling = {**GREEDY, "max_tokens": 3, "logprobs": 0}
+    answers = ask_both(engines, generate_body("conf-lp0", prompt, "text", False, sampling))
+    stock, onehop = (decode_generate_response(answers[name], "text") for name in PEERS)
+    assert comparable(onehop) == comparable(stock)
+
+
+def test_unset_max_tokens_fills_the_context(engines: dict[str, str], prompt: list[int]) -> None:
+    # A prompt 40 tokens short of the context: vLLM's default stays small, and above onehop's 16.
+    room = 40
+    long_prompt = (prompt * (MAX_MODEL_LEN // len(prompt) + 1))[: MAX_MODEL_LEN - room]
+    answers = ask_both(
+        engines, generate_body("conf-no-max", long_prompt, "tokens", False, {"temperature": 0, "ignore_eos": True})
+    )
+    stock, onehop = (decode_generate_response(answers[name], "tokens") for name in PEERS)
+    assert len(stock.choices[0].token_ids or ()) == room
+    assert comparable(onehop) == comparable(stock)

@@ -10,12 +10,14 @@ which a wrong position id or an unmasked pad moves by ~0.1.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -146,6 +148,9 @@ async def test_greedy_joins_mid_flight_match_single_sequence_decode(
     backend: HFBackend, reference: Any, prompts: list[list[int]]
 ) -> None:
     steps = 24
+    # Longest first: it pads the later ones on join and leaves first, so the
+    # padding no remaining row needs is cut while the others still decode.
+    prompts = sorted(prompts, key=len, reverse=True)
     runs = [Run() for _ in prompts]
     tasks = []
     for i, prompt in enumerate(prompts):
@@ -153,7 +158,8 @@ async def test_greedy_joins_mid_flight_match_single_sequence_decode(
         tasks.append(asyncio.create_task(collect(backend, req, runs[i])))
         if i + 1 < len(prompts):
             await until(lambda: runs[i].count() >= 4)
-    # The last one joined while the first was still decoding: they shared steps.
+    # The last one got its first token while the first was still decoding: they shared steps.
+    await until(lambda: runs[-1].count() >= 1)
     assert runs[0].only.finish_reason is None
     await asyncio.gather(*tasks)
     for prompt, run in zip(prompts, runs):
@@ -185,6 +191,27 @@ async def test_seeded_sampling_is_reproducible_whatever_shares_the_batch(
     assert len(alone.only.token_ids) == 16
     assert shared.only.token_ids == alone.only.token_ids
     assert other_seed.only.token_ids != alone.only.token_ids
+
+
+async def test_top_k_and_top_p_keep_only_their_candidates(backend: HFBackend, prompts: list[list[int]]) -> None:
+    a, b, c = 1000, 2000, 3000
+    # Biases make three tokens hold ~all the mass: about 0.665, 0.245 and 0.090.
+    bias = {a: 20.0, b: 19.0, c: 18.0}
+    params: dict[str, Any] = {"temperature": 1.0, "max_tokens": 64, "ignore_eos": True, "logit_bias": bias, "seed": 11}
+
+    async def tokens(request_id: str, **extra: Any) -> list[int]:
+        return (await collect(backend, request(request_id, prompts[0], **params, **extra))).only.token_ids
+
+    assert set(await tokens("all-three")) == {a, b, c}
+    nucleus = await tokens("top-p", top_p=0.8)
+    assert set(nucleus) == {a, b}
+    assert set(await tokens("top-k2", top_k=2)) == {a, b}
+    assert set(await tokens("top-k1", top_k=1)) == {a}
+    assert set(await tokens("top-k2-p", top_k=2, top_p=0.6)) == {a}  # a alone holds ~0.73 of the two
+    busy = asyncio.create_task(collect(backend, request("busy", prompts[2], max_tokens=80, temperature=0.0)))
+    await asyncio.sleep(0.05)
+    assert await tokens("top-p-shared", top_p=0.8) == nucleus
+    await busy
 
 
 # ------------------------------------------------------------ 3. logprobs
@@ -220,6 +247,7 @@ async def test_sampled_logprobs_rank_the_sampled_token(
     expected = forward_logprobs(reference, prompt, choice.token_ids)
     for token, entry, step in zip(choice.token_ids, choice.logprobs, expected, strict=True):
         value = float(step[token])
+        assert entry.rank is not None
         assert entry.token_id == token and entry.logprob == pytest.approx(value, abs=TOLERANCE)
         # Near-ties within the tolerance may land on either side.
         assert int((step > value + TOLERANCE).sum()) + 1 <= entry.rank <= int((step >= value - TOLERANCE).sum())
@@ -298,7 +326,7 @@ async def test_penalties_and_allowed_ids_shape_the_choice(backend: HFBackend, pr
     plain = (await collect(backend, request("plain", prompts[0], **params))).only.token_ids
     assert len(set(plain)) < len(plain)  # this model's greedy choice repeats itself
     for name in ("frequency_penalty", "presence_penalty"):
-        penalized = (await collect(backend, request(name, prompts[0], **{name: 1.0}, **params))).only.token_ids
+        penalized = (await collect(backend, request(name, prompts[0], **{**params, name: 1.0}))).only.token_ids
         assert len(set(penalized)) == len(penalized)
     allowed = [11, 22, 33]
     req = request("allowed", prompts[0], allowed_token_ids=allowed, **{**params, "temperature": 1.0})
@@ -337,7 +365,8 @@ async def test_abort_by_id_ends_the_stream(backend: HFBackend, prompts: list[lis
 
 async def test_cancelling_the_consumer_stops_the_request(backend: HFBackend, prompts: list[list[int]]) -> None:
     run = Run()
-    task = asyncio.create_task(collect(backend, request("cancelled", prompts[2], max_tokens=2000, ignore_eos=True), run))
+    long_request = request("cancelled", prompts[2], max_tokens=2000, ignore_eos=True)
+    task = asyncio.create_task(collect(backend, long_request, run))
     await until(lambda: run.count() >= 3)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -345,8 +374,36 @@ async def test_cancelling_the_consumer_stops_the_request(backend: HFBackend, pro
     await until(lambda: "cancelled" not in backend.running(), timeout=GONE_WITHIN_S)
 
 
+async def test_abort_during_prefill_releases_a_request_that_ended_there(
+    backend: HFBackend, prompts: list[list[int]]
+) -> None:
+    entered, go = threading.Event(), threading.Event()
+
+    def hold_prefill(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        if kwargs["input_ids"].shape[1] > 1 and not entered.is_set():
+            entered.set()
+            go.wait(GONE_WITHIN_S)
+
+    # The prefill waits in the worker thread until the abort has been asked for.
+    handle = backend._model.register_forward_pre_hook(hold_prefill, with_kwargs=True)
+    try:
+        run = Run()
+        task = asyncio.create_task(collect(backend, request("held", prompts[2], max_tokens=1), run))
+        assert await asyncio.to_thread(entered.wait, GONE_WITHIN_S)
+        abort = asyncio.create_task(backend.abort("held"))
+        await asyncio.sleep(0.01)
+        go.set()
+        await asyncio.wait_for(abort, GONE_WITHIN_S)
+        await asyncio.wait_for(task, GONE_WITHIN_S)
+    finally:
+        go.set()
+        handle.remove()
+    assert backend.running() == frozenset()
+    assert run.only.finish_reason == "abort" and run.only.token_ids == []
+
+
 async def test_a_failed_forward_pass_fails_its_requests_only(backend: HFBackend, prompts: list[list[int]]) -> None:
-    fired = []
+    fired: list[bool] = []
 
     def fail_one_decode(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
         if not fired and kwargs["input_ids"].shape[1] == 1:
@@ -395,6 +452,18 @@ async def test_a_running_id_cannot_be_reused(backend: HFBackend, prompts: list[l
     with pytest.raises(BackendRequestError, match="already running"):
         await anext(backend.generate(request("twice", prompts[0])))
     await first.aclose()
+
+
+async def test_config_is_strict() -> None:
+    assert msgspec.convert({"model": "m"}, HFBackendConfig).max_batch_size == 16
+    for bad in ({"bogus": 1}, {"max_batch_size": 0}, {"dtype": "int8"}, {"device": "tpu"}):
+        with pytest.raises(msgspec.ValidationError):
+            msgspec.convert({"model": "m", **bad}, HFBackendConfig)
+
+
+async def test_a_missing_model_folder_fails_start(tmp_path: Path) -> None:
+    with pytest.raises(BackendError, match="does not exist"):
+        await HFBackend(HFBackendConfig(model=str(tmp_path / "missing"))).start()
 
 
 async def test_generate_needs_start(tiny_model_dir: Path) -> None:
