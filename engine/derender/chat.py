@@ -237,6 +237,10 @@ class ChatChoiceState:
             if finish_reason is not None:
                 pieces += self._splitter.finish()
         if logprobs is not None and self._options.logprobs:
+            top = self._options.top_logprobs
+            for entry in logprobs:  # text mode sends every candidate; the client asked for `top`
+                if len(entry.top_logprobs) > top:
+                    entry.top_logprobs = entry.top_logprobs[:top]
             self._logprobs.extend(logprobs)
         else:
             logprobs = None

@@ -402,3 +402,18 @@ async def test_health_models_capabilities_and_metrics(qwen3_tokenizer: Any, qwen
     cpu = {s.labels["mode"]: s.value for s in families["onehop_engine_output_cpu_seconds"].samples if s.name.endswith("_total")}
     assert cpu["text"] > 0
     assert "onehop_engine_time_to_first_token_seconds" in families
+
+
+async def test_routes_agree_on_the_hf_backend(qwen3_tokenizer: Any, tiny_model_dir: Path, qwen3_vocab: Any, session: Any) -> None:
+    """A real (tiny, random) model with seeded sampling: the three routes still give one answer."""
+    prompt = render(qwen3_tokenizer)
+    sampling = {"temperature": 0.8, "top_k": 50, "max_tokens": 40, "logprobs": 2, "stop": ["the"]}
+    chat = chat_request(True, logprobs=True, top_logprobs=2, stop=["the"])
+    async with engine_server(tiny_model_dir, backend="hf", backend_options={"threads": 1}) as (base, state):
+        tokens = await _via_tokens(session, base, prompt, chat, sampling, qwen3_vocab)
+        text = await _via_text(session, base, prompt, chat, sampling, qwen3_vocab)
+        derender = await _via_derender(session, base, prompt, chat, sampling)
+        assert not state.backend.running()
+    assert _without_ids(tokens) == _without_ids(text) == _without_ids(derender)
+    assert derender.reasoning or derender.content
+    assert derender.logprobs and all(len(e["top_logprobs"]) == 2 for e in derender.logprobs)
