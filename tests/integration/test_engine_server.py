@@ -417,3 +417,12 @@ async def test_routes_agree_on_the_hf_backend(qwen3_tokenizer: Any, tiny_model_d
     assert _without_ids(tokens) == _without_ids(text) == _without_ids(derender)
     assert derender.reasoning or derender.content
     assert derender.logprobs and all(len(e["top_logprobs"]) == 2 for e in derender.logprobs)
+
+
+async def test_continuous_usage_on_every_chunk(qwen3_tokenizer: Any, qwen3_tokenizer_dir: Path, session: Any) -> None:
+    body = generate_body(render(qwen3_tokenizer), "tokens", stream=True, max_tokens=10)
+    body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    async with engine_server(qwen3_tokenizer_dir) as (base, _):
+        events, _ = await stream_events(session, base + GENERATE, body)
+    counts = [e["usage"]["completion_tokens"] for e in events]
+    assert counts == sorted(counts) and counts[-1] == 10 and len(counts) > 2
