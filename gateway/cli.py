@@ -22,6 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_fixtures(commands)
     _add_engine(commands)
+    _add_serve(commands)
+    _add_gateway(commands)
     return parser
 
 
@@ -124,6 +126,64 @@ def _run_engine(args: argparse.Namespace) -> int:
         backend_options=_backend_options(args.backend_option),
     )
     run(config)
+    return 0
+
+
+def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    serve = commands.add_parser(
+        "serve",
+        help="the OpenAI API with an embedded engine (default: the tiny Qwen3 model)",
+        description="Serve the OpenAI API on HOST:PORT, backed by an engine in the same process.",
+    )
+    serve.add_argument("--model", default=None, help="a local HF causal-LM folder (default: the tiny Qwen3 model)")
+    serve.add_argument("--backend", choices=["hf", "sim", "vllm"], default="hf")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--route", choices=["derender", "text", "tokens"], default="derender")
+    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--backend-option", action="append", default=[], metavar="KEY=VALUE")
+    serve.set_defaults(func=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from engine.config import EngineConfig
+    from gateway.embedded import serve
+
+    model = args.model
+    if model is None:
+        from engine.qwen3.fixtures import ensure_tiny_model, ensure_tokenizer
+
+        model = str(ensure_tokenizer() if args.backend == "sim" else ensure_tiny_model())
+    engine = EngineConfig(
+        backend=args.backend,
+        model=model,
+        served_model_name=args.served_model_name,
+        backend_options=_backend_options(args.backend_option),
+    )
+    serve(engine, host=args.host, port=args.port, route=args.route)
+    return 0
+
+
+def _add_gateway(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    gateway = commands.add_parser(
+        "gateway",
+        help="the OpenAI gateway alone, against the engines in a YAML config",
+        description="Serve the OpenAI API against engines listed in a YAML config (see configs/gateway.yaml).",
+    )
+    gateway.add_argument("--config", type=Path, required=True, metavar="FILE")
+    gateway.set_defaults(func=_run_gateway)
+
+
+def _run_gateway(args: argparse.Namespace) -> int:
+    from gateway.app import serve
+    from gateway.config import ConfigError, load_config
+
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(f"onehop gateway: {exc}", file=sys.stderr)
+        return 2
+    serve(config)
     return 0
 
 

@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.derender.logprobs import completion_logprobs
+from engine.derender.logprobs import completion_from_chat_logprobs, completion_logprobs
 from engine.derender.text import TextParams, TextPipeline
 from engine.derender.vocab import TokenVocab
 from engine.openai_schema import (
@@ -23,6 +23,7 @@ from engine.openai_schema import (
     CompletionChunkChoice,
     CompletionLogprobs,
     CompletionRequest,
+    ChatLogprobToken,
     PromptTokensDetails,
     Usage,
 )
@@ -107,11 +108,37 @@ class CompletionChoiceState:
         self.token_ids.extend(kept)
         generated = "".join(piece for piece, _ in step.pieces)
         entries = self._format_logprobs(logprobs, len(kept))
+        return self._emit(generated, entries, kept, step.finish_reason, step.stop_reason)
+
+    def feed_text(
+        self,
+        text: str,
+        token_ids: Sequence[int] = (),
+        logprobs: Sequence[ChatLogprobToken] | None = None,
+        *,
+        finish_reason: str | None = None,
+        stop_reason: int | str | None = None,
+    ) -> CompletionChunkChoice | None:
+        """One step of an engine's `text` output (stop strings already applied there)."""
+        self.token_ids.extend(token_ids)
+        entries = None
+        if self._options.logprobs is not None and logprobs is not None:
+            entries = self._keep(completion_from_chat_logprobs(logprobs, self._options.logprobs, self._offset))
+        return self._emit(text, entries, token_ids, finish_reason, stop_reason)
+
+    def _emit(
+        self,
+        generated: str,
+        entries: CompletionLogprobs | None,
+        kept: Sequence[int],
+        finish_reason: str | None,
+        stop_reason: int | str | None,
+    ) -> CompletionChunkChoice | None:
         text = self._echo + generated if self._echo else generated
         self._echo = ""
         self._parts.append(text)
-        if step.finish_reason is not None:
-            self.finish_reason, self.stop_reason = step.finish_reason, step.stop_reason
+        if finish_reason is not None:
+            self.finish_reason, self.stop_reason = finish_reason, stop_reason
         if not text and entries is None and self.finish_reason is None:
             return None
         choice = CompletionChunkChoice(
@@ -130,7 +157,9 @@ class CompletionChoiceState:
     ) -> CompletionLogprobs | None:
         if self._options.logprobs is None or logprobs is None:
             return None
-        entries = completion_logprobs(self._vocab, logprobs[:kept], self._options.logprobs, self._offset)
+        return self._keep(completion_logprobs(self._vocab, logprobs[:kept], self._options.logprobs, self._offset))
+
+    def _keep(self, entries: CompletionLogprobs) -> CompletionLogprobs:
         # Offsets advance by each token's own string, so they do not depend on chunking.
         self._offset += sum(len(token) for token in entries.tokens)
         whole = self._logprobs
@@ -197,6 +226,24 @@ class CompletionDerender:
     ) -> CompletionChunk | None:
         """Feed choice `index` (0-based within this prompt) one step of output."""
         choice = self.choices[index].feed(token_ids, logprobs, finish_reason=finish_reason, stop_reason=stop_reason)
+        if choice is None:
+            return None
+        chunk = CompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
+        if self._continuous:
+            chunk.usage = self.usage()
+        return chunk
+
+    def step_text(
+        self,
+        index: int,
+        text: str,
+        token_ids: Sequence[int] = (),
+        logprobs: Sequence[ChatLogprobToken] | None = None,
+        *,
+        finish_reason: str | None = None,
+        stop_reason: int | str | None = None,
+    ) -> CompletionChunk | None:
+        choice = self.choices[index].feed_text(text, token_ids, logprobs, finish_reason=finish_reason, stop_reason=stop_reason)
         if choice is None:
             return None
         chunk = CompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])

@@ -52,3 +52,19 @@ def completion_logprobs(
         text_offset += len(token)
         tops.append({piece(c.token_id)[0]: max(c.logprob, LOGPROB_FLOOR) for c in entry.top_logprobs[:top_n]})
     return CompletionLogprobs(text_offset=offsets, token_logprobs=values, tokens=tokens, top_logprobs=tops)
+
+
+def completion_from_chat_logprobs(
+    entries: Sequence[ChatLogprobToken], top_n: int, text_offset: int
+) -> CompletionLogprobs:
+    """Decoded (text-mode) logprobs in the legacy completions shape."""
+    offsets: list[int] = []
+    for entry in entries:
+        offsets.append(text_offset)
+        text_offset += len(entry.token)
+    return CompletionLogprobs(
+        text_offset=offsets,
+        token_logprobs=[entry.logprob for entry in entries],
+        tokens=[entry.token for entry in entries],
+        top_logprobs=[{top.token: top.logprob for top in entry.top_logprobs[:top_n]} for entry in entries],
+    )

@@ -1,0 +1,78 @@
+"""The gateway's aiohttp application: OpenAI routes, lifecycle, the small endpoints.
+
+`create_app(config)` wires everything through `AppKey`s and `cleanup_ctx`;
+`serve(config)` runs it with uvloop and handler cancellation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import msgspec
+from aiohttp import web
+
+from engine.app import load_vocab, new_event_loop
+from engine.openai_schema import ModelCard, ModelList
+from gateway.config import GatewayConfig
+from gateway.engine_client import EngineClient
+from gateway.errors import gateway_error_middleware
+from gateway.pipeline import ROUTE_KEY, handle_chat, handle_completion
+from gateway.render import LocalRenderer
+from gateway.state import GATEWAY, GatewayState
+
+log = logging.getLogger(__name__)
+_encode = msgspec.json.Encoder().encode
+ROUTE_RESPONSE_HEADER = "onehop-route"
+
+
+async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    state = app[GATEWAY]
+    await state.engines.start()
+    if state.renderer is None:
+        state.renderer = await asyncio.to_thread(LocalRenderer, state.config.tokenizer)
+    if state.vocab is None:
+        state.vocab = await asyncio.to_thread(load_vocab, state.config.tokenizer)
+    yield
+    await state.engines.close()
+    state.renderer.close()
+    for task in list(state.background):
+        await asyncio.wait({task}, timeout=5)
+
+
+async def _route_header(request: web.Request, response: web.StreamResponse) -> None:
+    route = request.get(ROUTE_KEY)
+    if route is not None:
+        response.headers[ROUTE_RESPONSE_HEADER] = route
+
+
+def create_app(config: GatewayConfig, *, renderer: LocalRenderer | None = None) -> web.Application:
+    app = web.Application(middlewares=[gateway_error_middleware], client_max_size=config.max_body_bytes)
+    app[GATEWAY] = GatewayState(config=config, engines=EngineClient(config.engines, config.timeouts), renderer=renderer)
+    app.cleanup_ctx.append(_lifecycle)
+    app.on_response_prepare.append(_route_header)
+    app.router.add_post("/v1/chat/completions", handle_chat)
+    app.router.add_post("/v1/completions", handle_completion)
+    app.router.add_get("/v1/models", handle_models)
+    app.router.add_get("/health", handle_health)
+    return app
+
+
+async def handle_models(http: web.Request) -> web.Response:
+    model = http.app[GATEWAY].config.model
+    body = ModelList(data=[ModelCard(id=model, root=model, created=int(time.time()))])
+    return web.Response(body=_encode(body), content_type="application/json")
+
+
+async def handle_health(http: web.Request) -> web.Response:
+    return web.Response(body=b'{"status":"ok"}', content_type="application/json")
+
+
+def serve(config: GatewayConfig) -> None:
+    """`onehop gateway`: the gateway alone, against the engines in its config."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    web.run_app(
+        create_app(config), host=config.host, port=config.port, handler_cancellation=True, print=None, loop=new_event_loop()
+    )

@@ -1,0 +1,235 @@
+"""`/v1/completions`: one engine request per prompt, merged into one answer.
+
+Choices are numbered `prompt_index * n + i` as OpenAI does. A single prompt on
+the derender route is relayed byte for byte; several prompts are merged
+chunk by chunk under one id, with usage summed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from engine.derender.completion import CompletionDerender, CompletionOptions
+from engine.openai_schema import (
+    COMPLETION_CHUNK_DECODER,
+    COMPLETION_DECODER,
+    Completion,
+    CompletionChunk,
+    CompletionRequest,
+    Usage,
+)
+from engine.outputs import text_params
+from engine.protocol import SamplingParams
+from gateway.config import Route
+from gateway.engine_request import completion_sampling, generate_body
+from gateway.errors import EngineFailed, GatewayError, error_json
+
+from gateway.relay import engine_payloads, feed_choice, feed_chunk, open_stream, relay_json, relay_stream, whole_choices
+from gateway.sse import DONE_FRAME, frame
+from gateway.state import GATEWAY, GatewayState
+
+_encode = msgspec.json.Encoder().encode
+
+
+class CompletionsDerender(CompletionDerender):
+    """CompletionDerender with the chat-derender surface the relay expects (no role chunks)."""
+
+    def start(self) -> list[Any]:
+        return []
+
+
+class _Call:
+    """One prompt's engine request."""
+
+    def __init__(self, request_id: str, body: bytes, route: Route, derender: CompletionsDerender | None) -> None:
+        self.request_id = request_id
+        self.body = body
+        self.mode = "tokens" if route in ("tokens", "tokens-remote") else "text"
+        self.derender = derender
+
+
+def _sum_usage(usages: list[Usage]) -> Usage:
+    prompt = sum(u.prompt_tokens for u in usages)
+    completion = sum(u.completion_tokens or 0 for u in usages)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+async def serve_completion(
+    http: web.Request,
+    state: GatewayState,
+    request: CompletionRequest,
+    body: bytes,
+    prompts: list[list[int]],
+    route: Route,
+) -> web.StreamResponse:
+    response_id = f"cmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    sampling = completion_sampling(request)
+    stream = bool(request.stream)
+    options = request.stream_options
+    include_usage = bool(options and options.include_usage)
+    calls = [
+        _Call(
+            _request_id(response_id, i, len(prompts)),
+            generate_body(
+                request_id=_request_id(response_id, i, len(prompts)),
+                model=None,
+                prompt_ids=prompt,
+                sampling=sampling,
+                route=route,
+                stream=stream,
+                include_usage=include_usage,
+                completion_request=body,
+                prompt_index=i,
+            ),
+            route,
+            None if route == "derender" else _derender(state, request, sampling, prompt, i, response_id, created),
+        )
+        for i, prompt in enumerate(prompts)
+    ]
+    url = state.engines.pick()
+    try:
+        if route == "derender" and len(calls) == 1:
+            async with state.engines.generate(url, calls[0].body) as engine:
+                return await (relay_stream(http, engine) if stream else relay_json(engine))
+        if stream:
+            return await _stream(http, state, url, calls, response_id, created, include_usage)
+        return await _json(state, url, calls, response_id, created)
+    except asyncio.CancelledError:
+        for call in calls:
+            state.spawn(state.engines.abort(url, call.request_id))
+        raise
+
+
+def _request_id(response_id: str, index: int, prompts: int) -> str:
+    return response_id if prompts == 1 else f"{response_id}-{index}"
+
+
+def _derender(
+    state: GatewayState,
+    request: CompletionRequest,
+    sampling: dict[str, Any],
+    prompt: list[int],
+    index: int,
+    response_id: str,
+    created: int,
+) -> CompletionsDerender:
+    assert state.vocab is not None
+    base = CompletionOptions.from_request(request)
+    options = CompletionOptions(
+        text=text_params(msgspec.convert(sampling, SamplingParams)),
+        logprobs=base.logprobs,
+        echo=base.echo,
+        return_token_ids=base.return_token_ids,
+    )
+    n = request.n or 1
+    return CompletionsDerender(
+        state.vocab,
+        options,
+        model=request.model or state.config.model,
+        n=n,
+        first_index=index * n,
+        prompt_token_ids=prompt,
+        response_id=response_id,
+        created=created,
+        include_usage=True,
+    )
+
+
+async def _chunks_of(state: GatewayState, url: str, call: _Call) -> AsyncIterator[CompletionChunk]:
+    async with state.engines.generate(url, call.body) as engine:
+        async for payload in engine_payloads(engine):
+            if call.derender is None:
+                try:
+                    yield COMPLETION_CHUNK_DECODER.decode(payload)
+                except msgspec.DecodeError as exc:
+                    raise EngineFailed(f"the engine sent an invalid chunk: {payload[:200]!r}") from exc
+                continue
+            for out in feed_chunk(call.derender, call.mode, payload):
+                yield out
+    if call.derender is not None:
+        usage = call.derender.usage_chunk()
+        if usage is not None:
+            yield usage
+
+
+async def _stream(
+    http: web.Request,
+    state: GatewayState,
+    url: str,
+    calls: list[_Call],
+    response_id: str,
+    created: int,
+    include_usage: bool,
+) -> web.StreamResponse:
+    response = await open_stream(http)
+    queue: asyncio.Queue[CompletionChunk | BaseException | None] = asyncio.Queue()
+    async def pump(call: _Call) -> None:
+        try:
+            async for chunk in _chunks_of(state, url, call):
+                await queue.put(chunk)
+        except BaseException as exc:  # handed to the writer, which reports it in-band
+            await queue.put(exc)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.ensure_future(pump(call)) for call in calls]
+    usages: list[Usage] = []
+    open_calls = len(calls)
+    try:
+        while open_calls:
+            item = await queue.get()
+            if item is None:
+                open_calls -= 1
+                continue
+            if isinstance(item, BaseException):
+                error = item if isinstance(item, GatewayError) else EngineFailed(f"the engine stream broke: {item}")
+                await response.write(frame(error_json(error)))
+                break
+            if not item.choices:
+                if item.usage not in (None, msgspec.UNSET):
+                    usages.append(item.usage)  # type: ignore[arg-type]
+                continue
+            item.id, item.created = response_id, created
+            await response.write(frame(_encode(item)))
+        if include_usage and usages:
+            usage = CompletionChunk(id=response_id, created=created, model=_model(http), choices=[], usage=_sum_usage(usages))
+            await response.write(frame(_encode(usage)))
+    finally:
+        for task in tasks:
+            task.cancel()
+    await response.write(DONE_FRAME)
+    await response.write_eof()
+    return response
+
+
+def _model(http: web.Request) -> str:
+    return http.app[GATEWAY].config.model
+
+
+async def _json(state: GatewayState, url: str, calls: list[_Call], response_id: str, created: int) -> web.Response:
+    async def one(call: _Call) -> Completion:
+        async with state.engines.generate(url, call.body) as engine:
+            raw = await engine.read()
+        if call.derender is None:
+            return COMPLETION_DECODER.decode(raw)
+        for choice in whole_choices(raw, call.mode):
+            feed_choice(call.derender, call.mode, choice)
+        return call.derender.response()
+
+    answers = await asyncio.gather(*(one(call) for call in calls))
+    merged = Completion(
+        id=response_id,
+        created=created,
+        model=answers[0].model,
+        choices=[choice for answer in answers for choice in answer.choices],
+        usage=_sum_usage([answer.usage for answer in answers]),
+    )
+    return web.Response(body=_encode(merged), content_type="application/json")

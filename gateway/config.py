@@ -1,0 +1,74 @@
+"""Gateway configuration: strict structs decoded from YAML, errors name the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+import yaml
+from msgspec import Meta, Struct
+
+Route = Literal["derender", "text", "tokens", "tokens-remote"]
+ROUTES: tuple[Route, ...] = ("derender", "text", "tokens", "tokens-remote")
+
+# Named defaults: every timeout is explicit.
+CONNECT_TIMEOUT_S = 5.0
+FIRST_TOKEN_TIMEOUT_S = 120.0
+IDLE_TIMEOUT_S = 60.0
+MAX_BODY_BYTES = 16 * 1024 * 1024
+
+
+class ConfigError(ValueError):
+    pass
+
+
+class Timeouts(Struct, forbid_unknown_fields=True, kw_only=True):
+    connect_s: Annotated[float, Meta(gt=0)] = CONNECT_TIMEOUT_S
+    """Opening a connection to an engine."""
+    first_token_s: Annotated[float, Meta(gt=0)] = FIRST_TOKEN_TIMEOUT_S
+    """From sending the request to the engine's first byte (covers queueing and prefill)."""
+    idle_s: Annotated[float, Meta(gt=0)] = IDLE_TIMEOUT_S
+    """Longest silence between two chunks of a stream."""
+
+
+class EngineEndpoint(Struct, forbid_unknown_fields=True, kw_only=True):
+    url: str
+    """Base URL of a onehop engine or a vLLM server started with --enable-scale-out."""
+
+
+class GatewayConfig(Struct, forbid_unknown_fields=True, kw_only=True):
+    model: str
+    """The model name clients send; requests for any other model get a 404."""
+    tokenizer: str
+    """Tokenizer (or model) folder: local render and the token route's derender."""
+    engines: Annotated[list[EngineEndpoint], Meta(min_length=1)]
+    host: str = "127.0.0.1"
+    port: Annotated[int, Meta(ge=0, le=65535)] = 8000
+    route: Route = "derender"
+    """Default route; the cost policy will choose per request."""
+    route_header: bool = True
+    """Honour an `onehop-route` request header (tests, debugging)."""
+    render: Literal["local", "remote"] = "local"
+    remote_url: str | None = None
+    """vLLM server for remote render and the tokens-remote route."""
+    reasoning_parser: str | None = "qwen3"
+    tool_parser: str | None = "hermes"
+    reasoning_field: Literal["reasoning", "reasoning_content", "both"] = "reasoning"
+    timeouts: Timeouts = msgspec.field(default_factory=Timeouts)
+    max_body_bytes: Annotated[int, Meta(ge=1024)] = MAX_BODY_BYTES
+
+    def __post_init__(self) -> None:
+        needs_remote = self.render == "remote" or self.route == "tokens-remote"
+        if needs_remote and not self.remote_url:
+            raise ConfigError("remote_url is required for render: remote or route: tokens-remote")
+
+
+def load_config(path: str | Path) -> GatewayConfig:
+    """Read and check a YAML gateway config; the error names the bad field."""
+    text = Path(path).read_text(encoding="utf-8")
+    try:
+        raw = yaml.safe_load(text)
+        return msgspec.convert(raw, GatewayConfig)
+    except (yaml.YAMLError, msgspec.ValidationError, ConfigError) as exc:
+        raise ConfigError(f"{path}: {exc}") from exc

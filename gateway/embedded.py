@@ -1,0 +1,78 @@
+"""`onehop serve`: the gateway and an engine in one process — the main job.
+
+The engine listens on a private loopback port chosen by the OS; the gateway
+is configured to use it, exactly as it would use a remote engine pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from aiohttp import web
+
+from engine.app import create_app as create_engine_app
+from engine.app import new_event_loop
+from engine.config import EngineConfig
+from gateway.app import create_app as create_gateway_app
+from gateway.config import EngineEndpoint, GatewayConfig, Route
+
+log = logging.getLogger(__name__)
+
+
+def served_name(engine: EngineConfig) -> str:
+    return engine.served_model_name or Path(engine.model).name
+
+
+@asynccontextmanager
+async def embedded(engine: EngineConfig, *, host: str, port: int, route: Route) -> AsyncIterator[tuple[str, web.AppRunner]]:
+    """Start engine then gateway; yield the gateway's base URL."""
+    engine_runner = web.AppRunner(create_engine_app(engine), handler_cancellation=True, access_log=None)
+    await engine_runner.setup()
+    engine_site = web.TCPSite(engine_runner, "127.0.0.1", 0)
+    await engine_site.start()
+    engine_port = engine_runner.addresses[0][1]
+    config = GatewayConfig(
+        model=served_name(engine),
+        tokenizer=engine.model,
+        engines=[EngineEndpoint(url=f"http://127.0.0.1:{engine_port}")],
+        host=host,
+        port=port,
+        route=route,
+        reasoning_parser=engine.reasoning_parser,
+        tool_parser=engine.tool_parser,
+        reasoning_field=engine.reasoning_field,
+    )
+    gateway_runner = web.AppRunner(create_gateway_app(config), handler_cancellation=True)
+    try:
+        await gateway_runner.setup()
+        site = web.TCPSite(gateway_runner, host, port)
+        await site.start()
+        bound = gateway_runner.addresses[0][1]
+        yield f"http://{host}:{bound}", gateway_runner
+    finally:
+        await gateway_runner.cleanup()
+        await engine_runner.cleanup()
+
+
+async def _serve_forever(engine: EngineConfig, host: str, port: int, route: Route) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with embedded(engine, host=host, port=port, route=route) as (url, _):
+        log.info("onehop serving %s (OpenAI base_url %s/v1, engine backend %s)", served_name(engine), url, engine.backend)
+        await stop.wait()
+
+
+def serve(engine: EngineConfig, *, host: str, port: int, route: Route) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    loop = new_event_loop()
+    try:
+        loop.run_until_complete(_serve_forever(engine, host, port, route))
+    finally:
+        loop.close()

@@ -1,0 +1,107 @@
+"""Talking to engines: one shared `ClientSession`, explicit timeouts, aborts.
+
+`generate()` opens a request and hands back the response once the engine has
+answered (status and headers), within `first_token_s`; reads after that are
+bounded by `idle_s` per chunk. A non-200 answer is turned into the matching
+gateway error with the engine's own message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import aiohttp
+import msgspec
+
+from gateway.config import EngineEndpoint, Timeouts
+from gateway.errors import EngineFailed, EngineUnavailable, GatewayError, InvalidRequest, ModelNotFound, PayloadTooLarge, Unprocessable
+
+log = logging.getLogger(__name__)
+
+GENERATE_PATH = "/inference/v1/generate"
+ABORT_PATH = "/inference/v1/abort_requests"
+ABORT_TIMEOUT_S = 5.0
+
+
+class _ErrorView(msgspec.Struct):
+    message: str = ""
+
+
+class _ErrorBody(msgspec.Struct):
+    error: _ErrorView | str | None = None
+    detail: str | None = None  # FastAPI's shape, from stock vLLM
+
+
+_ERROR_DECODER = msgspec.json.Decoder(_ErrorBody)
+_STATUS_ERRORS: dict[int, type[GatewayError]] = {400: InvalidRequest, 404: ModelNotFound, 413: PayloadTooLarge, 422: Unprocessable}
+
+
+def engine_error(status: int, body: bytes) -> GatewayError:
+    """The gateway error for an engine's non-200 answer, keeping its message."""
+    try:
+        parsed = _ERROR_DECODER.decode(body)
+        error = parsed.error
+        message = error.message if isinstance(error, _ErrorView) else (error or parsed.detail or "")
+    except msgspec.DecodeError:
+        message = body[:500].decode("utf-8", "replace")
+    kind = _STATUS_ERRORS.get(status)
+    if kind is not None:
+        return kind(message or f"the engine refused the request ({status})", status=status if status != 422 else None)
+    return EngineFailed(f"the engine failed ({status}): {message}")
+
+
+class EngineClient:
+    def __init__(self, endpoints: list[EngineEndpoint], timeouts: Timeouts) -> None:
+        self._urls = [e.url.rstrip("/") for e in endpoints]
+        self._next = itertools.cycle(range(len(self._urls)))
+        self._timeouts = timeouts
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=None, connect=self._timeouts.connect_s, sock_read=self._timeouts.idle_s)
+        self._session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        assert self._session is not None, "EngineClient.start() was not awaited"
+        return self._session
+
+    def pick(self) -> str:
+        """The engine for the next request (round robin; pools and load balancing come later)."""
+        return self._urls[next(self._next)]
+
+    @asynccontextmanager
+    async def generate(self, url: str, body: bytes) -> AsyncIterator[aiohttp.ClientResponse]:
+        try:
+            async with asyncio.timeout(self._timeouts.first_token_s):
+                response = await self.session.post(
+                    url + GENERATE_PATH, data=body, headers={"Content-Type": "application/json"}
+                )
+        except TimeoutError as exc:
+            raise EngineUnavailable(f"the engine did not answer within {self._timeouts.first_token_s} s") from exc
+        except aiohttp.ClientError as exc:
+            raise EngineUnavailable(f"cannot reach the engine: {exc}") from exc
+        try:
+            if response.status != 200:
+                raise engine_error(response.status, await response.read())
+            yield response
+        finally:
+            response.release()
+            response.close()
+
+    async def abort(self, url: str, request_id: str) -> None:
+        """Best effort: the engine also aborts when the stream's connection closes."""
+        try:
+            async with asyncio.timeout(ABORT_TIMEOUT_S):
+                async with self.session.post(url + ABORT_PATH, json={"request_ids": [request_id]}) as response:
+                    await response.read()
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            log.warning("abort of %s at %s failed: %s", request_id, url, exc)

@@ -1,0 +1,116 @@
+"""OpenAI request → the engine's `GenerateRequest` body, per route.
+
+Bodies are built as plain dicts with `msgspec.Raw` for what passes through
+(the client's own chat request on the derender route), so the client's bytes
+are never decoded twice or re-encoded field by field. `max_tokens` is left
+out when the client did not set it: the engine then generates up to the
+context, as vLLM does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from engine.openai_schema import ChatCompletionRequest, CompletionRequest
+from engine.protocol import ProtocolError, SamplingParams
+from gateway.config import Route
+from gateway.errors import InvalidRequest
+
+_encode = msgspec.json.Encoder().encode
+
+ENGINE_MODE: dict[Route, str] = {"derender": "derender", "text": "text", "tokens": "tokens", "tokens-remote": "tokens"}
+
+
+def _common_sampling(request: ChatCompletionRequest | CompletionRequest, max_tokens: int | None) -> dict[str, Any]:
+    sampling: dict[str, Any] = {"n": request.n or 1}
+    if max_tokens is not None:
+        sampling["max_tokens"] = max_tokens
+    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        value = getattr(request, name)
+        if value is not None:
+            sampling[name] = value
+    stop = request.stop
+    if stop:
+        sampling["stop"] = [stop] if isinstance(stop, str) else list(stop)
+    if request.stop_token_ids:
+        sampling["stop_token_ids"] = list(request.stop_token_ids)
+    if request.logit_bias:
+        try:
+            sampling["logit_bias"] = {int(k): float(v) for k, v in request.logit_bias.items()}
+        except ValueError as exc:
+            raise InvalidRequest("logit_bias keys must be token ids", param="logit_bias") from exc
+    if request.allowed_token_ids:
+        sampling["allowed_token_ids"] = list(request.allowed_token_ids)
+    if request.bad_words:
+        sampling["bad_words"] = list(request.bad_words)
+    for name in ("ignore_eos", "include_stop_str_in_output"):
+        if getattr(request, name):
+            sampling[name] = True
+    if request.min_tokens:
+        sampling["min_tokens"] = request.min_tokens
+    if not request.skip_special_tokens:
+        sampling["skip_special_tokens"] = False
+    if not request.spaces_between_special_tokens:
+        sampling["spaces_between_special_tokens"] = False
+    return sampling
+
+
+def _checked(sampling: dict[str, Any]) -> dict[str, Any]:
+    """Refuse at the gateway what the engine would refuse (ranges, min vs max tokens)."""
+    try:
+        msgspec.convert(sampling, SamplingParams)
+    except (msgspec.ValidationError, ProtocolError) as exc:
+        raise InvalidRequest(f"invalid sampling parameters: {exc}") from exc
+    return sampling
+
+
+def chat_sampling(request: ChatCompletionRequest) -> dict[str, Any]:
+    max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+    sampling = _common_sampling(request, max_tokens)
+    if request.logprobs:
+        sampling["logprobs"] = request.top_logprobs or 0
+    return _checked(sampling)
+
+
+def completion_sampling(request: CompletionRequest) -> dict[str, Any]:
+    sampling = _common_sampling(request, request.max_tokens)
+    if request.logprobs is not None:
+        sampling["logprobs"] = request.logprobs
+    return _checked(sampling)
+
+
+def generate_body(
+    *,
+    request_id: str,
+    model: str | None,
+    prompt_ids: list[int],
+    sampling: dict[str, Any],
+    route: Route,
+    stream: bool,
+    include_usage: bool = False,
+    continuous_usage: bool = False,
+    chat_request: bytes | None = None,
+    completion_request: bytes | None = None,
+    prompt_index: int = 0,
+) -> bytes:
+    mode = ENGINE_MODE[route]
+    body: dict[str, Any] = {
+        "request_id": request_id,
+        "token_ids": prompt_ids,
+        "sampling_params": sampling,
+        "output_mode": mode,
+        "stream": stream,
+    }
+    if model is not None:
+        body["model"] = model
+    if mode == "derender":
+        if chat_request is not None:
+            body["chat_request"] = msgspec.Raw(chat_request)
+        if completion_request is not None:
+            body["completion_request"] = msgspec.Raw(completion_request)
+            body["prompt_index"] = prompt_index
+        if stream and include_usage:
+            body["stream_options"] = {"include_usage": True, "continuous_usage_stats": continuous_usage}
+    return _encode(body)

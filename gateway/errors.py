@@ -1,0 +1,119 @@
+"""The gateway's errors and their one translation to OpenAI's error JSON.
+
+    GatewayError                  an HTTP status and an OpenAI error `type`
+    ├── InvalidRequest      400   malformed or unsupported request (names the field)
+    ├── Unauthorized        401
+    ├── ModelNotFound       404
+    ├── RouteNotFound       404
+    ├── PayloadTooLarge     413
+    ├── Unprocessable       422   well-formed but impossible (e.g. prompt longer than the context)
+    ├── RateLimited         429
+    ├── EngineUnavailable   503   no engine answered
+    └── EngineFailed        502   an engine answered with an error we cannot pass on as the client's
+
+`gateway_error_middleware` maps every raised exception to one of these;
+engine 4xx answers are passed on with the engine's message. After the first
+byte of a stream, errors travel in-band (an error event, then `[DONE]`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+import msgspec
+from aiohttp import web
+
+from engine.openai_schema import ErrorInfo, ErrorResponse
+
+log = logging.getLogger(__name__)
+_encode = msgspec.json.Encoder().encode
+
+
+class GatewayError(Exception):
+    status = 500
+    type = "InternalServerError"
+
+    def __init__(self, message: str, *, param: str | None = None, status: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if status is not None:
+            self.status = status
+
+
+class InvalidRequest(GatewayError):
+    status = 400
+    type = "BadRequestError"
+
+
+class Unauthorized(GatewayError):
+    status = 401
+    type = "AuthenticationError"
+
+
+class ModelNotFound(GatewayError):
+    status = 404
+    type = "NotFoundError"
+
+
+class RouteNotFound(GatewayError):
+    status = 404
+    type = "NotFoundError"
+
+
+class PayloadTooLarge(GatewayError):
+    status = 413
+    type = "PayloadTooLargeError"
+
+
+class Unprocessable(GatewayError):
+    status = 422
+    type = "UnprocessableEntityError"
+
+
+class RateLimited(GatewayError):
+    status = 429
+    type = "RateLimitError"
+
+
+class EngineUnavailable(GatewayError):
+    status = 503
+    type = "ServiceUnavailableError"
+
+
+class EngineFailed(GatewayError):
+    status = 502
+    type = "BadGatewayError"
+
+
+def error_json(error: GatewayError) -> bytes:
+    return _encode(ErrorResponse(error=ErrorInfo(message=error.message, type=error.type, param=error.param, code=error.status)))
+
+
+def as_gateway_error(exc: BaseException) -> GatewayError:
+    if isinstance(exc, GatewayError):
+        return exc
+    if isinstance(exc, web.HTTPException):
+        kinds: dict[int, type[GatewayError]] = {404: RouteNotFound, 413: PayloadTooLarge}
+        kind = kinds.get(exc.status, GatewayError)
+        return kind(exc.text or exc.reason, status=exc.status)
+    return GatewayError("internal error")
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def gateway_error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        error = as_gateway_error(exc)
+    except Exception as exc:
+        error = as_gateway_error(exc)
+        if error.status >= 500:
+            log.exception("request failed: %s %s", request.method, request.path)
+    return web.Response(status=error.status, body=error_json(error), content_type="application/json")

@@ -1,0 +1,155 @@
+"""The one place that knows the whole flow of an OpenAI request through the gateway.
+
+    decode (msgspec) → refuse unsupported fields → check the model → render
+    once → pick the route → engine request → relay or derender → respond
+
+A client that leaves cancels the handler: the engine stream is closed by its
+`async with`, and an abort is sent to the engine as well (in the background,
+bounded), so nothing keeps generating.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+
+import msgspec
+from aiohttp import web
+
+from engine.derender.chat import ChatDerender, ChatOptions
+from engine.openai_schema import (
+    CHAT_COMPLETION_REQUEST_DECODER,
+    COMPLETION_REQUEST_DECODER,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
+from engine.outputs import text_params
+from engine.protocol import SamplingParams
+from gateway.completions import serve_completion
+from gateway.config import ROUTES, Route
+from gateway.engine_request import chat_sampling, generate_body
+from gateway.errors import InvalidRequest, ModelNotFound
+from gateway.relay import derender_json, derender_stream, relay_json, relay_stream
+from gateway.state import GATEWAY, GatewayState
+from gateway.validate import check_chat, check_completion
+
+ROUTE_HEADER = "onehop-route"
+"""Request header that picks the route (when the config allows it); the response names the route taken."""
+ROUTE_KEY = web.RequestKey("onehop_route", str)
+
+
+def _decode(decoder: msgspec.json.Decoder, body: bytes, what: str) -> object:
+    try:
+        return decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"invalid {what} request: {exc}") from exc
+
+
+def choose_route(state: GatewayState, http: web.Request) -> Route:
+    wanted = http.headers.get(ROUTE_HEADER)
+    if wanted and state.config.route_header:
+        if wanted not in ROUTES:
+            raise InvalidRequest(f"{ROUTE_HEADER} must be one of {', '.join(ROUTES)}", param=ROUTE_HEADER)
+        return wanted  # type: ignore[return-value]
+    return state.config.route
+
+
+def check_model(state: GatewayState, model: str | None) -> None:
+    if model is not None and model != state.config.model:
+        raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
+
+
+async def guard_disconnect(
+    state: GatewayState, url: str, request_id: str, work: Callable[[], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Run `work`; if the client leaves mid-way, abort the engine request too."""
+    try:
+        return await work()
+    except asyncio.CancelledError:
+        state.spawn(state.engines.abort(url, request_id))
+        raise
+
+
+async def handle_chat(http: web.Request) -> web.StreamResponse:
+    state = http.app[GATEWAY]
+    body = await http.read()
+    request = _decode(CHAT_COMPLETION_REQUEST_DECODER, body, "chat completion")
+    assert isinstance(request, ChatCompletionRequest)
+    check_chat(request)
+    check_model(state, request.model)
+    route = choose_route(state, http)
+    sampling = chat_sampling(request)
+    assert state.renderer is not None
+    prompt = await state.renderer.chat(request)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    stream = bool(request.stream)
+    options = request.stream_options
+    engine_body = generate_body(
+        request_id=request_id,
+        model=None,
+        prompt_ids=prompt,
+        sampling=sampling,
+        route=route,
+        stream=stream,
+        include_usage=bool(options and options.include_usage),
+        continuous_usage=bool(options and options.continuous_usage_stats),
+        chat_request=body,
+    )
+    url = state.engines.pick()
+
+    async def work() -> web.StreamResponse:
+        async with state.engines.generate(url, engine_body) as engine:
+            if route == "derender":
+                response = await (relay_stream(http, engine) if stream else relay_json(engine))
+            else:
+                derender = _chat_derender(state, request, sampling, prompt, request_id)
+                mode = "tokens" if route == "tokens" else "text"
+                response = await (derender_stream(http, engine, derender, mode) if stream else derender_json(engine, derender, mode))
+        return response
+
+    http[ROUTE_KEY] = route
+    return await guard_disconnect(state, url, request_id, work)
+
+
+def _chat_derender(
+    state: GatewayState, request: ChatCompletionRequest, sampling: dict[str, object], prompt: list[int], request_id: str
+) -> ChatDerender:
+    assert state.vocab is not None
+    params = msgspec.convert(sampling, SamplingParams)
+    options = ChatOptions.from_request(
+        request,
+        reasoning_parser=state.config.reasoning_parser,
+        tool_parser=state.config.tool_parser,
+        reasoning_field=state.config.reasoning_field,
+        text=text_params(params),
+    )
+    stream_options = request.stream_options
+    include_usage = bool(stream_options and stream_options.include_usage)
+    return ChatDerender(
+        state.vocab,
+        options,
+        model=request.model or state.config.model,
+        n=request.n or 1,
+        prompt_token_ids=prompt,
+        response_id=request_id,
+        created=int(time.time()),
+        include_usage=include_usage,
+        continuous_usage=bool(stream_options and stream_options.continuous_usage_stats),
+    )
+
+
+async def handle_completion(http: web.Request) -> web.StreamResponse:
+    state = http.app[GATEWAY]
+    body = await http.read()
+    request = _decode(COMPLETION_REQUEST_DECODER, body, "completion")
+    assert isinstance(request, CompletionRequest)
+    check_completion(request)
+    check_model(state, request.model)
+    route = choose_route(state, http)
+    assert state.renderer is not None
+    prompts = await state.renderer.completion_prompts(request)
+    http[ROUTE_KEY] = route
+    return await serve_completion(http, state, request, body, prompts, route)
+

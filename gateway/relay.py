@@ -1,0 +1,148 @@
+"""Engine answers → client answers, per route.
+
+- `derender`: the engine already sent OpenAI objects: bytes are relayed
+  untouched (no decode, no re-encode).
+- `text` / `tokens`: the engine sends text deltas or token ids; one stateful
+  derender (the engine's own `engine/derender/` code) per request turns them
+  into OpenAI chunks here.
+
+Streams end with `[DONE]`. An error after the first byte goes in-band: an
+OpenAI error event, then `[DONE]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from engine.protocol import (
+    EngineError,
+    ProtocolError,
+    decode_generate_response,
+    decode_generate_stream_chunk,
+)
+from gateway.errors import EngineFailed, GatewayError, error_json
+from gateway.sse import DONE, DONE_FRAME, SSEReader, frame
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_encode = msgspec.json.Encoder().encode
+
+
+class Derender(Protocol):
+    """What the text and token routes need: ChatDerender and CompletionsDerender both fit."""
+
+    def start(self) -> list[Any]: ...
+
+    def step(self, index: int, token_ids: Any, logprobs: Any = None, *, finish_reason: Any = None, stop_reason: Any = None) -> Any: ...
+
+    def step_text(self, index: int, text: str, token_ids: Any = (), logprobs: Any = None, *, finish_reason: Any = None, stop_reason: Any = None) -> Any: ...
+
+    def usage_chunk(self) -> Any: ...
+
+    def response(self) -> Any: ...
+
+
+async def open_stream(http: web.Request) -> web.StreamResponse:
+    response = web.StreamResponse(headers=SSE_HEADERS)
+    await response.prepare(http)
+    return response
+
+
+async def relay_stream(http: web.Request, engine: aiohttp.ClientResponse) -> web.StreamResponse:
+    """The derender route: the engine's SSE bytes, as they come."""
+    response = await open_stream(http)
+    async for piece in engine.content.iter_any():
+        await response.write(piece)
+    await response.write_eof()
+    return response
+
+
+async def relay_json(engine: aiohttp.ClientResponse) -> web.Response:
+    return web.Response(body=await engine.read(), content_type="application/json")
+
+
+async def engine_payloads(engine: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    reader = SSEReader()
+    async for piece in engine.content.iter_any():
+        for payload in reader.feed(piece):
+            if payload == DONE:
+                return
+            yield payload
+    for payload in reader.flush():
+        if payload != DONE:
+            yield payload
+
+
+def feed_chunk(derender: Derender, mode: str, payload: bytes) -> list[Any]:
+    """One engine SSE payload → the OpenAI chunks it produces."""
+    try:
+        chunk = decode_generate_stream_chunk(payload, "tokens" if mode == "tokens" else "text")
+    except EngineError as exc:
+        raise EngineFailed(f"the engine failed mid-stream: {exc}") from exc
+    except ProtocolError as exc:
+        raise EngineFailed(f"the engine sent an invalid chunk: {exc}") from exc
+    out = []
+    for choice in chunk.choices:
+        out.append(feed_choice(derender, mode, choice))
+    return [c for c in out if c is not None]
+
+
+def feed_choice(derender: Derender, mode: str, choice: Any) -> Any:
+    logprobs = choice.logprobs.content if choice.logprobs is not None else None
+    if mode == "tokens":
+        return derender.step(
+            choice.index,
+            choice.token_ids or [],
+            logprobs,
+            finish_reason=choice.finish_reason,
+            stop_reason=choice.stop_reason,
+        )
+    return derender.step_text(
+        choice.index,
+        choice.text,
+        choice.token_ids or [],
+        logprobs,
+        finish_reason=choice.finish_reason,
+        stop_reason=choice.stop_reason,
+    )
+
+
+async def derender_stream(
+    http: web.Request, engine: aiohttp.ClientResponse, derender: Derender, mode: str
+) -> web.StreamResponse:
+    """The text and token routes, streaming: engine chunks in, OpenAI chunks out."""
+    response = await open_stream(http)
+    try:
+        for chunk in derender.start():
+            await response.write(frame(_encode(chunk)))
+        async for payload in engine_payloads(engine):
+            for chunk in feed_chunk(derender, mode, payload):
+                await response.write(frame(_encode(chunk)))
+        usage = derender.usage_chunk()
+        if usage is not None:
+            await response.write(frame(_encode(usage)))
+    except GatewayError as exc:
+        await response.write(frame(error_json(exc)))
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        await response.write(frame(error_json(EngineFailed(f"the engine stream broke: {exc}"))))
+    await response.write(DONE_FRAME)
+    await response.write_eof()
+    return response
+
+
+def whole_choices(body: bytes, mode: str) -> list[Any]:
+    try:
+        return list(decode_generate_response(body, "tokens" if mode == "tokens" else "text").choices)
+    except (EngineError, ProtocolError) as exc:
+        raise EngineFailed(f"the engine sent an invalid answer: {exc}") from exc
+
+
+async def derender_json(engine: aiohttp.ClientResponse, derender: Derender, mode: str) -> web.Response:
+    """The text and token routes, non-streaming: all of each choice in one step."""
+    for choice in whole_choices(await engine.read(), mode):
+        feed_choice(derender, mode, choice)
+    return web.Response(body=_encode(derender.response()), content_type="application/json")

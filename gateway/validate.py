@@ -1,0 +1,85 @@
+"""Refuse, by name, request fields the gateway does not honour (never ignore them silently)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from msgspec import UNSET
+
+from engine.openai_schema import ChatCompletionRequest, CompletionRequest
+from gateway.errors import InvalidRequest
+
+MAX_N = 16
+MAX_TOP_LOGPROBS = 20
+
+# (field, test that it asks for something unsupported, why)
+_Rule = tuple[str, Callable[[Any], bool], str]
+
+_COMMON: list[_Rule] = [
+    ("use_beam_search", lambda r: r.use_beam_search, "beam search is not supported"),
+    ("prompt_logprobs", lambda r: r.prompt_logprobs is not None, "prompt_logprobs are not supported"),
+    ("structured_outputs", lambda r: r.structured_outputs is not None, "structured outputs are not supported"),
+    ("response_format", lambda r: _structured(r.response_format), "only response_format type 'text' is supported"),
+    ("logprob_token_ids", lambda r: r.logprob_token_ids is not None, "logprob_token_ids is not supported"),
+    ("kv_transfer_params", lambda r: r.kv_transfer_params is not None, "kv_transfer_params is set by the gateway"),
+    ("vllm_xargs", lambda r: r.vllm_xargs is not None, "vllm_xargs is not supported"),
+    ("repetition_detection", lambda r: r.repetition_detection is not None, "repetition_detection is not supported"),
+    ("thinking_token_budget", lambda r: r.thinking_token_budget is not None, "thinking_token_budget is not supported"),
+]
+_CHAT: list[_Rule] = [
+    ("echo", lambda r: r.echo, "echo is not supported for chat"),
+    ("chat_template", lambda r: r.chat_template is not None, "a per-request chat template is not accepted"),
+    ("documents", lambda r: r.documents is not None, "documents are not supported"),
+    ("messages", lambda r: _has_media(r), "only text message content is supported"),
+    ("tool_choice", lambda r: r.tool_choice in ("required",) or _named(r), "tool_choice 'required' and named tool choice need guided decoding"),
+]
+_COMPLETION: list[_Rule] = [
+    ("suffix", lambda r: r.suffix is not None, "suffix is not supported"),
+    ("prompt_embeds", lambda r: r.prompt_embeds is not None, "prompt_embeds are not supported"),
+]
+
+
+def _structured(response_format: dict[str, Any] | None) -> bool:
+    return response_format is not None and response_format.get("type", "text") != "text"
+
+
+def _named(request: ChatCompletionRequest) -> bool:
+    choice = request.tool_choice
+    return choice is not UNSET and not isinstance(choice, str) and choice is not None
+
+
+def _has_media(request: ChatCompletionRequest) -> bool:
+    for message in request.messages:
+        if isinstance(message.content, list):
+            for part in message.content:
+                if part.type not in (UNSET, "text") or part.text is UNSET:
+                    return True
+    return False
+
+
+def _apply(rules: list[_Rule], request: Any) -> None:
+    for name, asks, why in rules:
+        if asks(request):
+            raise InvalidRequest(f"{name}: {why}", param=name)
+
+
+def _check_counts(n: int | None, top_logprobs: int | None) -> None:
+    if n is not None and not 1 <= n <= MAX_N:
+        raise InvalidRequest(f"n must be between 1 and {MAX_N}, got {n}", param="n")
+    if top_logprobs is not None and not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {top_logprobs}", param="top_logprobs")
+
+
+def check_chat(request: ChatCompletionRequest) -> None:
+    _apply(_COMMON + _CHAT, request)
+    if not request.messages:
+        raise InvalidRequest("messages must not be empty", param="messages")
+    _check_counts(request.n, request.top_logprobs)
+    if request.top_logprobs and not request.logprobs:
+        raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+
+
+def check_completion(request: CompletionRequest) -> None:
+    _apply(_COMMON + _COMPLETION, request)
+    _check_counts(request.n, request.logprobs)
