@@ -11,6 +11,7 @@ import logging
 import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from aiohttp import web
@@ -24,13 +25,21 @@ from gateway.config import EngineEndpoint, GatewayConfig, Route
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Embedded:
+    url: str
+    """The gateway's base URL (the OpenAI `base_url` is this plus `/v1`)."""
+    gateway: web.Application
+    engine: web.Application
+
+
 def served_name(engine: EngineConfig) -> str:
     return engine.served_model_name or Path(engine.model).name
 
 
 @asynccontextmanager
-async def embedded(engine: EngineConfig, *, host: str, port: int, route: Route) -> AsyncIterator[tuple[str, web.AppRunner]]:
-    """Start engine then gateway; yield the gateway's base URL."""
+async def embedded(engine: EngineConfig, *, host: str, port: int, route: Route) -> AsyncIterator[Embedded]:
+    """Start engine then gateway; yield both apps and the gateway's base URL."""
     engine_runner = web.AppRunner(create_engine_app(engine), handler_cancellation=True, access_log=None)
     await engine_runner.setup()
     engine_site = web.TCPSite(engine_runner, "127.0.0.1", 0)
@@ -53,7 +62,7 @@ async def embedded(engine: EngineConfig, *, host: str, port: int, route: Route) 
         site = web.TCPSite(gateway_runner, host, port)
         await site.start()
         bound = gateway_runner.addresses[0][1]
-        yield f"http://{host}:{bound}", gateway_runner
+        yield Embedded(url=f"http://{host}:{bound}", gateway=gateway_runner.app, engine=engine_runner.app)
     finally:
         await gateway_runner.cleanup()
         await engine_runner.cleanup()
@@ -64,8 +73,8 @@ async def _serve_forever(engine: EngineConfig, host: str, port: int, route: Rout
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with embedded(engine, host=host, port=port, route=route) as (url, _):
-        log.info("onehop serving %s (OpenAI base_url %s/v1, engine backend %s)", served_name(engine), url, engine.backend)
+    async with embedded(engine, host=host, port=port, route=route) as running:
+        log.info("onehop serving %s (OpenAI base_url %s/v1, engine backend %s)", served_name(engine), running.url, engine.backend)
         await stop.wait()
 
 
