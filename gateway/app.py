@@ -18,7 +18,7 @@ from engine.app import load_vocab, new_event_loop
 from engine.openai_schema import ModelCard, ModelList
 from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient
-from gateway.errors import gateway_error_middleware
+from gateway.errors import Handler, gateway_error_middleware
 from gateway.pipeline import ROUTE_KEY, handle_chat, handle_completion
 from gateway.render import LocalRenderer
 from gateway.state import GATEWAY, GatewayState
@@ -42,6 +42,33 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         await asyncio.wait({task}, timeout=5)
 
 
+_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+
+
+@web.middleware
+async def metrics_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    endpoint = _ENDPOINTS.get(request.path)
+    if endpoint is None:
+        return await handler(request)
+    metrics = request.app[GATEWAY].metrics
+    model = request.app[GATEWAY].config.model
+    started = time.monotonic()
+    metrics.in_flight.labels(endpoint).inc()
+    status = "499"
+    try:
+        response = await handler(request)
+        status = str(response.status)
+        return response
+    except asyncio.CancelledError:
+        metrics.disconnects.labels(request.get(ROUTE_KEY, "none")).inc()
+        raise
+    finally:
+        route = request.get(ROUTE_KEY, "none")
+        metrics.in_flight.labels(endpoint).dec()
+        metrics.requests.labels(endpoint, route, model, status).inc()
+        metrics.e2e.labels(route).observe(time.monotonic() - started)
+
+
 async def _route_header(request: web.Request, response: web.StreamResponse) -> None:
     route = request.get(ROUTE_KEY)
     if route is not None:
@@ -49,7 +76,7 @@ async def _route_header(request: web.Request, response: web.StreamResponse) -> N
 
 
 def create_app(config: GatewayConfig, *, renderer: LocalRenderer | None = None) -> web.Application:
-    app = web.Application(middlewares=[gateway_error_middleware], client_max_size=config.max_body_bytes)
+    app = web.Application(middlewares=[metrics_middleware, gateway_error_middleware], client_max_size=config.max_body_bytes)
     app[GATEWAY] = GatewayState(config=config, engines=EngineClient(config.engines, config.timeouts), renderer=renderer)
     app.cleanup_ctx.append(_lifecycle)
     app.on_response_prepare.append(_route_header)
@@ -57,7 +84,13 @@ def create_app(config: GatewayConfig, *, renderer: LocalRenderer | None = None) 
     app.router.add_post("/v1/completions", handle_completion)
     app.router.add_get("/v1/models", handle_models)
     app.router.add_get("/health", handle_health)
+    app.router.add_get("/metrics", handle_metrics)
     return app
+
+
+async def handle_metrics(http: web.Request) -> web.Response:
+    body = http.app[GATEWAY].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
 async def handle_models(http: web.Request) -> web.Response:

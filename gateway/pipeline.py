@@ -82,7 +82,9 @@ async def handle_chat(http: web.Request) -> web.StreamResponse:
     route = choose_route(state, http)
     sampling = chat_sampling(request)
     assert state.renderer is not None
+    started = time.perf_counter()
     prompt = await state.renderer.chat(request)
+    state.metrics.render_seconds.observe(time.perf_counter() - started)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     stream = bool(request.stream)
     options = request.stream_options

@@ -10,6 +10,7 @@ from aiohttp import web
 from engine.derender.vocab import TokenVocab
 from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient
+from gateway.metrics import GatewayMetrics
 from gateway.render import LocalRenderer
 
 
@@ -18,6 +19,7 @@ class GatewayState:
     config: GatewayConfig
     engines: EngineClient
     renderer: LocalRenderer | None = None
+    metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     vocab: TokenVocab | None = None
     background: set[asyncio.Task[None]] = field(default_factory=set)
     """Aborts sent after a client left; kept referenced until done."""

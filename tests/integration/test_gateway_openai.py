@@ -266,3 +266,25 @@ async def test_client_disconnect_aborts_the_engine_request(qwen3_tokenizer_dir: 
             while backend.running() and asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(0.02)
             assert not backend.running(), name
+
+
+async def test_gateway_metrics_after_real_requests(gateway: Any) -> None:
+    import aiohttp
+    from prometheus_client.parser import text_string_to_metric_families
+
+    client, state = gateway
+    for name in ROUTES:
+        await client.chat.completions.create(model="sim", messages=MESSAGES, max_tokens=4, **route(name))
+    with pytest.raises(openai.NotFoundError):
+        await client.chat.completions.create(model="nope", messages=MESSAGES)
+    async with aiohttp.ClientSession() as session, session.get(str(client.base_url).replace("/v1/", "/metrics")) as resp:
+        text = await resp.text()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    counts = {
+        (s.labels["route"], s.labels["status"]): s.value
+        for s in families["onehop_gateway_requests"].samples
+        if s.name.endswith("_total")
+    }
+    assert counts[("derender", "200")] == counts[("text", "200")] == counts[("tokens", "200")] == 1
+    assert counts[("none", "404")] == 1
+    assert families["onehop_gateway_render_seconds"].samples
