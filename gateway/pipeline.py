@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 import msgspec
 from aiohttp import web
 
-from engine.derender.chat import ChatDerender, ChatOptions
+from engine.derender.chat import ChatDerender, ChatOptions, forced_tool_prefix
 from engine.openai_schema import (
     CHAT_COMPLETION_REQUEST_DECODER,
     COMPLETION_REQUEST_DECODER,
@@ -84,6 +84,9 @@ async def handle_chat(http: web.Request) -> web.StreamResponse:
     assert state.renderer is not None
     started = time.perf_counter()
     prompt = await state.renderer.chat(request)
+    forced = forced_tool_prefix(request, state.config.tool_parser)
+    if forced is not None:
+        prompt = prompt + state.renderer.encode(forced)
     state.metrics.render_seconds.observe(time.perf_counter() - started)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     stream = bool(request.stream)

@@ -62,21 +62,21 @@ _NULL = b"null"
 class RemoteServiceError(Exception):
     """vLLM's render or derender service answered with an error."""
 
-    def __init__(self, status: int, message: str, *, type: str | None = None) -> None:
+    def __init__(self, status: int, message: str, *, error_type: str | None = None) -> None:
         super().__init__(f"{status}: {message}")
         self.status = status
         self.message = message
-        self.type = type
+        self.error_type = error_type
 
 
 class RemoteUnavailable(RemoteServiceError):
     def __init__(self, message: str) -> None:
-        super().__init__(503, message, type="ServiceUnavailableError")
+        super().__init__(503, message, error_type="ServiceUnavailableError")
 
 
 class RemoteProtocolError(RemoteServiceError):
     def __init__(self, message: str) -> None:
-        super().__init__(502, message, type="BadGatewayError")
+        super().__init__(502, message, error_type="BadGatewayError")
 
 
 class InvalidChunk(ValueError):
@@ -191,7 +191,7 @@ def _service_error(status: int, body: bytes) -> RemoteServiceError:
     except msgspec.DecodeError:
         return RemoteServiceError(status, body[:_ERROR_BODY_CHARS].decode("utf-8", "replace"))
     if isinstance(view.error, _ErrorInfoView):
-        return RemoteServiceError(status, view.error.message, type=view.error.type)
+        return RemoteServiceError(status, view.error.message, error_type=view.error.type)
     detail = view.detail if isinstance(view.detail, str) else None
     return RemoteServiceError(status, view.error or detail or f"HTTP {status}")
 
@@ -230,9 +230,14 @@ async def render_completion(
 # ------------------------------------------------------------ derender
 
 
+def _is_null(raw: Raw) -> bool:
+    # Length first: a stream_state grows with the output and is never copied to be compared.
+    return len(raw) == len(_NULL) and bytes(raw) == _NULL
+
+
 def _chat_chunk_visible(chunk: Raw) -> bool:
     view = _CHAT_CHUNK.decode(chunk)
-    if bytes(view.usage) != _NULL:
+    if not _is_null(view.usage):
         return True
     for choice in view.choices:
         delta = choice.delta
@@ -240,19 +245,19 @@ def _chat_chunk_visible(chunk: Raw) -> bool:
             return True
         if delta.reasoning or delta.reasoning_content:
             return True
-        if bytes(choice.logprobs) != _NULL or bytes(choice.token_ids) != _NULL:
+        if not (_is_null(choice.logprobs) and _is_null(choice.token_ids)):
             return True
     return False
 
 
 def _completion_chunk_visible(chunk: Raw) -> bool:
     view = _COMPLETION_CHUNK.decode(chunk)
-    if bytes(view.usage) != _NULL:
+    if not _is_null(view.usage):
         return True
     for choice in view.choices:
         if choice.text or choice.finish_reason is not None:
             return True
-        if bytes(choice.logprobs) != _NULL or bytes(choice.token_ids) != _NULL:
+        if not (_is_null(choice.logprobs) and _is_null(choice.token_ids)):
             return True
     return False
 
@@ -311,7 +316,9 @@ class _StatelessDerender:
         """Derender one tokens-mode SSE payload of `/inference/v1/generate`.
 
         Returns the OpenAI chunk as JSON bytes, or None when it carries nothing
-        a client would see (a marker token the parser swallowed, say).
+        a client would see (a marker token the parser swallowed, say). Hot
+        path, once per engine chunk: the body is spliced from bytes, and of
+        the answer only the chunk is looked into.
         """
         index = _choice_index(generate_chunk)
         # A usage-only chunk (no choices) touches no choice's state: send none, keep none.
@@ -320,7 +327,7 @@ class _StatelessDerender:
         answer = self._decode_answer(await self._send(body))
         if index is not None:
             self._states[index] = answer.stream_state
-        if bytes(answer.chunk) == _NULL or not self._checked_visible(answer.chunk):
+        if _is_null(answer.chunk) or not self._checked_visible(answer.chunk):
             return None
         return bytes(answer.chunk)
 
@@ -338,7 +345,7 @@ class _StatelessDerender:
             answer = _STREAM_ANSWER.decode(data)
         except msgspec.DecodeError as exc:
             raise RemoteProtocolError(f"{self._url} answered with no chunk and stream_state: {exc}") from exc
-        if bytes(answer.stream_state) == _NULL:
+        if _is_null(answer.stream_state):
             raise RemoteProtocolError(f"{self._url} answered without a stream_state")
         return answer
 
@@ -365,6 +372,7 @@ class RemoteChatDerender(_StatelessDerender):
 
     _path = CHAT_DERENDER_PATH
     _request_key = b"chat_request"
+    _visible = staticmethod(_chat_chunk_visible)
 
     def __init__(
         self,
@@ -377,7 +385,6 @@ class RemoteChatDerender(_StatelessDerender):
     ) -> None:
         super().__init__(session, base_url, model=model, request=chat_request, prompt_token_ids=prompt_token_ids)
 
-    _visible = staticmethod(_chat_chunk_visible)
 
     def _whole_body(self, generate_response: bytes) -> bytes:
         return b"".join(
@@ -408,6 +415,7 @@ class RemoteCompletionDerender(_StatelessDerender):
 
     _path = COMPLETION_DERENDER_PATH
     _request_key = b"completion_request"
+    _visible = staticmethod(_completion_chunk_visible)
 
     def __init__(
         self,
@@ -420,7 +428,6 @@ class RemoteCompletionDerender(_StatelessDerender):
     ) -> None:
         super().__init__(session, base_url, model=model, request=completion_request, prompt_token_ids=prompt_token_ids)
 
-    _visible = staticmethod(_completion_chunk_visible)
 
     def _whole_body(self, generate_response: bytes) -> bytes:
         return _completions_body(self._model, self._request, [self._prompt_ids], [self._prompt_count], [generate_response])

@@ -32,7 +32,8 @@ _CHAT: list[_Rule] = [
     ("chat_template", lambda r: r.chat_template is not None, "a per-request chat template is not accepted"),
     ("documents", lambda r: r.documents is not None, "documents are not supported"),
     ("messages", lambda r: _has_media(r), "only text message content is supported"),
-    ("tool_choice", lambda r: r.tool_choice in ("required",) or _named(r), "tool_choice 'required' and named tool choice need guided decoding"),
+    ("tool_choice", lambda r: _tool_choice_without_tools(r), "tool_choice needs tools"),
+    ("tool_choice", lambda r: _named(r) and r.tool_choice.function.name not in _tool_names(r), "the named function is not among the tools"),
 ]
 _COMPLETION: list[_Rule] = [
     ("suffix", lambda r: r.suffix is not None, "suffix is not supported"),
@@ -47,6 +48,14 @@ def _structured(response_format: dict[str, Any] | None) -> bool:
 def _named(request: ChatCompletionRequest) -> bool:
     choice = request.tool_choice
     return choice is not UNSET and not isinstance(choice, str) and choice is not None
+
+
+def _tool_names(request: ChatCompletionRequest) -> set[str]:
+    return {tool.function.name for tool in request.tools or ()}
+
+
+def _tool_choice_without_tools(request: ChatCompletionRequest) -> bool:
+    return not request.tools and (request.tool_choice == "required" or _named(request))
 
 
 def _has_media(request: ChatCompletionRequest) -> bool:

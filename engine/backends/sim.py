@@ -45,6 +45,10 @@ What each mode plans before the token rules below apply:
      are 1-3 words, integers and numbers seeded within
      ``minimum``/``maximum`` (0-100 otherwise), booleans seeded, arrays 1-2
      items of ``items``, objects recurse (four levels deep at most).
+  A prompt that ends inside an opened ``<tool_call>`` (how the gateway
+     forces ``tool_choice`` "required" or a named function) is continued
+     instead: the rest of the call for the named tool (or one chosen by the
+     seed), then ``</tool_call>`` and EOS, with no reasoning.
   3. Otherwise content: sentences of plain words with a few multi-byte ones
      (``世界``, ``🫠``, ``𓀀``, ``café``) so detokenizers meet split
      characters; ``output_tokens`` tokens exactly, or 16-64 words.
@@ -159,6 +163,9 @@ _GENERATION_PROMPT = "<|im_start|>assistant\n"
 _USER_ROLE = "user\n"
 _SYSTEM_ROLE = "system\n"
 _TOOLS_OPEN = "<tools>\n"
+_TOOL_CALL_START = "<tool_call>"
+_TOOL_CALL_END = "</tool_call>"
+_OPEN_CALL_WINDOW = 64
 _TOOLS_CLOSE = "\n</tools>"
 
 
@@ -285,6 +292,8 @@ class _Prompt:
     ids: list[int]
     thinking_open: bool
     tools: tuple[dict[str, Any], ...]
+    open_call: str | None = None
+    """Text after a trailing `<tool_call>` the prompt leaves open (a forced tool choice)."""
 
 
 class _PromptReader:
@@ -295,6 +304,7 @@ class _PromptReader:
         # -1 never occurs in a checked prompt, so a tokenizer without ChatML matches nothing.
         self._start = _token_id(tokenizer, _CHATML_START)
         self._end = _token_id(tokenizer, _CHATML_END)
+        self._call_start = _token_id(tokenizer, _TOOL_CALL_START)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=False)
@@ -302,7 +312,18 @@ class _PromptReader:
     def read(self, ids: list[int]) -> _Prompt:
         chatml = self._start in ids
         tail = self.decode(ids[-_TAIL_WINDOW:]) if chatml else ""
-        return _Prompt(ids=ids, thinking_open=tail.endswith(_GENERATION_PROMPT), tools=self._tools(ids))
+        return _Prompt(
+            ids=ids, thinking_open=tail.endswith(_GENERATION_PROMPT), tools=self._tools(ids), open_call=self._open_call(ids)
+        )
+
+    def _open_call(self, ids: list[int]) -> str | None:
+        """A prompt ending inside a tool call (the gateway forces `tool_choice` this way)."""
+        window = ids[-_OPEN_CALL_WINDOW:]
+        if self._call_start not in window:
+            return None
+        position = len(window) - 1 - window[::-1].index(self._call_start)
+        text = self.decode(window[position + 1 :])
+        return None if _TOOL_CALL_END in text or _CHATML_END in text else text
 
     def last_user_text(self, ids: list[int]) -> str:
         """The last user turn's text; the whole prompt's text when it is not ChatML."""
@@ -734,6 +755,8 @@ class SimBackend:
         return None
 
     def _auto_plan(self, prompt: _Prompt, rng: random.Random) -> list[int]:
+        if prompt.open_call is not None and prompt.tools:
+            return self._finish_call(prompt.open_call, prompt.tools, rng)
         plan: list[int] = []
         if prompt.thinking_open:
             plan += self._reasoning(rng)
@@ -753,6 +776,15 @@ class SimBackend:
         tool = tools[rng.randrange(len(tools))]
         call = {"name": tool["name"], "arguments": _fake_arguments(tool.get("parameters"), rng)}
         return self._encode(f"<tool_call>\n{json.dumps(call, ensure_ascii=False)}\n</tool_call>")
+
+    def _finish_call(self, opened: str, tools: tuple[dict[str, Any], ...], rng: random.Random) -> list[int]:
+        """Continue a call the prompt opened: the named tool if the name is there, else one of them."""
+        named = [tool for tool in tools if opened.startswith(f'\n{{"name": {json.dumps(tool["name"])}')]
+        tool = named[0] if named else tools[rng.randrange(len(tools))]
+        call = {"name": tool["name"], "arguments": _fake_arguments(tool.get("parameters"), rng)}
+        whole = f"\n{json.dumps(call, ensure_ascii=False)}\n{_TOOL_CALL_END}"
+        rest = whole[len(opened) :] if whole.startswith(opened) else whole
+        return self._encode(rest)
 
     def _content(self, rng: random.Random) -> list[int]:
         if self._config.output_tokens is not None:

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from engine.derender.detokenizer import make_detokenizer
 from engine.derender.logprobs import chat_logprobs
 from engine.derender.markers import MarkerSplitter
 from engine.derender.parser import (
@@ -79,6 +80,8 @@ class ChatOptions:
     top_logprobs: int = 0
     return_token_ids: bool = False
     reasoning_field: ReasoningField = "reasoning"
+    forced_prefix: str | None = None
+    """Tool-call opening appended to the prompt for `tool_choice` required or named (see `forced_tool_prefix`)."""
 
     @classmethod
     def from_request(
@@ -115,7 +118,28 @@ class ChatOptions:
             top_logprobs=request.top_logprobs or 0,
             return_token_ids=bool(request.return_token_ids),
             reasoning_field=reasoning_field,
+            forced_prefix=forced_tool_prefix(request, tool_parser),
         )
+
+
+def forced_tool_prefix(request: ChatCompletionRequest, tool_parser: str | None) -> str | None:
+    """How onehop honours `tool_choice` "required" or a named function without guided decoding.
+
+    The gateway appends this opening of a call to the rendered prompt, so the
+    model can only continue a call (no reasoning first); every derender of the
+    request primes its parser with the same text, so the call's header comes
+    out first and its arguments are what the model writes.
+    """
+    if not request.tools or tool_parser is None or tool_parser not in TOOL_PARSERS:
+        return None
+    choice = request.effective_tool_choice()
+    if choice == "required":
+        if len(request.tools) == 1:
+            return TOOL_PARSERS[tool_parser].forced_prefix(request.tools[0].function.name)
+        return TOOL_PARSERS[tool_parser].forced_prefix(None)
+    if choice is None or isinstance(choice, str):
+        return None
+    return TOOL_PARSERS[tool_parser].forced_prefix(choice.function.name)
 
 
 def chat_markers(vocab: TokenVocab, options: ChatOptions) -> MarkerIds | None:
@@ -179,8 +203,10 @@ class ChatChoiceState:
         self._parser: OutputParser | None = None
         self._counter: _ReasoningCounter | None = None
         if markers is not None:
-            reasoning = options.reasoning_parser is not None and starts_in_reasoning(
-                prompt_token_ids, markers, enable_thinking=options.enable_thinking
+            reasoning = (
+                options.forced_prefix is None
+                and options.reasoning_parser is not None
+                and starts_in_reasoning(prompt_token_ids, markers, enable_thinking=options.enable_thinking)
             )
             self._parser = OutputParser(
                 markers,
@@ -191,6 +217,8 @@ class ChatChoiceState:
             )
             if options.reasoning_parser is not None:
                 self._counter = _ReasoningCounter(markers, reasoning, tools=options.tools_enabled)
+            if options.forced_prefix is not None:
+                self._prime(vocab, options.forced_prefix)
         self._reasoning: list[str] = []
         self._content: list[str] = []
         self._calls: list[_CallAcc] = []
@@ -203,6 +231,13 @@ class ChatChoiceState:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def _prime(self, vocab: TokenVocab, prefix: str) -> None:
+        """Parse the forced call opening as if generated; its deltas go out with the first step."""
+        assert self._parser is not None
+        detok = make_detokenizer(vocab)
+        ids = vocab.backend.encode(prefix, add_special_tokens=False).ids
+        self._parser.feed([(detok.step(token_id), token_id) for token_id in ids])
 
     def feed(
         self,

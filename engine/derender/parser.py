@@ -25,6 +25,7 @@ so any chunking yields the same joined output (the master test).
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -47,6 +48,17 @@ class ReasoningSyntax:
 class ToolSyntax:
     start: str
     end: str
+
+    def forced_prefix(self, name: str | None) -> str:
+        """Text that opens a call, appended to the prompt to force `tool_choice`.
+
+        Named: the call is opened up to its arguments, so the model writes only
+        those; "required": up to the name. The JSON spacing is `json.dumps`'s,
+        the one models are trained on and the sim backend continues.
+        """
+        if name is None:
+            return f'{self.start}\n{{"name": "'
+        return f'{self.start}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": '
 
 
 REASONING_PARSERS: dict[str, ReasoningSyntax] = {

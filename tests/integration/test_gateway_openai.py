@@ -141,21 +141,49 @@ async def test_streaming_with_usage_n2_is_identical_on_every_route(gateway: Any)
     assert result["usage"]["completion_tokens_details"]["reasoning_tokens"] > 0
 
 
-@pytest.mark.parametrize("tool_choice", ["none", "auto"])
-async def test_tool_choice(gateway: Any, tool_choice: str) -> None:
+TWO_TOOLS = [*TOOLS, {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]}}}]
+
+
+@pytest.mark.parametrize(
+    "tool_choice",
+    ["none", "auto", "required", {"type": "function", "function": {"name": "get_time"}}],
+    ids=["none", "auto", "required", "named"],
+)
+async def test_tool_choice(gateway: Any, tool_choice: Any) -> None:
     client, _ = gateway
     results = []
     for name in ROUTES:
         completion = await client.chat.completions.create(
-            model="sim", messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice, seed=1, **route(name)
+            model="sim", messages=MESSAGES, tools=TWO_TOOLS, tool_choice=tool_choice, seed=1, **route(name)
         )
         results.append(visible_message(completion))
+        streamed = await visible_stream(
+            await client.chat.completions.create(
+                model="sim", messages=MESSAGES, tools=TWO_TOOLS, tool_choice=tool_choice, seed=1, stream=True, **route(name)
+            )
+        )
+        assert streamed["choices"][0]["calls"] == results[-1][0]["tool_calls"]
     assert results[0] == results[1] == results[2]
-    calls = results[0][0]["tool_calls"]
+    choice = results[0][0]
+    calls = choice["tool_calls"]
     if tool_choice == "none":
-        assert calls == [] and "<tool_call>" in (results[0][0]["content"] or "")
+        assert calls == [] and "<tool_call>" in (choice["content"] or "")
+    elif tool_choice == "auto":
+        assert len(calls) == 1 and calls[0][0] in {"get_weather", "get_time"}
     else:
-        assert [name for name, _ in calls] == ["get_weather"]
+        assert len(calls) == 1 and choice["finish_reason"] == "tool_calls" and choice["reasoning"] is None
+        if isinstance(tool_choice, dict):
+            assert calls[0][0] == "get_time" and set(calls[0][1]) == {"tz"}
+
+
+async def test_tool_choice_errors(gateway: Any) -> None:
+    client, _ = gateway
+    with pytest.raises(openai.BadRequestError, match="not among the tools"):
+        await client.chat.completions.create(
+            model="sim", messages=MESSAGES, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}
+        )
+    with pytest.raises(openai.BadRequestError, match="needs tools"):
+        await client.chat.completions.create(model="sim", messages=MESSAGES, tool_choice="required")
 
 
 async def test_reasoning_off_and_stop(gateway: Any) -> None:
