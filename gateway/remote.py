@@ -20,7 +20,7 @@ as opaque bytes, and only the few keys that decide something are decoded.
 
 Errors:
 
-    RemoteServiceError              vLLM answered non-200 (its status and message)
+    RemoteServiceError              vLLM answered non-200: its status and message
     ├── RemoteUnavailable     503   no answer: the connection failed or a session timeout ran out
     └── RemoteProtocolError   502   a 200 answer that is not the shape vLLM 0.32 sends
     InvalidChunk (ValueError)       a generate payload that is not a tokens-mode chunk

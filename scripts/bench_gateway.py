@@ -89,7 +89,7 @@ class Plan:
 
 
 FULL = Plan(tokens=1000, itl_ms=2, ttft_ms=20, requests={1: 5, 32: 64, 256: 256}, warmup=1)
-QUICK = Plan(tokens=200, itl_ms=1, ttft_ms=5, requests={1: 2, 32: 32, 256: 256}, warmup=1)
+QUICK = Plan(tokens=100, itl_ms=1, ttft_ms=5, requests={1: 3, 32: 32, 256: 256}, warmup=1)
 
 
 class BenchError(RuntimeError):

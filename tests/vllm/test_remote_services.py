@@ -17,8 +17,9 @@ ways asserted where they show, so a change on either side is noticed:
 
 - chunk ids are the generate stream's request id, `generate-tokens-<render id>`;
 - `model` must be a name the vLLM server serves (else 404);
-- the EOS token's text leaks into streamed `content` when no tool call
-  swallowed it; non-streaming: see `test_whole_scripted`;
+- the EOS token's text (`<|im_end|>`) ends streamed `content` unless a tool
+  call swallowed it, and non-streamed `content` when the output has no
+  reasoning section;
 - non-streaming: `finish_reason` stays `stop` after tool calls and tool-call
   ids are bare hex (streaming: `tool_calls` and `chatcmpl-tool-<hex>`);
 - streamed completions number each prompt's choices from 0.
