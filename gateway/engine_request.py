@@ -111,6 +111,7 @@ def generate_body(
         if completion_request is not None:
             body["completion_request"] = msgspec.Raw(completion_request)
             body["prompt_index"] = prompt_index
-        if stream and include_usage:
-            body["stream_options"] = {"include_usage": True, "continuous_usage_stats": continuous_usage}
+    if stream and include_usage and route in ("derender", "tokens-remote"):
+        # The engine counts usage on these routes; on text/tokens the gateway's derender does.
+        body["stream_options"] = {"include_usage": True, "continuous_usage_stats": continuous_usage}
     return _encode(body)

@@ -31,7 +31,8 @@ from gateway.completions import serve_completion
 from gateway.config import ROUTES, Route
 from gateway.engine_request import chat_sampling, generate_body
 from gateway.errors import InvalidRequest, ModelNotFound
-from gateway.relay import derender_json, derender_stream, relay_json, relay_stream
+from gateway import remote
+from gateway.relay import derender_json, derender_stream, relay_json, relay_stream, remote_error, remote_json, remote_stream
 from gateway.state import GATEWAY, GatewayState
 from gateway.validate import check_chat, check_completion
 
@@ -83,7 +84,7 @@ async def handle_chat(http: web.Request) -> web.StreamResponse:
     sampling = chat_sampling(request)
     assert state.renderer is not None
     started = time.perf_counter()
-    prompt = await state.renderer.chat(request)
+    prompt = await render_chat(state, request, body)
     forced = forced_tool_prefix(request, state.config.tool_parser)
     if forced is not None:
         prompt = prompt + state.renderer.encode(forced)
@@ -108,6 +109,9 @@ async def handle_chat(http: web.Request) -> web.StreamResponse:
         async with state.engines.generate(url, engine_body) as engine:
             if route == "derender":
                 response = await (relay_stream(http, engine) if stream else relay_json(engine))
+            elif route == "tokens-remote":
+                remote = _remote_derender(state, body, prompt)
+                response = await (remote_stream(http, engine, remote) if stream else remote_json(engine, remote))
             else:
                 derender = _chat_derender(state, request, sampling, prompt, request_id)
                 mode = "tokens" if route == "tokens" else "text"
@@ -116,6 +120,27 @@ async def handle_chat(http: web.Request) -> web.StreamResponse:
 
     http[ROUTE_KEY] = route
     return await guard_disconnect(state, url, request_id, work)
+
+
+async def render_chat(state: GatewayState, request: ChatCompletionRequest, body: bytes) -> list[int]:
+    """Local chat template, or vLLM's /render when the config says so."""
+    if state.config.render == "local":
+        assert state.renderer is not None
+        return await state.renderer.chat(request)
+    assert state.config.remote_url is not None
+    try:
+        rendered = await remote.render_chat(state.engines.session, state.config.remote_url, body)
+    except remote.RemoteServiceError as exc:
+        raise remote_error(exc) from exc
+    return rendered.token_ids
+
+
+def _remote_derender(state: GatewayState, body: bytes, prompt: list[int]) -> remote.RemoteChatDerender:
+    if state.config.remote_url is None:
+        raise InvalidRequest("the tokens-remote route needs remote_url in the gateway config", param=ROUTE_HEADER)
+    return remote.RemoteChatDerender(
+        state.engines.session, state.config.remote_url, model=state.config.model, chat_request=body, prompt_token_ids=prompt
+    )
 
 
 def _chat_derender(

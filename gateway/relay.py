@@ -25,7 +25,8 @@ from engine.protocol import (
     decode_generate_response,
     decode_generate_stream_chunk,
 )
-from gateway.errors import EngineFailed, GatewayError, error_json
+from gateway.errors import EngineFailed, EngineUnavailable, GatewayError, error_json
+from gateway.remote import RemoteChatDerender, RemoteServiceError
 from gateway.sse import DONE, DONE_FRAME, SSEReader, frame
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -146,3 +147,39 @@ async def derender_json(engine: aiohttp.ClientResponse, derender: Derender, mode
     for choice in whole_choices(await engine.read(), mode):
         feed_choice(derender, mode, choice)
     return web.Response(body=_encode(derender.response()), content_type="application/json")
+
+
+async def remote_stream(http: web.Request, engine: aiohttp.ClientResponse, remote: RemoteChatDerender) -> web.StreamResponse:
+    """The tokens-remote route: every engine chunk goes through vLLM's stateless derender."""
+    response = await open_stream(http)
+    try:
+        async for payload in engine_payloads(engine):
+            if payload.startswith(b'{"error"'):
+                raise EngineFailed(f"the engine failed mid-stream: {payload[:300].decode('utf-8', 'replace')}")
+            chunk = await remote.chunk(payload)
+            if chunk is not None:
+                await response.write(frame(chunk))
+    except GatewayError as exc:
+        await response.write(frame(error_json(exc)))
+    except RemoteServiceError as exc:
+        await response.write(frame(error_json(remote_error(exc))))
+    await response.write(DONE_FRAME)
+    await response.write_eof()
+    return response
+
+
+async def remote_json(engine: aiohttp.ClientResponse, remote: RemoteChatDerender) -> web.Response:
+    try:
+        body = await remote.whole(await engine.read())
+    except RemoteServiceError as exc:
+        raise remote_error(exc) from exc
+    return web.Response(body=body, content_type="application/json")
+
+
+def remote_error(exc: RemoteServiceError) -> GatewayError:
+    """vLLM's render/derender service refused or failed: its 4xx is the client's, anything else a 502/503."""
+    if 400 <= exc.status < 500:
+        return GatewayError(f"remote service: {exc.message}", status=exc.status)
+    if exc.status == 503:
+        return EngineUnavailable(f"remote service: {exc.message}")
+    return EngineFailed(f"remote service failed ({exc.status}): {exc.message}")

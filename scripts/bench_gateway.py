@@ -88,7 +88,7 @@ class Plan:
     """Unmeasured requests each worker makes first (connections, the burst of the cell's start)."""
 
 
-FULL = Plan(tokens=1000, itl_ms=2, ttft_ms=20, requests={1: 5, 32: 64, 256: 256}, warmup=1)
+FULL = Plan(tokens=1000, itl_ms=2, ttft_ms=20, requests={1: 8, 32: 96, 256: 256}, warmup=1)
 QUICK = Plan(tokens=100, itl_ms=1, ttft_ms=5, requests={1: 3, 32: 32, 256: 256}, warmup=1)
 
 
@@ -167,11 +167,10 @@ async def stream_once(session: aiohttp.ClientSession, url: str, body: bytes, hea
         if resp.status != 200:
             raise BenchError(f"{url} answered {resp.status}: {(await resp.text())[:500]}")
         # Hot loop: one bytes line per SSE line; JSON is decoded only until the first output.
+        # Read to EOF, past [DONE]: a response left unfinished would close its pooled connection.
         async for line in resp.content:
-            if not line.startswith(_DATA):
+            if not line.startswith(_DATA) or line.startswith(_DONE):
                 continue
-            if line.startswith(_DONE):
-                break
             events += 1
             last = line
             if first is None and _has_output(_decode(line)):

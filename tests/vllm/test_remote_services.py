@@ -27,6 +27,8 @@ ways asserted where they show, so a change on either side is noticed:
 
 from __future__ import annotations
 
+from contextlib import asynccontextmanager
+
 import json
 import re
 import sys
@@ -571,3 +573,72 @@ async def test_unreachable_and_invalid_chunks(session: aiohttp.ClientSession) ->
     with pytest.raises(InvalidChunk):
         await derender.chunk(two)
     assert derender.posts == 0
+
+
+# ------------------------------------------------------------ the gateway in front of a stock vLLM
+
+
+@asynccontextmanager
+async def _gateway(vllm_url: str, model: str, tiny_model_dir: Path, render: str) -> AsyncIterator[Any]:
+    import openai
+    from aiohttp.test_utils import TestServer
+
+    from gateway.app import create_app
+    from gateway.config import EngineEndpoint, GatewayConfig
+
+    config = GatewayConfig(
+        model=model,
+        tokenizer=str(tiny_model_dir),
+        engines=[EngineEndpoint(url=vllm_url)],
+        remote_url=vllm_url,
+        render=render,  # type: ignore[arg-type]
+        route="tokens",
+    )
+    server = TestServer(create_app(config), handler_cancellation=True)
+    await server.start_server()
+    client = openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="unused", max_retries=0)
+    try:
+        yield client
+    finally:
+        await client.close()
+        await server.close()
+
+
+async def _answer(client: Any, model: str, route: str, stream: bool) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {
+        "model": model,
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}],
+        "temperature": 0,
+        "max_tokens": 16,
+        "extra_body": {"ignore_eos": True},
+        "extra_headers": {"onehop-route": route},
+    }
+    if not stream:
+        completion = await client.chat.completions.create(**kwargs)
+        message = completion.choices[0].message
+        return {
+            "content": message.content or "",
+            "reasoning": getattr(message, "reasoning", None) or "",
+            "finish": completion.choices[0].finish_reason,
+            "tokens": completion.usage.completion_tokens,
+        }
+    content, reasoning, finish = "", "", None
+    async for chunk in await client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            reasoning += getattr(choice.delta, "reasoning", None) or ""
+            finish = choice.finish_reason or finish
+    return {"content": content, "reasoning": reasoning, "finish": finish, "tokens": 16}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_gateway_serves_chat_through_stock_vllm(vllm_url: str, model: str, tiny_model_dir: Path, stream: bool) -> None:
+    """Stock vLLM as the engine: the token and text routes give one answer, and vLLM's own
+    stateless derender (tokens-remote) agrees on this output; remote render changes nothing."""
+    async with _gateway(vllm_url, model, tiny_model_dir, "local") as client:
+        answers = {route: await _answer(client, model, route, stream) for route in ("tokens", "text", "tokens-remote")}
+    async with _gateway(vllm_url, model, tiny_model_dir, "remote") as client:
+        remote_render = await _answer(client, model, "tokens", stream)
+    assert answers["tokens"] == answers["text"] == answers["tokens-remote"] == remote_render
+    assert answers["tokens"]["finish"] == "length"
+    assert answers["tokens"]["reasoning"] or answers["tokens"]["content"]
