@@ -29,7 +29,7 @@ from engine.outputs import text_params
 from engine.protocol import SamplingParams
 from gateway.config import Route
 from gateway.engine_request import completion_sampling, generate_body
-from gateway.errors import EngineFailed, GatewayError, error_json
+from gateway.errors import EngineFailed, GatewayError, InvalidRequest, error_json
 
 from gateway.relay import engine_payloads, feed_choice, feed_chunk, open_stream, relay_json, relay_stream, whole_choices
 from gateway.sse import DONE_FRAME, frame
@@ -69,6 +69,8 @@ async def serve_completion(
     prompts: list[list[int]],
     route: Route,
 ) -> web.StreamResponse:
+    if route == "tokens-remote":
+        raise InvalidRequest("the tokens-remote route serves chat completions only", param="onehop-route")
     response_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     sampling = completion_sampling(request)
@@ -97,8 +99,8 @@ async def serve_completion(
     url = state.engines.pick()
     try:
         if route == "derender" and len(calls) == 1:
-            async with state.engines.generate(url, calls[0].body) as engine:
-                return await (relay_stream(http, engine) if stream else relay_json(engine))
+            async with state.engines.generate(url, calls[0].body, stream=stream) as engine:
+                return await (relay_stream(http, engine, state.engines.first_event_timeout()) if stream else relay_json(engine))
         if stream:
             return await _stream(http, state, url, calls, response_id, created, include_usage)
         return await _json(state, url, calls, response_id, created)
@@ -144,8 +146,8 @@ def _derender(
 
 
 async def _chunks_of(state: GatewayState, url: str, call: _Call) -> AsyncIterator[CompletionChunk]:
-    async with state.engines.generate(url, call.body) as engine:
-        async for payload in engine_payloads(engine):
+    async with state.engines.generate(url, call.body, stream=True) as engine:
+        async for payload in engine_payloads(engine, state.engines.first_event_timeout()):
             if call.derender is None:
                 try:
                     yield COMPLETION_CHUNK_DECODER.decode(payload)
@@ -216,7 +218,7 @@ def _model(http: web.Request) -> str:
 
 async def _json(state: GatewayState, url: str, calls: list[_Call], response_id: str, created: int) -> web.Response:
     async def one(call: _Call) -> Completion:
-        async with state.engines.generate(url, call.body) as engine:
+        async with state.engines.generate(url, call.body, stream=False) as engine:
             raw = await engine.read()
         if call.derender is None:
             return COMPLETION_DECODER.decode(raw)

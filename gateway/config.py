@@ -16,6 +16,7 @@ ROUTES: tuple[Route, ...] = ("derender", "text", "tokens", "tokens-remote")
 CONNECT_TIMEOUT_S = 5.0
 FIRST_TOKEN_TIMEOUT_S = 120.0
 IDLE_TIMEOUT_S = 60.0
+REQUEST_TIMEOUT_S = 600.0
 MAX_BODY_BYTES = 16 * 1024 * 1024
 
 
@@ -27,9 +28,11 @@ class Timeouts(Struct, forbid_unknown_fields=True, kw_only=True):
     connect_s: Annotated[float, Meta(gt=0)] = CONNECT_TIMEOUT_S
     """Opening a connection to an engine."""
     first_token_s: Annotated[float, Meta(gt=0)] = FIRST_TOKEN_TIMEOUT_S
-    """From sending the request to the engine's first byte (covers queueing and prefill)."""
+    """Streams: from sending the request to the engine's first event (covers queueing and prefill)."""
     idle_s: Annotated[float, Meta(gt=0)] = IDLE_TIMEOUT_S
-    """Longest silence between two chunks of a stream."""
+    """Streams: longest silence between two events."""
+    request_s: Annotated[float, Meta(gt=0)] = REQUEST_TIMEOUT_S
+    """Non-streaming requests: the whole generation."""
 
 
 class EngineEndpoint(Struct, forbid_unknown_fields=True, kw_only=True):

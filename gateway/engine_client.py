@@ -1,9 +1,10 @@
 """Talking to engines: one shared `ClientSession`, explicit timeouts, aborts.
 
 `generate()` opens a request and hands back the response once the engine has
-answered (status and headers), within `first_token_s`; reads after that are
-bounded by `idle_s` per chunk. A non-200 answer is turned into the matching
-gateway error with the engine's own message.
+answered (status and headers). Streams: the first event must come within
+`first_token_s` (`first_event`), then each read within `idle_s`. Non-streaming
+requests are bounded as a whole by `request_s`. A non-200 answer is turned
+into the matching gateway error with the engine's own message.
 """
 
 from __future__ import annotations
@@ -62,8 +63,10 @@ class EngineClient:
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
-        timeout = aiohttp.ClientTimeout(total=None, connect=self._timeouts.connect_s, sock_read=self._timeouts.idle_s)
-        self._session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+        timeouts = self._timeouts
+        self._stream_timeout = aiohttp.ClientTimeout(total=None, connect=timeouts.connect_s, sock_read=timeouts.idle_s)
+        self._json_timeout = aiohttp.ClientTimeout(total=timeouts.request_s, connect=timeouts.connect_s)
+        self._session = aiohttp.ClientSession(timeout=self._stream_timeout, connector=aiohttp.TCPConnector(limit=0))
 
     async def close(self) -> None:
         if self._session is not None:
@@ -79,14 +82,18 @@ class EngineClient:
         return self._urls[next(self._next)]
 
     @asynccontextmanager
-    async def generate(self, url: str, body: bytes) -> AsyncIterator[aiohttp.ClientResponse]:
+    async def generate(self, url: str, body: bytes, *, stream: bool) -> AsyncIterator[aiohttp.ClientResponse]:
+        limit = self._timeouts.first_token_s if stream else self._timeouts.request_s
         try:
-            async with asyncio.timeout(self._timeouts.first_token_s):
+            async with asyncio.timeout(limit):
                 response = await self.session.post(
-                    url + GENERATE_PATH, data=body, headers={"Content-Type": "application/json"}
+                    url + GENERATE_PATH,
+                    data=body,
+                    headers={"Content-Type": "application/json"},
+                    timeout=self._stream_timeout if stream else self._json_timeout,
                 )
         except TimeoutError as exc:
-            raise EngineUnavailable(f"the engine did not answer within {self._timeouts.first_token_s} s") from exc
+            raise EngineUnavailable(f"the engine did not answer within {limit} s") from exc
         except aiohttp.ClientError as exc:
             raise EngineUnavailable(f"cannot reach the engine: {exc}") from exc
         try:
@@ -96,6 +103,9 @@ class EngineClient:
         finally:
             response.release()
             response.close()
+
+    def first_event_timeout(self) -> float:
+        return self._timeouts.first_token_s
 
     async def abort(self, url: str, request_id: str) -> None:
         """Best effort: the engine also aborts when the stream's connection closes."""

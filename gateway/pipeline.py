@@ -106,16 +106,19 @@ async def handle_chat(http: web.Request) -> web.StreamResponse:
     url = state.engines.pick()
 
     async def work() -> web.StreamResponse:
-        async with state.engines.generate(url, engine_body) as engine:
+        first = state.engines.first_event_timeout()
+        async with state.engines.generate(url, engine_body, stream=stream) as engine:
             if route == "derender":
-                response = await (relay_stream(http, engine) if stream else relay_json(engine))
+                response = await (relay_stream(http, engine, first) if stream else relay_json(engine))
             elif route == "tokens-remote":
                 remote = _remote_derender(state, body, prompt)
-                response = await (remote_stream(http, engine, remote) if stream else remote_json(engine, remote))
+                response = await (remote_stream(http, engine, remote, first) if stream else remote_json(engine, remote))
             else:
                 derender = _chat_derender(state, request, sampling, prompt, request_id)
                 mode = "tokens" if route == "tokens" else "text"
-                response = await (derender_stream(http, engine, derender, mode) if stream else derender_json(engine, derender, mode))
+                response = await (
+                    derender_stream(http, engine, derender, mode, first) if stream else derender_json(engine, derender, mode)
+                )
         return response
 
     http[ROUTE_KEY] = route

@@ -12,6 +12,7 @@ OpenAI error event, then `[DONE]`.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
@@ -53,11 +54,30 @@ async def open_stream(http: web.Request) -> web.StreamResponse:
     return response
 
 
-async def relay_stream(http: web.Request, engine: aiohttp.ClientResponse) -> web.StreamResponse:
+async def pieces(engine: aiohttp.ClientResponse, first_timeout: float) -> AsyncIterator[bytes]:
+    """Raw bytes of an engine stream; the first must come within `first_timeout` (later ones: idle_s)."""
+    try:
+        async with asyncio.timeout(first_timeout):
+            first = await engine.content.readany()
+    except TimeoutError as exc:
+        raise EngineUnavailable(f"the engine sent nothing within {first_timeout} s") from exc
+    if not first:
+        return
+    yield first
+    async for piece in engine.content.iter_any():
+        yield piece
+
+
+async def relay_stream(http: web.Request, engine: aiohttp.ClientResponse, first_timeout: float) -> web.StreamResponse:
     """The derender route: the engine's SSE bytes, as they come."""
     response = await open_stream(http)
-    async for piece in engine.content.iter_any():
-        await response.write(piece)
+    try:
+        async for piece in pieces(engine, first_timeout):
+            await response.write(piece)
+    except GatewayError as exc:
+        await response.write(frame(error_json(exc)) + DONE_FRAME)
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        await response.write(frame(error_json(EngineFailed(f"the engine stream broke: {exc}"))) + DONE_FRAME)
     await response.write_eof()
     return response
 
@@ -66,9 +86,9 @@ async def relay_json(engine: aiohttp.ClientResponse) -> web.Response:
     return web.Response(body=await engine.read(), content_type="application/json")
 
 
-async def engine_payloads(engine: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+async def engine_payloads(engine: aiohttp.ClientResponse, first_timeout: float) -> AsyncIterator[bytes]:
     reader = SSEReader()
-    async for piece in engine.content.iter_any():
+    async for piece in pieces(engine, first_timeout):
         for payload in reader.feed(piece):
             if payload == DONE:
                 return
@@ -113,14 +133,14 @@ def feed_choice(derender: Derender, mode: str, choice: Any) -> Any:
 
 
 async def derender_stream(
-    http: web.Request, engine: aiohttp.ClientResponse, derender: Derender, mode: str
+    http: web.Request, engine: aiohttp.ClientResponse, derender: Derender, mode: str, first_timeout: float
 ) -> web.StreamResponse:
     """The text and token routes, streaming: engine chunks in, OpenAI chunks out."""
     response = await open_stream(http)
     try:
         for chunk in derender.start():
             await response.write(frame(_encode(chunk)))
-        async for payload in engine_payloads(engine):
+        async for payload in engine_payloads(engine, first_timeout):
             for chunk in feed_chunk(derender, mode, payload):
                 await response.write(frame(_encode(chunk)))
         usage = derender.usage_chunk()
@@ -149,11 +169,13 @@ async def derender_json(engine: aiohttp.ClientResponse, derender: Derender, mode
     return web.Response(body=_encode(derender.response()), content_type="application/json")
 
 
-async def remote_stream(http: web.Request, engine: aiohttp.ClientResponse, remote: RemoteChatDerender) -> web.StreamResponse:
+async def remote_stream(
+    http: web.Request, engine: aiohttp.ClientResponse, remote: RemoteChatDerender, first_timeout: float
+) -> web.StreamResponse:
     """The tokens-remote route: every engine chunk goes through vLLM's stateless derender."""
     response = await open_stream(http)
     try:
-        async for payload in engine_payloads(engine):
+        async for payload in engine_payloads(engine, first_timeout):
             if payload.startswith(b'{"error"'):
                 raise EngineFailed(f"the engine failed mid-stream: {payload[:300].decode('utf-8', 'replace')}")
             chunk = await remote.chunk(payload)
@@ -163,6 +185,8 @@ async def remote_stream(http: web.Request, engine: aiohttp.ClientResponse, remot
         await response.write(frame(error_json(exc)))
     except RemoteServiceError as exc:
         await response.write(frame(error_json(remote_error(exc))))
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        await response.write(frame(error_json(EngineFailed(f"the engine stream broke: {exc}"))))
     await response.write(DONE_FRAME)
     await response.write_eof()
     return response
