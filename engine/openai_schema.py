@@ -64,7 +64,7 @@ class StreamOptions(Struct, omit_defaults=True):
     continuous_usage_stats: bool | None = False
 
 
-class FunctionDefinition(Struct):
+class FunctionDefinition(Struct, omit_defaults=True):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
