@@ -40,6 +40,7 @@ from engine.derender.parser import (
     starts_in_reasoning,
 )
 from engine.derender.text import TextParams, TextPipeline
+from engine.derender.usage import usage_of
 from engine.derender.vocab import TokenVocab
 from engine.openai_schema import (
     ChatCompletion,
@@ -51,11 +52,9 @@ from engine.openai_schema import (
     ChatDelta,
     ChatLogprobs,
     ChatLogprobToken,
-    CompletionTokensDetails,
     DeltaFunctionCall,
     DeltaToolCall,
     FunctionCall,
-    PromptTokensDetails,
     ToolCall,
     Usage,
 )
@@ -527,19 +526,8 @@ class ChatDerender:
         return None if choice is None else self._chunk([choice])
 
     def usage(self) -> Usage:
-        completion = sum(len(c.token_ids) for c in self.choices)
-        usage = Usage(
-            prompt_tokens=self.prompt_tokens,
-            completion_tokens=completion,
-            total_tokens=self.prompt_tokens + completion,
-        )
-        if self._cached_tokens is not None:
-            usage.prompt_tokens_details = PromptTokensDetails(cached_tokens=self._cached_tokens)
-        if self._count_reasoning:
-            usage.completion_tokens_details = CompletionTokensDetails(
-                reasoning_tokens=sum(c.reasoning_tokens for c in self.choices)
-            )
-        return usage
+        reasoning = sum(c.reasoning_tokens for c in self.choices) if self._count_reasoning else None
+        return usage_of(self.prompt_tokens, self.choices, cached_tokens=self._cached_tokens, reasoning_tokens=reasoning)
 
     def usage_chunk(self) -> ChatCompletionChunk | None:
         """The trailing usage-only chunk when `stream_options.include_usage` asked for it."""

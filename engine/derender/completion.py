@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from engine.derender.logprobs import completion_from_chat_logprobs, completion_logprobs
 from engine.derender.text import TextParams, TextPipeline
+from engine.derender.usage import usage_of
 from engine.derender.vocab import TokenVocab
 from engine.openai_schema import (
     Completion,
@@ -24,7 +25,6 @@ from engine.openai_schema import (
     CompletionLogprobs,
     CompletionRequest,
     ChatLogprobToken,
-    PromptTokensDetails,
     Usage,
 )
 from engine.protocol import GenerateLogProbsContent
@@ -252,13 +252,7 @@ class CompletionDerender:
         return chunk
 
     def usage(self) -> Usage:
-        completion = sum(len(c.token_ids) for c in self.choices)
-        usage = Usage(
-            prompt_tokens=self.prompt_tokens, completion_tokens=completion, total_tokens=self.prompt_tokens + completion
-        )
-        if self._cached_tokens is not None:
-            usage.prompt_tokens_details = PromptTokensDetails(cached_tokens=self._cached_tokens)
-        return usage
+        return usage_of(self.prompt_tokens, self.choices, cached_tokens=self._cached_tokens)
 
     def usage_chunk(self) -> CompletionChunk | None:
         if not self._include_usage:
