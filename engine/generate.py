@@ -32,6 +32,14 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
 DONE = b"data: [DONE]\n\n"
 
 
+class ClientGone(Exception):
+    """The client closed the connection while its stream was being written."""
+
+    def __init__(self, response: web.StreamResponse) -> None:
+        super().__init__("client disconnected")
+        self.response = response
+
+
 def check_request(state: EngineState, request: GenerateRequest) -> None:
     """Refuse, before any generation, what this engine cannot serve."""
     if not state.ready:
@@ -95,6 +103,9 @@ async def handle_generate(http: web.Request) -> web.StreamResponse:
     except asyncio.CancelledError:
         status = 499  # the client went away
         raise
+    except ClientGone as gone:
+        status = 499
+        return gone.response
     except Exception as exc:
         status = as_http_error(exc).status
         raise
@@ -157,15 +168,22 @@ async def _stream(
     await response.prepare(http)
     payloads = _drive(state, request, writer, outputs, started)
     try:
-        async with contextlib.aclosing(payloads):
-            async for payload in payloads:
-                await response.write(b"data: " + payload + b"\n\n")
-    except EngineHTTPError as exc:
-        await response.write(b"data: " + error_body(exc) + b"\n\n")
-    except Exception as exc:  # after the first byte, errors travel in-band
-        await response.write(b"data: " + error_body(as_http_error(exc)) + b"\n\n")
-    await response.write(CPU_COMMENT + str(round(writer.cpu_s * 1e6)).encode() + b"\n\n" + DONE)
-    await response.write_eof()
+        try:
+            async with contextlib.aclosing(payloads):
+                async for payload in payloads:
+                    await response.write(b"data: " + payload + b"\n\n")
+        except ConnectionResetError:
+            raise  # the client is gone: nothing more can be sent
+        except EngineHTTPError as exc:
+            await response.write(b"data: " + error_body(exc) + b"\n\n")
+        except Exception as exc:  # after the first byte, errors travel in-band
+            await response.write(b"data: " + error_body(as_http_error(exc)) + b"\n\n")
+        await response.write(CPU_COMMENT + str(round(writer.cpu_s * 1e6)).encode() + b"\n\n" + DONE)
+        await response.write_eof()
+    except ConnectionResetError as exc:
+        # It left between two writes, before its cancellation arrived; the backend
+        # stream is already closed by `aclosing`.
+        raise ClientGone(response) from exc
     return response
 
 

@@ -31,7 +31,7 @@ from gateway.config import Route
 from gateway.engine_request import completion_sampling, generate_body
 from gateway.errors import EngineFailed, GatewayError, InvalidRequest, error_json
 
-from gateway.relay import engine_payloads, feed_choice, feed_chunk, open_stream, relay_json, relay_stream, whole_choices
+from gateway.relay import ClientGone, engine_payloads, feed_choice, feed_chunk, open_stream, relay_json, relay_stream, send, whole_choices, write_eof
 from gateway.sse import DONE_FRAME, frame
 from gateway.state import GATEWAY, GatewayState
 
@@ -104,9 +104,11 @@ async def serve_completion(
         if stream:
             return await _stream(http, state, url, calls, response_id, created, include_usage)
         return await _json(state, url, calls, response_id, created)
-    except asyncio.CancelledError:
+    except (asyncio.CancelledError, ClientGone) as gone:
         for call in calls:
             state.spawn(state.engines.abort(url, call.request_id))
+        if isinstance(gone, ClientGone):
+            return gone.response
         raise
 
 
@@ -193,22 +195,22 @@ async def _stream(
                 continue
             if isinstance(item, BaseException):
                 error = item if isinstance(item, GatewayError) else EngineFailed(f"the engine stream broke: {item}")
-                await response.write(frame(error_json(error)))
+                await send(response, frame(error_json(error)))
                 break
             if not item.choices:
                 if item.usage not in (None, msgspec.UNSET):
                     usages.append(item.usage)  # type: ignore[arg-type]
                 continue
             item.id, item.created = response_id, created
-            await response.write(frame(_encode(item)))
+            await send(response, frame(_encode(item)))
         if include_usage and usages:
             usage = CompletionChunk(id=response_id, created=created, model=_model(http), choices=[], usage=_sum_usage(usages))
-            await response.write(frame(_encode(usage)))
+            await send(response, frame(_encode(usage)))
     finally:
         for task in tasks:
             task.cancel()
-    await response.write(DONE_FRAME)
-    await response.write_eof()
+    await send(response, DONE_FRAME)
+    await write_eof(response)
     return response
 
 

@@ -32,7 +32,7 @@ from gateway.config import ROUTES, Route
 from gateway.engine_request import chat_sampling, generate_body
 from gateway.errors import InvalidRequest, ModelNotFound
 from gateway import remote
-from gateway.relay import derender_json, derender_stream, relay_json, relay_stream, remote_error, remote_json, remote_stream
+from gateway.relay import ClientGone, derender_json, derender_stream, relay_json, relay_stream, remote_error, remote_json, remote_stream
 from gateway.state import GATEWAY, GatewayState
 from gateway.validate import check_chat, check_completion
 
@@ -71,6 +71,9 @@ async def guard_disconnect(
     except asyncio.CancelledError:
         state.spawn(state.engines.abort(url, request_id))
         raise
+    except ClientGone as gone:  # it left between two writes, before its cancellation arrived
+        state.spawn(state.engines.abort(url, request_id))
+        return gone.response
 
 
 async def handle_chat(http: web.Request) -> web.StreamResponse:

@@ -48,6 +48,29 @@ class Derender(Protocol):
     def response(self) -> Any: ...
 
 
+class ClientGone(Exception):
+    """The client closed the connection while its stream was being written."""
+
+    def __init__(self, response: web.StreamResponse) -> None:
+        super().__init__("client disconnected")
+        self.response = response
+
+
+async def send(response: web.StreamResponse, data: bytes) -> None:
+    """Write to the client; a reset means it left, which is not an engine failure."""
+    try:
+        await response.write(data)
+    except ConnectionResetError as exc:
+        raise ClientGone(response) from exc
+
+
+async def write_eof(response: web.StreamResponse) -> None:
+    try:
+        await response.write_eof()
+    except ConnectionResetError as exc:
+        raise ClientGone(response) from exc
+
+
 async def open_stream(http: web.Request) -> web.StreamResponse:
     response = web.StreamResponse(headers=SSE_HEADERS)
     await response.prepare(http)
@@ -73,12 +96,14 @@ async def relay_stream(http: web.Request, engine: aiohttp.ClientResponse, first_
     response = await open_stream(http)
     try:
         async for piece in pieces(engine, first_timeout):
-            await response.write(piece)
+            await send(response, piece)
+    except ClientGone:
+        raise
     except GatewayError as exc:
-        await response.write(frame(error_json(exc)) + DONE_FRAME)
+        await send(response, frame(error_json(exc)) + DONE_FRAME)
     except (aiohttp.ClientError, TimeoutError) as exc:
-        await response.write(frame(error_json(EngineFailed(f"the engine stream broke: {exc}"))) + DONE_FRAME)
-    await response.write_eof()
+        await send(response, frame(error_json(EngineFailed(f"the engine stream broke: {exc}"))) + DONE_FRAME)
+    await write_eof(response)
     return response
 
 
@@ -139,19 +164,21 @@ async def derender_stream(
     response = await open_stream(http)
     try:
         for chunk in derender.start():
-            await response.write(frame(_encode(chunk)))
+            await send(response, frame(_encode(chunk)))
         async for payload in engine_payloads(engine, first_timeout):
             for chunk in feed_chunk(derender, mode, payload):
-                await response.write(frame(_encode(chunk)))
+                await send(response, frame(_encode(chunk)))
         usage = derender.usage_chunk()
         if usage is not None:
-            await response.write(frame(_encode(usage)))
+            await send(response, frame(_encode(usage)))
+    except ClientGone:
+        raise
     except GatewayError as exc:
-        await response.write(frame(error_json(exc)))
+        await send(response, frame(error_json(exc)))
     except (aiohttp.ClientError, TimeoutError) as exc:
-        await response.write(frame(error_json(EngineFailed(f"the engine stream broke: {exc}"))))
-    await response.write(DONE_FRAME)
-    await response.write_eof()
+        await send(response, frame(error_json(EngineFailed(f"the engine stream broke: {exc}"))))
+    await send(response, DONE_FRAME)
+    await write_eof(response)
     return response
 
 
@@ -180,15 +207,17 @@ async def remote_stream(
                 raise EngineFailed(f"the engine failed mid-stream: {payload[:300].decode('utf-8', 'replace')}")
             chunk = await remote.chunk(payload)
             if chunk is not None:
-                await response.write(frame(chunk))
+                await send(response, frame(chunk))
+    except ClientGone:
+        raise
     except GatewayError as exc:
-        await response.write(frame(error_json(exc)))
+        await send(response, frame(error_json(exc)))
     except RemoteServiceError as exc:
-        await response.write(frame(error_json(remote_error(exc))))
+        await send(response, frame(error_json(remote_error(exc))))
     except (aiohttp.ClientError, TimeoutError) as exc:
-        await response.write(frame(error_json(EngineFailed(f"the engine stream broke: {exc}"))))
-    await response.write(DONE_FRAME)
-    await response.write_eof()
+        await send(response, frame(error_json(EngineFailed(f"the engine stream broke: {exc}"))))
+    await send(response, DONE_FRAME)
+    await write_eof(response)
     return response
 
 

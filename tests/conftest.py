@@ -43,3 +43,12 @@ def qwen3_vocab(qwen3_tokenizer: Any) -> Any:
     from engine.derender.vocab import vocab_for
 
     return vocab_for(qwen3_tokenizer)
+
+
+@pytest.fixture(autouse=True)
+def _collect_garbage_after_each_test() -> Any:
+    """Collect after every test, so an unclosed resource is reported by the test that leaked it."""
+    import gc
+
+    yield
+    gc.collect()
