@@ -16,7 +16,7 @@ from engine.derender.chat import ChatDerender, ChatOptions
 from engine.derender.errors import TokenIdOutOfRange
 from engine.derender.text import TextParams
 from engine.derender.vocab import TokenVocab
-from engine.qwen3.vocab import IM_END_ID, THINK_END_ID, THINK_START_ID, TOOL_CALL_END_ID, TOOL_CALL_START_ID
+from engine.qwen3.vocab import IM_END_ID, THINK_END_ID, THINK_START_ID, TOOL_CALL_START_ID
 from tests.support.streams import comparable_response, fixed, parsed_arguments, random_splits, stream, whole
 
 TOOLS_ON = ChatOptions(reasoning_parser="qwen3", tool_parser="hermes", tools_enabled=True)
