@@ -19,17 +19,24 @@ from engine.openai_schema import ModelCard, ModelList
 from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient
 from gateway.errors import Handler, gateway_error_middleware
-from gateway.pipeline import ROUTE_KEY, handle_chat, handle_completion
+from gateway.pipeline import REASON_KEY, ROUTE_KEY, handle_chat, handle_completion
+from gateway.policy import Policy, load_policy
 from gateway.render import LocalRenderer
 from gateway.state import GATEWAY, GatewayState
 
 log = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode
 ROUTE_RESPONSE_HEADER = "onehop-route"
+POLICY_RESPONSE_HEADER = "onehop-policy"
+"""Why the route was chosen: the rule, the cost comparison, or the override."""
 
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     state = app[GATEWAY]
+    if state.config.policy is not None:
+        state.policy = load_policy(state.config.policy)
+    else:
+        state.policy = Policy(default=state.config.route)
     await state.engines.start()
     if state.renderer is None:
         state.renderer = await asyncio.to_thread(LocalRenderer, state.config.tokenizer)
@@ -73,11 +80,15 @@ async def _route_header(request: web.Request, response: web.StreamResponse) -> N
     route = request.get(ROUTE_KEY)
     if route is not None:
         response.headers[ROUTE_RESPONSE_HEADER] = route
+    reason = request.get(REASON_KEY)
+    if reason is not None:
+        response.headers[POLICY_RESPONSE_HEADER] = reason
 
 
 def create_app(config: GatewayConfig, *, renderer: LocalRenderer | None = None) -> web.Application:
     app = web.Application(middlewares=[metrics_middleware, gateway_error_middleware], client_max_size=config.max_body_bytes)
-    app[GATEWAY] = GatewayState(config=config, engines=EngineClient(config.engines, config.timeouts), renderer=renderer)
+    engines = EngineClient(config.engines, config.timeouts, remote=config.remote_url is not None)
+    app[GATEWAY] = GatewayState(config=config, engines=engines, renderer=renderer)
     app.cleanup_ctx.append(_lifecycle)
     app.on_response_prepare.append(_route_header)
     app.router.add_post("/v1/chat/completions", handle_chat)

@@ -11,6 +11,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine(commands)
     _add_serve(commands)
     _add_gateway(commands)
+    _add_policy(commands)
     return parser
 
 
@@ -185,6 +187,24 @@ def _run_gateway(args: argparse.Namespace) -> int:
         return 2
     serve(config)
     return 0
+
+
+def _add_policy(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    policy = commands.add_parser("policy", help="check a routing policy file, or explain its decision for a request")
+    actions = policy.add_subparsers(dest="action", metavar="ACTION", required=True)
+    check = actions.add_parser("check", help="validate a policy YAML")
+    check.add_argument("file", type=Path)
+    check.set_defaults(func=lambda args: _policy().check_main(args.file))
+    explain = actions.add_parser("explain", help="the route a policy picks for an OpenAI request JSON, and why")
+    explain.add_argument("file", type=Path)
+    explain.add_argument("request", type=Path)
+    explain.set_defaults(func=lambda args: _policy().explain_main(args.file, args.request))
+
+
+def _policy() -> Any:
+    from gateway import policy
+
+    return policy
 
 
 def main(argv: Sequence[str] | None = None) -> int:

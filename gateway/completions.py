@@ -68,6 +68,7 @@ async def serve_completion(
     body: bytes,
     prompts: list[list[int]],
     route: Route,
+    url: str,
 ) -> web.StreamResponse:
     if route == "tokens-remote":
         raise InvalidRequest("the tokens-remote route serves chat completions only", param="onehop-route")
@@ -96,7 +97,6 @@ async def serve_completion(
         )
         for i, prompt in enumerate(prompts)
     ]
-    url = state.engines.pick()
     try:
         if route == "derender" and len(calls) == 1:
             async with state.engines.generate(url, calls[0].body, stream=stream) as engine:

@@ -49,7 +49,9 @@ class GatewayConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     host: str = "127.0.0.1"
     port: Annotated[int, Meta(ge=0, le=65535)] = 8000
     route: Route = "derender"
-    """Default route; the cost policy will choose per request."""
+    """The route when no policy file is given (and the policy's last resort)."""
+    policy: str | None = None
+    """A policy YAML (see configs/policy.yaml): rules and a cost model pick the route per request."""
     route_header: bool = True
     """Honour an `onehop-route` request header (tests, debugging)."""
     render: Literal["local", "remote"] = "local"

@@ -24,6 +24,8 @@ from gateway.errors import EngineFailed, EngineUnavailable, GatewayError, Invali
 log = logging.getLogger(__name__)
 
 GENERATE_PATH = "/inference/v1/generate"
+CAPABILITIES_PATH = "/inference/v1/capabilities"
+PROBE_TIMEOUT_S = 5.0
 ABORT_PATH = "/inference/v1/abort_requests"
 ABORT_TIMEOUT_S = 5.0
 
@@ -55,8 +57,17 @@ def engine_error(status: int, body: bytes) -> GatewayError:
     return EngineFailed(f"the engine failed ({status}): {message}")
 
 
+class _Capabilities(msgspec.Struct):
+    output_modes: list[str] = []
+
+
+_CAPABILITIES = msgspec.json.Decoder(_Capabilities)
+
+
 class EngineClient:
-    def __init__(self, endpoints: list[EngineEndpoint], timeouts: Timeouts) -> None:
+    def __init__(self, endpoints: list[EngineEndpoint], timeouts: Timeouts, *, remote: bool = False) -> None:
+        self._routes: dict[str, frozenset[str]] = {}
+        self._remote = remote
         self._urls = [e.url.rstrip("/") for e in endpoints]
         self._next = itertools.cycle(range(len(self._urls)))
         self._timeouts = timeouts
@@ -106,6 +117,35 @@ class EngineClient:
 
     def first_event_timeout(self) -> float:
         return self._timeouts.first_token_s
+
+    async def routes(self, url: str) -> frozenset[str]:
+        """Routes this engine can serve, probed once: a onehop engine lists its output modes;
+        a stock vLLM server (no capabilities endpoint) serves text and tokens."""
+        known = self._routes.get(url)
+        if known is not None:
+            return known
+        modes = await self._probe(url)
+        routes = {"tokens"} | ({"text"} if "text" in modes else set()) | ({"derender"} if "derender" in modes else set())
+        if self._remote:
+            routes.add("tokens-remote")
+        self._routes[url] = frozenset(routes)
+        return self._routes[url]
+
+    async def _probe(self, url: str) -> set[str]:
+        try:
+            async with asyncio.timeout(PROBE_TIMEOUT_S):
+                async with self.session.get(url + CAPABILITIES_PATH) as response:
+                    if response.status == 404:
+                        return {"tokens", "text"}
+                    body = await response.read()
+                    if response.status != 200:
+                        raise EngineUnavailable(f"the engine's capabilities answer was {response.status}")
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise EngineUnavailable(f"cannot reach the engine: {exc}") from exc
+        try:
+            return set(_CAPABILITIES.decode(body).output_modes)
+        except msgspec.DecodeError as exc:
+            raise EngineFailed("the engine sent an invalid capabilities document") from exc
 
     async def abort(self, url: str, request_id: str) -> None:
         """Best effort: the engine also aborts when the stream's connection closes."""

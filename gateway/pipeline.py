@@ -30,7 +30,8 @@ from engine.protocol import SamplingParams
 from gateway.completions import serve_completion
 from gateway.config import ROUTES, Route
 from gateway.engine_request import chat_sampling, generate_body
-from gateway.errors import InvalidRequest, ModelNotFound
+from gateway.errors import EngineUnavailable, InvalidRequest, ModelNotFound
+from gateway.policy import EngineState, NoRoute, RequestFeatures, decide
 from gateway import remote
 from gateway.relay import ClientGone, derender_json, derender_stream, relay_json, relay_stream, remote_error, remote_json, remote_stream
 from gateway.state import GATEWAY, GatewayState
@@ -39,6 +40,7 @@ from gateway.validate import check_chat, check_completion
 ROUTE_HEADER = "onehop-route"
 """Request header that picks the route (when the config allows it); the response names the route taken."""
 ROUTE_KEY = web.RequestKey("onehop_route", str)
+REASON_KEY = web.RequestKey("onehop_policy_reason", str)
 
 
 def _decode(decoder: msgspec.json.Decoder, body: bytes, what: str) -> object:
@@ -48,13 +50,54 @@ def _decode(decoder: msgspec.json.Decoder, body: bytes, what: str) -> object:
         raise InvalidRequest(f"invalid {what} request: {exc}") from exc
 
 
-def choose_route(state: GatewayState, http: web.Request) -> Route:
+async def choose_route(state: GatewayState, http: web.Request, url: str, features: RequestFeatures) -> Route:
+    """The route for this request: the override header if allowed, else the policy's decision."""
+    available = await state.engines.routes(url)
     wanted = http.headers.get(ROUTE_HEADER)
     if wanted and state.config.route_header:
         if wanted not in ROUTES:
             raise InvalidRequest(f"{ROUTE_HEADER} must be one of {', '.join(ROUTES)}", param=ROUTE_HEADER)
+        if wanted not in available:
+            raise InvalidRequest(f"route {wanted!r} is not available on this engine", param=ROUTE_HEADER)
+        http[ROUTE_KEY], http[REASON_KEY] = wanted, f"{ROUTE_HEADER} header"
         return wanted  # type: ignore[return-value]
-    return state.config.route
+    try:
+        decision = decide(state.policy, features, EngineState(routes=available))
+    except NoRoute as exc:
+        raise EngineUnavailable(str(exc)) from exc
+    http[ROUTE_KEY], http[REASON_KEY] = decision.route, decision.reason
+    return decision.route
+
+
+def chat_features(request: ChatCompletionRequest, prompt_tokens: int, http: web.Request) -> RequestFeatures:
+    kwargs = request.chat_template_kwargs or {}
+    return RequestFeatures(
+        endpoint="chat",
+        model=request.model or "",
+        stream=bool(request.stream),
+        logprobs=bool(request.logprobs),
+        top_logprobs=request.top_logprobs or 0,
+        n=request.n or 1,
+        max_tokens=request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens,
+        prompt_tokens=prompt_tokens,
+        tools=bool(request.tools),
+        reasoning=bool(kwargs.get("enable_thinking", True)),
+        headers={k.lower(): v for k, v in http.headers.items()},
+    )
+
+
+def completion_features(request: CompletionRequest, prompts: list[list[int]], http: web.Request) -> RequestFeatures:
+    return RequestFeatures(
+        endpoint="completions",
+        model=request.model or "",
+        stream=bool(request.stream),
+        logprobs=request.logprobs is not None,
+        top_logprobs=request.logprobs or 0,
+        n=(request.n or 1) * len(prompts),
+        max_tokens=request.max_tokens,
+        prompt_tokens=sum(len(p) for p in prompts),
+        headers={k.lower(): v for k, v in http.headers.items()},
+    )
 
 
 def check_model(state: GatewayState, model: str | None) -> None:
@@ -83,7 +126,6 @@ async def handle_chat(http: web.Request) -> web.StreamResponse:
     assert isinstance(request, ChatCompletionRequest)
     check_chat(request)
     check_model(state, request.model)
-    route = choose_route(state, http)
     sampling = chat_sampling(request)
     assert state.renderer is not None
     started = time.perf_counter()
@@ -92,6 +134,8 @@ async def handle_chat(http: web.Request) -> web.StreamResponse:
     if forced is not None:
         prompt = prompt + state.renderer.encode(forced)
     state.metrics.render_seconds.observe(time.perf_counter() - started)
+    url = state.engines.pick()
+    route = await choose_route(state, http, url, chat_features(request, len(prompt), http))
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     stream = bool(request.stream)
     options = request.stream_options
@@ -106,7 +150,6 @@ async def handle_chat(http: web.Request) -> web.StreamResponse:
         continuous_usage=bool(options and options.continuous_usage_stats),
         chat_request=body,
     )
-    url = state.engines.pick()
 
     async def work() -> web.StreamResponse:
         first = state.engines.first_event_timeout()
@@ -124,7 +167,6 @@ async def handle_chat(http: web.Request) -> web.StreamResponse:
                 )
         return response
 
-    http[ROUTE_KEY] = route
     return await guard_disconnect(state, url, request_id, work)
 
 
@@ -183,9 +225,9 @@ async def handle_completion(http: web.Request) -> web.StreamResponse:
     assert isinstance(request, CompletionRequest)
     check_completion(request)
     check_model(state, request.model)
-    route = choose_route(state, http)
     assert state.renderer is not None
     prompts = await state.renderer.completion_prompts(request)
-    http[ROUTE_KEY] = route
-    return await serve_completion(http, state, request, body, prompts, route)
+    url = state.engines.pick()
+    route = await choose_route(state, http, url, completion_features(request, prompts, http))
+    return await serve_completion(http, state, request, body, prompts, route, url)
 

@@ -11,6 +11,7 @@ from engine.derender.vocab import TokenVocab
 from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient
 from gateway.metrics import GatewayMetrics
+from gateway.policy import Policy
 from gateway.render import LocalRenderer
 
 
@@ -20,6 +21,7 @@ class GatewayState:
     engines: EngineClient
     renderer: LocalRenderer | None = None
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+    policy: Policy = field(default_factory=Policy)
     vocab: TokenVocab | None = None
     background: set[asyncio.Task[None]] = field(default_factory=set)
     """Aborts sent after a client left; kept referenced until done."""

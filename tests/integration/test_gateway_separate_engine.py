@@ -77,12 +77,33 @@ async def test_idle_engine_stream_ends_with_an_error_event(qwen3_tokenizer_dir: 
         assert not engine_state.running and not engine_state.backend.running()
 
 
-async def test_engine_refusal_is_passed_on(qwen3_tokenizer_dir: Path) -> None:
+async def test_routes_follow_the_engines_capabilities(qwen3_tokenizer_dir: Path) -> None:
+    """A --tokens-only engine: a text route is refused up front, the default falls back to tokens and says so."""
     async with engine_server(qwen3_tokenizer_dir, tokens_only=True) as (engine_url, _):
         async with gateway_for(engine_url, qwen3_tokenizer_dir) as url:
             client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-            with pytest.raises(openai.BadRequestError, match="tokens-only"):
+            with pytest.raises(openai.BadRequestError, match="not available on this engine"):
                 await client.chat.completions.create(model="sim", messages=MESSAGES, extra_headers={"onehop-route": "text"})
-            ok = await client.chat.completions.create(model="sim", messages=MESSAGES, max_tokens=3, extra_headers={"onehop-route": "tokens"})
+            raw = await client.chat.completions.with_raw_response.create(model="sim", messages=MESSAGES, max_tokens=3)
             await client.close()
-    assert ok.choices[0].finish_reason == "length"
+    assert raw.headers["onehop-route"] == "tokens"
+    assert "fallback" in raw.headers["onehop-policy"]
+    assert raw.parse().choices[0].finish_reason == "length"
+
+
+async def test_policy_file_picks_the_route(qwen3_tokenizer_dir: Path, tmp_path: Path) -> None:
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(
+        "rules:\n  - name: wide-logprobs\n    match: {top_logprobs: {ge: 5}}\n    route: tokens\ndefault: derender\n"
+    )
+    async with engine_server(qwen3_tokenizer_dir) as (engine_url, _):
+        async with gateway_for(engine_url, qwen3_tokenizer_dir, policy=str(policy)) as url:
+            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+            wide = await client.chat.completions.with_raw_response.create(
+                model="sim", messages=MESSAGES, max_tokens=3, logprobs=True, top_logprobs=8
+            )
+            plain = await client.chat.completions.with_raw_response.create(model="sim", messages=MESSAGES, max_tokens=3)
+            await client.close()
+    assert (wide.headers["onehop-route"], plain.headers["onehop-route"]) == ("tokens", "derender")
+    assert "wide-logprobs" in wide.headers["onehop-policy"]
+    assert len(wide.parse().choices[0].logprobs.content[0].top_logprobs) == 8
