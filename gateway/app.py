@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
 from collections.abc import AsyncIterator
 
@@ -20,7 +21,9 @@ from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient
 from gateway.errors import Handler, gateway_error_middleware
 from gateway.pipeline import REASON_KEY, ROUTE_KEY, handle_chat, handle_completion
-from gateway.policy import Policy, load_policy
+from gateway.feedback import EngineFeedback
+from gateway.policy import Policy
+from gateway.policy_reload import PolicyFile
 from gateway.render import LocalRenderer
 from gateway.state import GATEWAY, GatewayState
 
@@ -33,16 +36,23 @@ POLICY_RESPONSE_HEADER = "onehop-policy"
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     state = app[GATEWAY]
-    if state.config.policy is not None:
-        state.policy = load_policy(state.config.policy)
-    else:
-        state.policy = Policy(default=state.config.route)
+    config = state.config
+    state.fixed_policy = Policy(default=config.route)
+    loops: list[asyncio.Task[None]] = []
+    if config.policy is not None:
+        state.policy_file = PolicyFile(config.policy)
+        loops.append(asyncio.ensure_future(state.policy_file.watch(config.policy_poll_s)))
     await state.engines.start()
+    state.feedback = EngineFeedback([e.url.rstrip("/") for e in config.engines], config.feedback_interval_s)
+    loops.append(asyncio.ensure_future(state.feedback.run(state.engines.session)))
     if state.renderer is None:
         state.renderer = await asyncio.to_thread(LocalRenderer, state.config.tokenizer)
     if state.vocab is None:
         state.vocab = await asyncio.to_thread(load_vocab, state.config.tokenizer)
     yield
+    for task in loops:
+        task.cancel()
+    await asyncio.gather(*loops, return_exceptions=True)
     await state.engines.close()
     state.renderer.close()
     for task in list(state.background):
@@ -117,6 +127,15 @@ async def handle_health(http: web.Request) -> web.Response:
 def serve(config: GatewayConfig) -> None:
     """`onehop gateway`: the gateway alone, against the engines in its config."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    web.run_app(
-        create_app(config), host=config.host, port=config.port, handler_cancellation=True, print=None, loop=new_event_loop()
-    )
+    app = create_app(config)
+    app.on_startup.append(_reload_on_sighup)
+    web.run_app(app, host=config.host, port=config.port, handler_cancellation=True, print=None, loop=new_event_loop())
+
+
+async def _reload_on_sighup(app: web.Application) -> None:
+    def reload() -> None:
+        policy_file = app[GATEWAY].policy_file
+        if policy_file is not None:
+            policy_file.reload()
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload)

@@ -51,7 +51,12 @@ class GatewayConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     route: Route = "derender"
     """The route when no policy file is given (and the policy's last resort)."""
     policy: str | None = None
-    """A policy YAML (see configs/policy.yaml): rules and a cost model pick the route per request."""
+    """A policy YAML (see configs/policy.yaml): rules and a cost model pick the route per request.
+    Reloaded on SIGHUP and when the file changes; an invalid file keeps the old policy."""
+    policy_poll_s: Annotated[float, Meta(gt=0)] = 1.0
+    """How often the policy file is checked for changes."""
+    feedback_interval_s: Annotated[float, Meta(gt=0)] = 1.0
+    """How often engines' /metrics are scraped for the cost model's live feedback."""
     route_header: bool = True
     """Honour an `onehop-route` request header (tests, debugging)."""
     render: Literal["local", "remote"] = "local"

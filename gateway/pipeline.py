@@ -61,8 +61,12 @@ async def choose_route(state: GatewayState, http: web.Request, url: str, feature
             raise InvalidRequest(f"route {wanted!r} is not available on this engine", param=ROUTE_HEADER)
         http[ROUTE_KEY], http[REASON_KEY] = wanted, f"{ROUTE_HEADER} header"
         return wanted  # type: ignore[return-value]
+    load = state.feedback.load(url) if state.feedback is not None else None
+    engine = EngineState(routes=available)
+    if load is not None:
+        engine = EngineState(routes=available, output_cpu_cores=load.output_cpu_cores, in_flight=load.in_flight)
     try:
-        decision = decide(state.policy, features, EngineState(routes=available))
+        decision = decide(state.policy, features, engine)
     except NoRoute as exc:
         raise EngineUnavailable(str(exc)) from exc
     http[ROUTE_KEY], http[REASON_KEY] = decision.route, decision.reason

@@ -10,8 +10,10 @@ from aiohttp import web
 from engine.derender.vocab import TokenVocab
 from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient
+from gateway.feedback import EngineFeedback
 from gateway.metrics import GatewayMetrics
 from gateway.policy import Policy
+from gateway.policy_reload import PolicyFile
 from gateway.render import LocalRenderer
 
 
@@ -21,7 +23,14 @@ class GatewayState:
     engines: EngineClient
     renderer: LocalRenderer | None = None
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
-    policy: Policy = field(default_factory=Policy)
+    fixed_policy: Policy = field(default_factory=Policy)
+    """The policy when no file is configured (the config's route, with capability fallbacks)."""
+    policy_file: PolicyFile | None = None
+    feedback: EngineFeedback | None = None
+
+    @property
+    def policy(self) -> Policy:
+        return self.policy_file.current if self.policy_file is not None else self.fixed_policy
     vocab: TokenVocab | None = None
     background: set[asyncio.Task[None]] = field(default_factory=set)
     """Aborts sent after a client left; kept referenced until done."""

@@ -1,0 +1,90 @@
+"""Live feedback for the cost policy: each engine's output-processing CPU rate.
+
+Every `interval` the gateway scrapes each engine's `/metrics` and turns the
+growth of `onehop_engine_output_cpu_seconds_total` (all modes) into cores in
+use, plus the in-flight count. Engines without those metrics (stock vLLM)
+read as idle. A failed scrape keeps the last reading: feedback is advisory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+log = logging.getLogger(__name__)
+
+CPU_METRIC = "onehop_engine_output_cpu_seconds_total"
+IN_FLIGHT_METRIC = "onehop_engine_in_flight_requests"
+SCRAPE_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    at: float
+    cpu_seconds: float
+    in_flight: int
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    output_cpu_cores: float = 0.0
+    in_flight: int = 0
+
+
+def parse_sample(text: str, at: float) -> Sample:
+    cpu = 0.0
+    in_flight = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == CPU_METRIC:
+                cpu += sample.value
+            elif sample.name == IN_FLIGHT_METRIC:
+                in_flight += sample.value
+    return Sample(at=at, cpu_seconds=cpu, in_flight=int(in_flight))
+
+
+def load_between(before: Sample, after: Sample) -> Load:
+    """Cores the engine spent on output processing between two scrapes."""
+    elapsed = after.at - before.at
+    if elapsed <= 0:
+        return Load(in_flight=after.in_flight)
+    return Load(output_cpu_cores=max(0.0, (after.cpu_seconds - before.cpu_seconds) / elapsed), in_flight=after.in_flight)
+
+
+class EngineFeedback:
+    """The latest `Load` of every engine, refreshed by `run()`."""
+
+    def __init__(self, urls: list[str], interval: float) -> None:
+        self._urls = urls
+        self._interval = interval
+        self._last: dict[str, Sample] = {}
+        self.loads: dict[str, Load] = {}
+
+    def load(self, url: str) -> Load:
+        return self.loads.get(url, Load())
+
+    async def run(self, session: aiohttp.ClientSession) -> None:
+        while True:
+            await asyncio.gather(*(self.scrape(session, url) for url in self._urls))
+            await asyncio.sleep(self._interval)
+
+    async def scrape(self, session: aiohttp.ClientSession, url: str) -> None:
+        try:
+            async with asyncio.timeout(SCRAPE_TIMEOUT_S):
+                async with session.get(url + "/metrics") as response:
+                    if response.status != 200:
+                        return
+                    text = await response.text()
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            log.debug("metrics scrape of %s failed: %s", url, exc)
+            return
+        sample = parse_sample(text, time.monotonic())
+        before = self._last.get(url)
+        self._last[url] = sample
+        if before is not None:
+            self.loads[url] = load_between(before, sample)
