@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from engine.backends.base import BackendOutput
 from engine.derender.chat import ChatDerender, ChatOptions, ReasoningField
@@ -24,7 +24,7 @@ from engine.derender.completion import CompletionDerender, CompletionOptions
 from engine.derender.logprobs import chat_logprobs
 from engine.derender.text import TextParams, TextPipeline
 from engine.derender.vocab import TokenVocab
-from engine.openai_schema import ChatLogprobs, ChatLogprobToken, Usage
+from engine.openai_schema import ChatLogprobs, Usage
 from engine.protocol import (
     GenerateLogProbs,
     GenerateLogProbsContent,
@@ -140,14 +140,16 @@ def _kept_logprobs(output: BackendOutput, kept: int) -> list[GenerateLogProbsCon
     return output.logprobs[:kept]
 
 
-class TokensWriter:
-    """`output_mode: "tokens"`: ids out; text is only decoded to find stop strings."""
+class _ModeWriter:
+    """The tokens and text writers' shared flow; subclasses build their mode's choices."""
 
-    def __init__(self, request: GenerateRequest, context: WriterContext) -> None:
+    _stream_type: type[GenerateTokensStreamResponse] | type[GenerateTextStreamResponse]
+    _response_type: type[GenerateTokensResponse] | type[GenerateTextResponse]
+
+    def __init__(self, request: GenerateRequest, context: WriterContext, *, decode: bool) -> None:
         self.cpu_s = 0.0
-        # Tokens mode decodes only to find stop strings, as vLLM does.
-        self._c = _Choices(request, context, decode=bool(request.sampling_params.stop))
-        self._logprobs: list[list[GenerateLogProbsContent]] = [[] for _ in range(request.sampling_params.n)]
+        self._c = _Choices(request, context, decode=decode)
+        self._logprobs: list[list[Any]] = [[] for _ in range(request.sampling_params.n)]
 
     def head(self) -> list[bytes]:
         return []
@@ -161,18 +163,10 @@ class TokensWriter:
             advanced = self._c.advance(output)
             if advanced is None:
                 return None
-            ids, _, finish_reason, stop_reason = advanced
-            logprobs = _kept_logprobs(output, len(ids))
-            if logprobs is not None:
-                self._logprobs[output.index].extend(logprobs)
-            choice = GenerateTokensStreamChoice(
-                index=output.index,
-                token_ids=list(ids),
-                finish_reason=finish_reason,
-                stop_reason=stop_reason,
-                logprobs=GenerateLogProbs(content=logprobs) if logprobs is not None else None,
-            )
-            chunk = GenerateTokensStreamResponse(request_id=self._c.request.request_id, choices=[choice])
+            choice = self._stream_choice(output, *advanced)
+            if choice is None:
+                return None
+            chunk = self._stream_type(request_id=self._c.request.request_id, choices=[choice])  # type: ignore[list-item]
             if self._c.continuous:
                 chunk.usage = self._c.usage()
             return encode(chunk)
@@ -182,116 +176,112 @@ class TokensWriter:
     def tail(self) -> list[bytes]:
         if not self._c.include_usage:
             return []
-        return [encode(GenerateTokensStreamResponse(request_id=self._c.request.request_id, choices=[], usage=self._c.usage()))]
+        return [encode(self._stream_type(request_id=self._c.request.request_id, choices=[], usage=self._c.usage()))]
 
     def body(self) -> bytes:
         start = time.thread_time()
-        wants_logprobs = self._c.request.sampling_params.logprobs is not None
-        choices = [
-            GenerateTokensChoice(
-                index=i,
-                token_ids=ids,
-                finish_reason=self._c.finish[i][0],
-                stop_reason=self._c.finish[i][1],
-                logprobs=GenerateLogProbs(content=self._logprobs[i]) if wants_logprobs else None,
-            )
-            for i, ids in enumerate(self._c.token_ids)
-        ]
+        request = self._c.request
+        wants_logprobs = request.sampling_params.logprobs is not None
         out = encode(
-            GenerateTokensResponse(
-                request_id=self._c.request.request_id,
+            self._response_type(
+                request_id=request.request_id,
                 model=self._c.context.model,
                 created=int(time.time()),
                 usage=self._c.usage(),
-                choices=choices,
-                prompt_token_ids=list(self._c.request.token_ids) if self._c.request.return_token_ids else None,
+                choices=[self._choice(i, ids, wants_logprobs) for i, ids in enumerate(self._c.token_ids)],  # type: ignore[misc]
+                prompt_token_ids=list(request.token_ids) if request.return_token_ids else None,
             )
         )
         self.cpu_s += time.thread_time() - start
         return out
 
+    def _stream_choice(
+        self, output: BackendOutput, ids: Sequence[int], text: str, finish: str | None, stop: int | str | None
+    ) -> Any:
+        raise NotImplementedError
 
-class TextWriter:
+    def _choice(self, index: int, ids: list[int], wants_logprobs: bool) -> Any:
+        raise NotImplementedError
+
+
+class TokensWriter(_ModeWriter):
+    """`output_mode: "tokens"`: ids out; text is only decoded to find stop strings, as vLLM does."""
+
+    _stream_type = GenerateTokensStreamResponse
+    _response_type = GenerateTokensResponse
+
+    def __init__(self, request: GenerateRequest, context: WriterContext) -> None:
+        super().__init__(request, context, decode=bool(request.sampling_params.stop))
+
+    def _stream_choice(
+        self, output: BackendOutput, ids: Sequence[int], text: str, finish: str | None, stop: int | str | None
+    ) -> GenerateTokensStreamChoice:
+        logprobs = _kept_logprobs(output, len(ids))
+        if logprobs is not None:
+            self._logprobs[output.index].extend(logprobs)
+        return GenerateTokensStreamChoice(
+            index=output.index,
+            token_ids=list(ids),
+            finish_reason=finish,
+            stop_reason=stop,
+            logprobs=GenerateLogProbs(content=logprobs) if logprobs is not None else None,
+        )
+
+    def _choice(self, index: int, ids: list[int], wants_logprobs: bool) -> GenerateTokensChoice:
+        finish, stop = self._c.finish[index]
+        return GenerateTokensChoice(
+            index=index,
+            token_ids=ids,
+            finish_reason=finish,
+            stop_reason=stop,
+            logprobs=GenerateLogProbs(content=self._logprobs[index]) if wants_logprobs else None,
+        )
+
+
+class TextWriter(_ModeWriter):
     """`output_mode: "text"`: vLLM's text mode — text deltas plus ids, decoded logprobs."""
+
+    _stream_type = GenerateTextStreamResponse
+    _response_type = GenerateTextResponse
+    # Text mode keeps every candidate the backend sent (the sampled token at least),
+    # as vLLM's text mode does; only chat's `top_logprobs` cuts the list.
+    _TOP = 1 << 30
 
     def __init__(self, request: GenerateRequest, context: WriterContext) -> None:
         assert context.vocab is not None
-        self.cpu_s = 0.0
-        self._c = _Choices(request, context, decode=True)
+        super().__init__(request, context, decode=True)
         self._vocab = context.vocab
-        n = request.sampling_params.n
-        self._texts: list[list[str]] = [[] for _ in range(n)]
-        self._logprobs: list[list[ChatLogprobToken]] = [[] for _ in range(n)]
-        # Text mode keeps every candidate the backend sent (the sampled token at least),
-        # as vLLM's text mode does; only chat's `top_logprobs` cuts the list.
-        self._top = 1 << 30
+        self._texts: list[list[str]] = [[] for _ in range(request.sampling_params.n)]
 
-    def head(self) -> list[bytes]:
-        return []
-
-    def open_choices(self) -> list[int]:
-        return self._c.open_choices()
-
-    def step(self, output: BackendOutput) -> bytes | None:
-        start = time.thread_time()
-        try:
-            advanced = self._c.advance(output)
-            if advanced is None:
-                return None
-            ids, text, finish_reason, stop_reason = advanced
-            self._texts[output.index].append(text)
-            raw = _kept_logprobs(output, len(ids))
-            logprobs = chat_logprobs(self._vocab, raw, self._top) if raw is not None else None
-            if logprobs is not None:
-                self._logprobs[output.index].extend(logprobs)
-            if not ids and not text and finish_reason is None:
-                return None
-            choice = GenerateTextStreamChoice(
-                index=output.index,
-                text=text,
-                token_ids=list(ids),
-                finish_reason=finish_reason,
-                stop_reason=stop_reason,
-                logprobs=ChatLogprobs(content=logprobs) if logprobs is not None else None,
-            )
-            chunk = GenerateTextStreamResponse(request_id=self._c.request.request_id, choices=[choice])
-            if self._c.continuous:
-                chunk.usage = self._c.usage()
-            return encode(chunk)
-        finally:
-            self.cpu_s += time.thread_time() - start
-
-    def tail(self) -> list[bytes]:
-        if not self._c.include_usage:
-            return []
-        return [encode(GenerateTextStreamResponse(request_id=self._c.request.request_id, choices=[], usage=self._c.usage()))]
-
-    def body(self) -> bytes:
-        start = time.thread_time()
-        wants_logprobs = self._c.request.sampling_params.logprobs is not None
-        choices = [
-            GenerateTextChoice(
-                index=i,
-                text="".join(self._texts[i]),
-                token_ids=ids,
-                finish_reason=self._c.finish[i][0],
-                stop_reason=self._c.finish[i][1],
-                logprobs=ChatLogprobs(content=self._logprobs[i]) if wants_logprobs else None,
-            )
-            for i, ids in enumerate(self._c.token_ids)
-        ]
-        out = encode(
-            GenerateTextResponse(
-                request_id=self._c.request.request_id,
-                model=self._c.context.model,
-                created=int(time.time()),
-                usage=self._c.usage(),
-                choices=choices,
-                prompt_token_ids=list(self._c.request.token_ids) if self._c.request.return_token_ids else None,
-            )
+    def _stream_choice(
+        self, output: BackendOutput, ids: Sequence[int], text: str, finish: str | None, stop: int | str | None
+    ) -> GenerateTextStreamChoice | None:
+        self._texts[output.index].append(text)
+        raw = _kept_logprobs(output, len(ids))
+        logprobs = chat_logprobs(self._vocab, raw, self._TOP) if raw is not None else None
+        if logprobs is not None:
+            self._logprobs[output.index].extend(logprobs)
+        if not ids and not text and finish is None:
+            return None
+        return GenerateTextStreamChoice(
+            index=output.index,
+            text=text,
+            token_ids=list(ids),
+            finish_reason=finish,
+            stop_reason=stop,
+            logprobs=ChatLogprobs(content=logprobs) if logprobs is not None else None,
         )
-        self.cpu_s += time.thread_time() - start
-        return out
+
+    def _choice(self, index: int, ids: list[int], wants_logprobs: bool) -> GenerateTextChoice:
+        finish, stop = self._c.finish[index]
+        return GenerateTextChoice(
+            index=index,
+            text="".join(self._texts[index]),
+            token_ids=ids,
+            finish_reason=finish,
+            stop_reason=stop,
+            logprobs=ChatLogprobs(content=self._logprobs[index]) if wants_logprobs else None,
+        )
 
 
 def _response_id(request_id: str, prefix: str) -> str:

@@ -25,8 +25,6 @@ from engine.openai_schema import (
     CompletionRequest,
     Usage,
 )
-from engine.outputs import text_params
-from engine.protocol import SamplingParams
 from gateway.config import Route
 from gateway.engine_request import completion_sampling, generate_body
 from gateway.errors import EngineFailed, GatewayError, InvalidRequest, error_json
@@ -93,7 +91,7 @@ async def serve_completion(
                 prompt_index=i,
             ),
             route,
-            None if route == "derender" else _derender(state, request, sampling, prompt, i, response_id, created),
+            None if route == "derender" else _derender(state, request, prompt, i, response_id, created),
         )
         for i, prompt in enumerate(prompts)
     ]
@@ -119,20 +117,14 @@ def _request_id(response_id: str, index: int, prompts: int) -> str:
 def _derender(
     state: GatewayState,
     request: CompletionRequest,
-    sampling: dict[str, Any],
     prompt: list[int],
     index: int,
     response_id: str,
     created: int,
 ) -> CompletionsDerender:
+    # The text options come from the same request fields the engine's sampling params were built from.
     assert state.vocab is not None
-    base = CompletionOptions.from_request(request)
-    options = CompletionOptions(
-        text=text_params(msgspec.convert(sampling, SamplingParams)),
-        logprobs=base.logprobs,
-        echo=base.echo,
-        return_token_ids=base.return_token_ids,
-    )
+    options = CompletionOptions.from_request(request)
     n = request.n or 1
     return CompletionsDerender(
         state.vocab,

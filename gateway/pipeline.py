@@ -25,8 +25,6 @@ from engine.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
 )
-from engine.outputs import text_params
-from engine.protocol import SamplingParams
 from gateway.completions import serve_completion
 from gateway.config import ROUTES, Route
 from gateway.engine_request import chat_sampling, generate_body
@@ -164,7 +162,7 @@ async def handle_chat(http: web.Request) -> web.StreamResponse:
                 remote = _remote_derender(state, body, prompt)
                 response = await (remote_stream(http, engine, remote, first) if stream else remote_json(engine, remote))
             else:
-                derender = _chat_derender(state, request, sampling, prompt, request_id)
+                derender = _chat_derender(state, request, prompt, request_id)
                 mode = "tokens" if route == "tokens" else "text"
                 response = await (
                     derender_stream(http, engine, derender, mode, first) if stream else derender_json(engine, derender, mode)
@@ -195,17 +193,14 @@ def _remote_derender(state: GatewayState, body: bytes, prompt: list[int]) -> rem
     )
 
 
-def _chat_derender(
-    state: GatewayState, request: ChatCompletionRequest, sampling: dict[str, object], prompt: list[int], request_id: str
-) -> ChatDerender:
+def _chat_derender(state: GatewayState, request: ChatCompletionRequest, prompt: list[int], request_id: str) -> ChatDerender:
+    # The text options come from the same request fields the engine's sampling params were built from.
     assert state.vocab is not None
-    params = msgspec.convert(sampling, SamplingParams)
     options = ChatOptions.from_request(
         request,
         reasoning_parser=state.config.reasoning_parser,
         tool_parser=state.config.tool_parser,
         reasoning_field=state.config.reasoning_field,
-        text=text_params(params),
     )
     stream_options = request.stream_options
     include_usage = bool(stream_options and stream_options.include_usage)
