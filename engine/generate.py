@@ -165,9 +165,9 @@ async def _stream(
     started: float,
 ) -> web.StreamResponse:
     response = web.StreamResponse(headers=SSE_HEADERS)
-    await response.prepare(http)
     payloads = _drive(state, request, writer, outputs, started)
     try:
+        await response.prepare(http)  # a client that already left fails here
         try:
             async with contextlib.aclosing(payloads):
                 async for payload in payloads:
@@ -181,8 +181,8 @@ async def _stream(
         await response.write(CPU_COMMENT + str(round(writer.cpu_s * 1e6)).encode() + b"\n\n" + DONE)
         await response.write_eof()
     except ConnectionResetError as exc:
-        # It left between two writes, before its cancellation arrived; the backend
-        # stream is already closed by `aclosing`.
+        # It left before the headers or between two writes, before its cancellation
+        # arrived; the backend stream is closed by `aclosing` (or was never started).
         raise ClientGone(response) from exc
     return response
 

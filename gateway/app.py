@@ -18,7 +18,7 @@ from aiohttp import web
 from engine.app import load_vocab, new_event_loop
 from engine.openai_schema import ModelCard, ModelList
 from gateway.config import GatewayConfig
-from gateway.engine_client import EngineClient
+from gateway.engine_client import ABORT_TIMEOUT_S, EngineClient
 from gateway.errors import Handler, gateway_error_middleware
 from gateway.pipeline import REASON_KEY, ROUTE_KEY, handle_chat, handle_completion
 from gateway.feedback import EngineFeedback
@@ -53,10 +53,16 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     for task in loops:
         task.cancel()
     await asyncio.gather(*loops, return_exceptions=True)
+    # Aborts still in flight need the engine session: let them finish (they are
+    # bounded by ABORT_TIMEOUT_S) before it closes.
+    pending = list(state.background)
+    if pending:
+        await asyncio.wait(pending, timeout=ABORT_TIMEOUT_S)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
     await state.engines.close()
     state.renderer.close()
-    for task in list(state.background):
-        await asyncio.wait({task}, timeout=5)
 
 
 _ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}

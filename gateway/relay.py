@@ -73,7 +73,10 @@ async def write_eof(response: web.StreamResponse) -> None:
 
 async def open_stream(http: web.Request) -> web.StreamResponse:
     response = web.StreamResponse(headers=SSE_HEADERS)
-    await response.prepare(http)
+    try:
+        await response.prepare(http)
+    except ConnectionResetError as exc:  # it left before the headers went out
+        raise ClientGone(response) from exc
     return response
 
 

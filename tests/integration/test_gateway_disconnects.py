@@ -29,7 +29,9 @@ async def _cut_stream(session: aiohttp.ClientSession, url: str, rng: random.Rand
     if rng.random() < 0.2:  # before the first byte
         await asyncio.sleep(rng.random() * 0.02)
         request.cancel()
-        await asyncio.gather(request, return_exceptions=True)
+        (answer,) = await asyncio.gather(request, return_exceptions=True)
+        if isinstance(answer, aiohttp.ClientResponse):
+            answer.close()  # the headers came before the cut: close it as a client would
         return
     response = await request
     for _ in range(rng.randint(0, 20)):
