@@ -24,14 +24,14 @@ from engine.config import EngineConfig
 from engine.derender.parser import REASONING_PARSERS, TOOL_PARSERS, UnknownParser
 from engine.derender.vocab import TokenVocab, vocab_for
 from engine.errors import error_middleware
-from engine.generate import handle_abort, handle_generate
+from engine.generate import GENERATE_PATH, handle_abort, handle_generate
 from engine.openai_schema import ModelCard, ModelList
 from engine.protocol import encode
 from engine.state import ENGINE, EngineState
+from engine.telemetry import Tracing
 
 log = logging.getLogger(__name__)
 
-GENERATE_PATH = "/inference/v1/generate"
 ABORT_PATH = "/inference/v1/abort_requests"
 LEGACY_ABORT_PATH = "/abort_requests"
 CAPABILITIES_PATH = "/inference/v1/capabilities"
@@ -81,12 +81,17 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     yield
     state.ready = False
     await state.backend.close()
+    await state.tracing.shutdown()
 
 
 def create_app(config: EngineConfig, *, backend: Backend | None = None) -> web.Application:
     _check_parsers(config)
     app = web.Application(middlewares=[error_middleware], client_max_size=config.max_body_bytes)
-    app[ENGINE] = EngineState(config=config, backend=backend if backend is not None else make_backend(config))
+    app[ENGINE] = EngineState(
+        config=config,
+        backend=backend if backend is not None else make_backend(config),
+        tracing=Tracing(config.tracing, "onehop-engine"),
+    )
     app.cleanup_ctx.append(_lifecycle)
     app.router.add_post(GENERATE_PATH, handle_generate)
     app.router.add_post(ABORT_PATH, handle_abort)

@@ -8,6 +8,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from engine.derender.chat import ReasoningField
+from engine.telemetry import TracingConfig
 
 BackendName = Literal["hf", "sim", "vllm"]
 
@@ -32,6 +33,8 @@ class EngineConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     tool_parser: str | None = "hermes"
     reasoning_field: ReasoningField = "reasoning"
     max_body_bytes: Annotated[int, Meta(ge=1024)] = DEFAULT_MAX_BODY_BYTES
+    tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
+    """OpenTelemetry export; the OTEL_* variables apply when this leaves a field unset."""
     backend_options: dict[str, Any] = {}
     """Extra fields of the backend's own config struct (e.g. sim's `ttft_ms`), checked strictly there."""
 

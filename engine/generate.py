@@ -15,14 +15,34 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
+from opentelemetry.trace import Span, SpanKind
 
 from engine.backends.base import BackendOutput, BackendRequest
-from engine.errors import BadRequest, Conflict, EngineHTTPError, NotFound, Unavailable, as_http_error, error_body
+from engine.errors import (
+    BadRequest,
+    Conflict,
+    EngineHTTPError,
+    NotFound,
+    Unavailable,
+    as_http_error,
+    error_body,
+)
 from engine.outputs import OutputWriter, make_writer
-from engine.protocol import GenerateRequest, decode_abort_request, decode_generate_request, sampling_params_sent_keys
+from engine.protocol import (
+    SUMMARY_COMMENT,
+    SUMMARY_HEADER,
+    GenerateRequest,
+    decode_abort_request,
+    decode_generate_request,
+    encode,
+    sampling_params_sent_keys,
+)
 from engine.state import ENGINE, EngineState, RunningRequest
+from engine.telemetry import extract, record_error
 
 CPU_HEADER = "onehop-engine-cpu-us"
 """Output-processing CPU of the request in microseconds (JSON responses)."""
@@ -30,6 +50,9 @@ CPU_COMMENT = b": onehop-engine-cpu-us="
 """The same figure as an SSE comment before `[DONE]`; OpenAI clients skip comments."""
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE = b"data: [DONE]\n\n"
+GENERATE_PATH = "/inference/v1/generate"
+SPAN_NAME = f"POST {GENERATE_PATH}"
+"""The engine's server span, named as OpenTelemetry's HTTP conventions say; it continues the gateway's trace."""
 
 
 class ClientGone(Exception):
@@ -79,47 +102,114 @@ def backend_request(state: EngineState, request: GenerateRequest) -> BackendRequ
     )
 
 
+@dataclass(slots=True)
+class _Times:
+    """When things happened to one request (monotonic seconds)."""
+
+    arrived: float
+    first: float | None = None
+    last: float | None = None
+    queued_s: float | None = None
+
+
 async def handle_generate(http: web.Request) -> web.StreamResponse:
     state = http.app[ENGINE]
+    tracing = state.tracing
+    with tracing.tracer.start_as_current_span(
+        SPAN_NAME,
+        kind=SpanKind.SERVER,
+        context=extract(http.headers),
+        record_exception=False,
+        set_status_on_exception=False,
+    ) as span:
+        if span.is_recording():
+            span.set_attributes({"http.request.method": "POST", "http.route": GENERATE_PATH})
+        try:
+            response = await _generate(http, state, span)
+        except asyncio.CancelledError:
+            span.set_attribute("onehop.client_disconnected", True)
+            raise
+        except Exception as exc:
+            error = as_http_error(exc)
+            if span.is_recording():
+                span.set_attribute("http.response.status_code", error.status)
+                record_error(span, exc, kind=type(exc).__name__)
+            raise
+        if span.is_recording():
+            span.set_attribute("http.response.status_code", response.status)
+        return response
+
+
+async def _generate(http: web.Request, state: EngineState, span: Span) -> web.StreamResponse:
+    times = _Times(arrived=time.monotonic())
     body = await http.read()
     request = decode_generate_request(body)
     if "max_tokens" not in sampling_params_sent_keys(body):
         # Not sent means "up to the context length", as in vLLM's generate API
         # (its SamplingParams default of 16 applies only to direct callers).
         request.sampling_params.max_tokens = None
+    if span.is_recording():
+        span.set_attributes(
+            {
+                "onehop.request_id": request.request_id,
+                "onehop.output_mode": request.output_mode,
+                "gen_ai.request.model": state.model,
+            }
+        )
     check_request(state, request)
     writer = make_writer(request, state.writer_context())
     running = RunningRequest(request_id=request.request_id, mode=request.output_mode)
     state.running[request.request_id] = running
     metrics = state.metrics
-    metrics.in_flight.labels(request.output_mode).inc()
-    started = time.monotonic()
+    mode = request.output_mode
+    metrics.in_flight.labels(mode).inc()
     status = 200
     try:
         outputs = state.backend.generate(backend_request(state, request))
         if request.stream:
-            return await _stream(http, state, request, writer, outputs, started)
-        return await _json(state, request, writer, outputs, started)
+            return await _stream(http, state, request, writer, outputs, times)
+        return await _json(state, request, writer, outputs, times)
     except asyncio.CancelledError:
         status = 499  # the client went away
         raise
     except ClientGone as gone:
         status = 499
+        span.set_attribute("onehop.client_disconnected", True)
         return gone.response
     except Exception as exc:
         status = as_http_error(exc).status
         raise
     finally:
         del state.running[request.request_id]
-        metrics.in_flight.labels(request.output_mode).dec()
-        metrics.requests.labels(request.output_mode, str(status)).inc()
-        metrics.output_cpu.labels(request.output_mode).inc(writer.cpu_s)
-        metrics.output_cpu_per_request.labels(request.output_mode).observe(writer.cpu_s)
-        metrics.e2e.labels(request.output_mode).observe(time.monotonic() - started)
+        metrics.in_flight.labels(mode).dec()
+        metrics.requests.labels(mode, str(status)).inc()
+        metrics.output_cpu.labels(mode).inc(writer.cpu_s)
+        metrics.output_cpu_per_request.labels(mode).observe(writer.cpu_s)
+        metrics.e2e.labels(mode).observe(time.monotonic() - times.arrived)
         if status == 499:
             metrics.aborts.labels("client_disconnect").inc()
         elif running.aborted:
             metrics.aborts.labels("abort_request").inc()
+        if span.is_recording():
+            _describe(span, writer, times, running.aborted)
+
+
+def _describe(span: Span, writer: OutputWriter, times: _Times, aborted: bool) -> None:
+    """The request's outcome and timings on its server span."""
+    summary = writer.summary()
+    attributes: dict[str, Any] = {
+        "gen_ai.usage.input_tokens": summary.prompt_tokens,
+        "gen_ai.usage.output_tokens": summary.completion_tokens,
+        "gen_ai.response.finish_reasons": [reason or "" for reason in summary.finish_reasons],
+        "onehop.engine.output_cpu_s": writer.cpu_s,
+        "onehop.aborted": aborted,
+    }
+    if times.queued_s is not None:
+        attributes["onehop.engine.queue_s"] = times.queued_s
+    if times.first is not None:
+        attributes["onehop.engine.time_to_first_token_s"] = times.first - times.arrived
+        attributes["onehop.engine.generation_s"] = (times.last or times.first) - times.first
+    span.set_attributes(attributes)
 
 
 async def _drive(
@@ -127,18 +217,29 @@ async def _drive(
     request: GenerateRequest,
     writer: OutputWriter,
     outputs: AsyncIterator[list[BackendOutput]],
-    started: float,
+    times: _Times,
 ) -> AsyncIterator[bytes]:
     """Payloads of the whole request, in order; closes the backend stream when done."""
-    for payload in writer.head():
-        yield payload
-    first = True
+    metrics = state.metrics
+    mode = request.output_mode
+    itl = metrics.inter_token_latency.labels(mode)
     produced = 0
     async with contextlib.aclosing(outputs):
         async for batch in outputs:
-            if first:
-                state.metrics.time_to_first_token.labels(request.output_mode).observe(time.monotonic() - started)
-                first = False
+            now = time.monotonic()
+            if times.first is None:
+                times.first = now
+                metrics.time_to_first_token.labels(mode).observe(now - times.arrived)
+                times.queued_s = next((o.queued_s for o in batch if o.queued_s is not None), None)
+                if times.queued_s is not None:
+                    metrics.queue_seconds.labels(mode).observe(times.queued_s)
+                # The role chunk goes with the first token, as in vLLM's chat server:
+                # a client's first byte then means the model has started answering.
+                for payload in writer.head():
+                    yield payload
+            else:
+                itl.observe(now - times.last)  # type: ignore[operator]
+            times.last = now
             for output in batch:
                 produced += len(output.token_ids)
                 payload = writer.step(output)
@@ -146,7 +247,10 @@ async def _drive(
                     yield payload
             if not writer.open_choices():
                 break
-    state.metrics.output_tokens.labels(request.output_mode).inc(produced)
+    metrics.output_tokens.labels(mode).inc(produced)
+    if times.first is None:
+        for payload in writer.head():
+            yield payload
     for index in writer.open_choices():
         # The backend stream ended without a finish for this choice: it was aborted.
         payload = writer.step(BackendOutput(index=index, token_ids=[], finish_reason="abort"))
@@ -162,10 +266,10 @@ async def _stream(
     request: GenerateRequest,
     writer: OutputWriter,
     outputs: AsyncIterator[list[BackendOutput]],
-    started: float,
+    times: _Times,
 ) -> web.StreamResponse:
     response = web.StreamResponse(headers=SSE_HEADERS)
-    payloads = _drive(state, request, writer, outputs, started)
+    payloads = _drive(state, request, writer, outputs, times)
     try:
         await response.prepare(http)  # a client that already left fails here
         try:
@@ -178,7 +282,11 @@ async def _stream(
             await response.write(b"data: " + error_body(exc) + b"\n\n")
         except Exception as exc:  # after the first byte, errors travel in-band
             await response.write(b"data: " + error_body(as_http_error(exc)) + b"\n\n")
-        await response.write(CPU_COMMENT + str(round(writer.cpu_s * 1e6)).encode() + b"\n\n" + DONE)
+        trailer = (
+            SUMMARY_COMMENT + encode(writer.summary()) + b"\n\n"
+            + CPU_COMMENT + str(round(writer.cpu_s * 1e6)).encode() + b"\n\n"
+        )
+        await response.write(trailer + DONE)
         await response.write_eof()
     except ConnectionResetError as exc:
         # It left before the headers or between two writes, before its cancellation
@@ -192,16 +300,15 @@ async def _json(
     request: GenerateRequest,
     writer: OutputWriter,
     outputs: AsyncIterator[list[BackendOutput]],
-    started: float,
+    times: _Times,
 ) -> web.Response:
-    payloads = _drive(state, request, writer, outputs, started)
+    payloads = _drive(state, request, writer, outputs, times)
     async with contextlib.aclosing(payloads):
         async for _ in payloads:
             pass  # the writer keeps what the body needs
     body = writer.body()
-    return web.Response(
-        body=body, content_type="application/json", headers={CPU_HEADER: str(round(writer.cpu_s * 1e6))}
-    )
+    headers = {CPU_HEADER: str(round(writer.cpu_s * 1e6)), SUMMARY_HEADER: encode(writer.summary()).decode()}
+    return web.Response(body=body, content_type="application/json", headers=headers)
 
 
 async def handle_abort(http: web.Request) -> web.Response:

@@ -9,9 +9,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_GAP_BUCKETS = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 _CPU_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1)
 
 
@@ -44,6 +51,20 @@ class EngineMetrics:
         self.time_to_first_token = Histogram(
             "onehop_engine_time_to_first_token_seconds",
             "From request arrival to the first generated token.",
+            ["mode"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.inter_token_latency = Histogram(
+            "onehop_engine_inter_token_latency_seconds",
+            "Gap between two backend outputs of one request (a decode step, plus any wait).",
+            ["mode"],
+            buckets=_GAP_BUCKETS,
+            registry=r,
+        )
+        self.queue_seconds = Histogram(
+            "onehop_engine_queue_seconds",
+            "From request arrival to the backend starting it (the batch had room).",
             ["mode"],
             buckets=_LATENCY_BUCKETS,
             registry=r,

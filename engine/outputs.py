@@ -26,6 +26,7 @@ from engine.derender.text import TextParams, TextPipeline
 from engine.derender.vocab import TokenVocab
 from engine.openai_schema import ChatLogprobs, Usage
 from engine.protocol import (
+    EngineSummary,
     GenerateLogProbs,
     GenerateLogProbsContent,
     GenerateRequest,
@@ -70,6 +71,9 @@ class OutputWriter(Protocol):
 
     def open_choices(self) -> list[int]:
         """Indices of choices that have not finished."""
+
+    def summary(self) -> EngineSummary:
+        """Finish reasons and token counts so far (for the trace, and the gateway's)."""
 
 
 def text_params(sampling: SamplingParams) -> TextParams:
@@ -143,8 +147,8 @@ def _kept_logprobs(output: BackendOutput, kept: int) -> list[GenerateLogProbsCon
 class _ModeWriter:
     """The tokens and text writers' shared flow; subclasses build their mode's choices."""
 
-    _stream_type: type[GenerateTokensStreamResponse] | type[GenerateTextStreamResponse]
-    _response_type: type[GenerateTokensResponse] | type[GenerateTextResponse]
+    _stream_type: type[GenerateTokensStreamResponse | GenerateTextStreamResponse]
+    _response_type: type[GenerateTokensResponse | GenerateTextResponse]
 
     def __init__(self, request: GenerateRequest, context: WriterContext, *, decode: bool) -> None:
         self.cpu_s = 0.0
@@ -156,6 +160,14 @@ class _ModeWriter:
 
     def open_choices(self) -> list[int]:
         return self._c.open_choices()
+
+    def summary(self) -> EngineSummary:
+        usage = self._c.usage()
+        return EngineSummary(
+            finish_reasons=[reason for reason, _ in self._c.finish],
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=usage.completion_tokens or 0,
+        )
 
     def step(self, output: BackendOutput) -> bytes | None:
         start = time.thread_time()
@@ -348,6 +360,14 @@ class DerenderWriter:
 
     def open_choices(self) -> list[int]:
         return [i for i, choice in enumerate(self._derender.choices) if not choice.finished]
+
+    def summary(self) -> EngineSummary:
+        usage = self._derender.usage()
+        return EngineSummary(
+            finish_reasons=[choice.finish_reason for choice in self._derender.choices],
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=usage.completion_tokens or 0,
+        )
 
     def step(self, output: BackendOutput) -> bytes | None:
         start = time.thread_time()

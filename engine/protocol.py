@@ -407,6 +407,24 @@ class _ResponseView(Struct):
     error: ErrorInfo | UnsetType = UNSET
 
 
+class EngineSummary(Struct, kw_only=True):
+    """onehop's addition: what a request produced, for the gateway's trace span.
+
+    Sent as the `onehop-engine-summary` header on JSON answers and as an SSE
+    comment (`: onehop-engine-summary={...}`) before `[DONE]` on streams, so
+    the gateway can report finish reasons and usage on the derender route
+    without decoding the OpenAI objects it relays. Clients skip comments.
+    """
+
+    finish_reasons: list[str | None]
+    prompt_tokens: int
+    completion_tokens: int
+
+
+SUMMARY_HEADER = "onehop-engine-summary"
+SUMMARY_COMMENT = b": onehop-engine-summary="
+
+
 # ------------------------------------------------------------ codecs, built once
 
 _ENCODER = msgspec.json.Encoder()
@@ -418,6 +436,7 @@ _SAMPLING_KEYS = msgspec.json.Decoder(_SamplingKeys)
 _ABORT = msgspec.json.Decoder(AbortRequest)
 _RESPONSE_VIEW = msgspec.json.Decoder(_ResponseView)
 _ERROR = msgspec.json.Decoder(ErrorResponse)
+_SUMMARY = msgspec.json.Decoder(EngineSummary)
 
 _RESPONSES: dict[str, msgspec.json.Decoder[Any]] = {
     "tokens": msgspec.json.Decoder(GenerateTokensResponse),
@@ -509,3 +528,21 @@ def _raise_engine_error(data: bytes) -> None:
     except msgspec.DecodeError:
         return
     raise EngineError(body.error)
+
+
+def decode_summary(data: bytes | str) -> EngineSummary | None:
+    """An engine summary (header value or comment payload); None when malformed: it is advisory."""
+    try:
+        return _SUMMARY.decode(data)
+    except msgspec.DecodeError:
+        return None
+
+
+def find_summary(tail: bytes) -> EngineSummary | None:
+    """The summary comment in the last bytes of an engine stream, if the engine sent one."""
+    at = tail.rfind(SUMMARY_COMMENT)
+    if at < 0:
+        return None
+    start = at + len(SUMMARY_COMMENT)
+    end = tail.find(b"\n", start)
+    return decode_summary(tail[start:] if end < 0 else tail[start:end])

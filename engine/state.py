@@ -11,6 +11,7 @@ from engine.config import EngineConfig
 from engine.derender.vocab import TokenVocab
 from engine.metrics import EngineMetrics
 from engine.outputs import WriterContext
+from engine.telemetry import Tracing, TracingConfig
 
 
 @dataclass
@@ -26,6 +27,7 @@ class EngineState:
     config: EngineConfig
     backend: Backend
     metrics: EngineMetrics = field(default_factory=EngineMetrics)
+    tracing: Tracing = field(default_factory=lambda: Tracing(TracingConfig(), "onehop-engine"))
     vocab: TokenVocab | None = None
     """None until the tokenizer is loaded, and always None with `tokens_only`."""
     running: dict[str, RunningRequest] = field(default_factory=dict)

@@ -14,14 +14,17 @@ from collections.abc import AsyncIterator
 
 import msgspec
 from aiohttp import web
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from engine.app import load_vocab, new_event_loop
 from engine.openai_schema import ModelCard, ModelList
+from engine.telemetry import Tracing, extract
 from gateway.config import GatewayConfig
 from gateway.engine_client import ABORT_TIMEOUT_S, EngineClient
-from gateway.errors import Handler, gateway_error_middleware
-from gateway.pipeline import REASON_KEY, ROUTE_KEY, handle_chat, handle_completion
+from gateway.errors import ERROR_KEY, Handler, gateway_error_middleware
 from gateway.feedback import EngineFeedback
+from gateway.observe import OPERATIONS, SPAN_KEY, STARTED_KEY
+from gateway.pipeline import REASON_KEY, ROUTE_KEY, handle_chat, handle_completion
 from gateway.policy import Policy
 from gateway.policy_reload import PolicyFile
 from gateway.render import LocalRenderer
@@ -63,33 +66,68 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     await asyncio.gather(*pending, return_exceptions=True)
     await state.engines.close()
     state.renderer.close()
+    await state.tracing.shutdown()
 
 
 _ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 
 
 @web.middleware
-async def metrics_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+async def observe_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Metrics and the server span of every OpenAI request (named per the GenAI conventions)."""
     endpoint = _ENDPOINTS.get(request.path)
     if endpoint is None:
         return await handler(request)
-    metrics = request.app[GATEWAY].metrics
-    model = request.app[GATEWAY].config.model
-    started = time.monotonic()
+    state = request.app[GATEWAY]
+    metrics = state.metrics
+    model = state.config.model
+    operation = OPERATIONS[endpoint]
+    request[STARTED_KEY] = started = time.perf_counter()
     metrics.in_flight.labels(endpoint).inc()
     status = "499"
-    try:
-        response = await handler(request)
-        status = str(response.status)
-        return response
-    except asyncio.CancelledError:
-        metrics.disconnects.labels(request.get(ROUTE_KEY, "none")).inc()
-        raise
-    finally:
-        route = request.get(ROUTE_KEY, "none")
-        metrics.in_flight.labels(endpoint).dec()
-        metrics.requests.labels(endpoint, route, model, status).inc()
-        metrics.e2e.labels(route).observe(time.monotonic() - started)
+    with state.tracing.tracer.start_as_current_span(
+        f"{operation} {model}",
+        kind=SpanKind.SERVER,
+        context=extract(request.headers),
+        record_exception=False,
+        set_status_on_exception=False,
+    ) as span:
+        request[SPAN_KEY] = span
+        if span.is_recording():
+            span.set_attributes(
+                {
+                    "gen_ai.operation.name": operation,
+                    "gen_ai.request.model": model,
+                    "http.request.method": request.method,
+                    "url.path": request.path,
+                }
+            )
+        try:
+            response = await handler(request)
+            status = str(response.status)
+            return response
+        except asyncio.CancelledError:
+            metrics.disconnects.labels(request.get(ROUTE_KEY, "none")).inc()
+            span.set_attribute("onehop.client_disconnected", True)
+            raise
+        finally:
+            route = request.get(ROUTE_KEY, "none")
+            metrics.in_flight.labels(endpoint).dec()
+            metrics.requests.labels(endpoint, route, model, status).inc()
+            metrics.e2e.labels(route).observe(time.perf_counter() - started)
+            if span.is_recording():
+                _describe_answer(request, span, status)
+
+
+def _describe_answer(request: web.Request, span: Span, status: str) -> None:
+    span.set_attribute("onehop.route", request.get(ROUTE_KEY, "none"))
+    if status != "499":
+        span.set_attribute("http.response.status_code", int(status))
+    kind = request.get(ERROR_KEY)
+    if kind is not None:
+        span.set_attribute("error.type", kind)
+        if int(status) >= 500:
+            span.set_status(Status(StatusCode.ERROR))
 
 
 async def _route_header(request: web.Request, response: web.StreamResponse) -> None:
@@ -102,9 +140,11 @@ async def _route_header(request: web.Request, response: web.StreamResponse) -> N
 
 
 def create_app(config: GatewayConfig, *, renderer: LocalRenderer | None = None) -> web.Application:
-    app = web.Application(middlewares=[metrics_middleware, gateway_error_middleware], client_max_size=config.max_body_bytes)
-    engines = EngineClient(config.engines, config.timeouts, remote=config.remote_url is not None)
-    app[GATEWAY] = GatewayState(config=config, engines=engines, renderer=renderer)
+    app = web.Application(middlewares=[observe_middleware, gateway_error_middleware], client_max_size=config.max_body_bytes)
+    tracing = Tracing(config.tracing, "onehop-gateway")
+    engines = EngineClient(config.engines, config.timeouts, remote=config.remote_url is not None, tracing=tracing)
+    app[GATEWAY] = GatewayState(config=config, engines=engines, renderer=renderer, tracing=tracing)
+    app[GATEWAY].metrics.watch_engines([e.url.rstrip("/") for e in config.engines])
     app.cleanup_ctx.append(_lifecycle)
     app.on_response_prepare.append(_route_header)
     app.router.add_post("/v1/chat/completions", handle_chat)

@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 from aiohttp import web
+from opentelemetry.trace import Span
 
 from engine.derender.completion import CompletionDerender, CompletionOptions
 from engine.openai_schema import (
@@ -28,8 +29,17 @@ from engine.openai_schema import (
 from gateway.config import Route
 from gateway.engine_request import completion_sampling, generate_body
 from gateway.errors import EngineFailed, GatewayError, InvalidRequest, error_json
-
-from gateway.relay import ClientGone, engine_payloads, feed_choice, feed_chunk, open_stream, relay_json, relay_stream, send, whole_choices, write_eof
+from gateway.observe import SPAN_KEY, DerenderWork, describe_outcome
+from gateway.relay import (
+    ClientGone,
+    engine_payloads,
+    feed_choice,
+    feed_chunk,
+    open_stream,
+    relay_json,
+    relay_stream,
+    whole_choices,
+)
 from gateway.sse import DONE_FRAME, frame
 from gateway.state import GATEWAY, GatewayState
 
@@ -49,6 +59,7 @@ class _Call:
     def __init__(self, request_id: str, body: bytes, route: Route, derender: CompletionsDerender | None) -> None:
         self.request_id = request_id
         self.body = body
+        self.route = route
         self.mode = "tokens" if route in ("tokens", "tokens-remote") else "text"
         self.derender = derender
 
@@ -95,16 +106,24 @@ async def serve_completion(
         )
         for i, prompt in enumerate(prompts)
     ]
+    server = http[SPAN_KEY]
+    server.set_attribute("gen_ai.response.id", response_id)
     try:
         if route == "derender" and len(calls) == 1:
-            async with state.engines.generate(url, calls[0].body, stream=stream) as engine:
-                return await (relay_stream(http, engine, state.engines.first_event_timeout()) if stream else relay_json(engine))
-        if stream:
-            return await _stream(http, state, url, calls, response_id, created, include_usage)
-        return await _json(state, url, calls, response_id, created)
+            call = calls[0]
+            async with state.engines.generate(url, call.body, stream=stream, request_id=call.request_id, parent=server) as engine:
+                return await (relay_stream(http, engine, state.engines.first_event_timeout()) if stream else relay_json(http, engine))
+        work = None if route == "derender" else DerenderWork(http, route)
+        try:
+            if stream:
+                return await _stream(http, state, url, calls, response_id, created, include_usage, work)
+            return await _json(http, state, url, calls, response_id, created, work)
+        finally:
+            if work is not None:
+                work.finish(None)
     except (asyncio.CancelledError, ClientGone) as gone:
         for call in calls:
-            state.spawn(state.engines.abort(url, call.request_id))
+            state.abort(url, call.request_id)
         if isinstance(gone, ClientGone):
             return gone.response
         raise
@@ -139,16 +158,21 @@ def _derender(
     )
 
 
-async def _chunks_of(state: GatewayState, url: str, call: _Call) -> AsyncIterator[CompletionChunk]:
-    async with state.engines.generate(url, call.body, stream=True) as engine:
+async def _chunks_of(
+    state: GatewayState, url: str, call: _Call, parent: Span, work: DerenderWork | None
+) -> AsyncIterator[CompletionChunk]:
+    async with state.engines.generate(url, call.body, stream=True, request_id=call.request_id, parent=parent) as engine:
         async for payload in engine_payloads(engine, state.engines.first_event_timeout()):
-            if call.derender is None:
+            if call.derender is None or work is None:
                 try:
                     yield COMPLETION_CHUNK_DECODER.decode(payload)
                 except msgspec.DecodeError as exc:
                     raise EngineFailed(f"the engine sent an invalid chunk: {payload[:200]!r}") from exc
                 continue
-            for out in feed_chunk(call.derender, call.mode, payload):
+            work.begin()
+            chunks = feed_chunk(call.derender, call.mode, payload)
+            work.end()
+            for out in chunks:
                 yield out
     if call.derender is not None:
         usage = call.derender.usage_chunk()
@@ -164,12 +188,15 @@ async def _stream(
     response_id: str,
     created: int,
     include_usage: bool,
+    work: DerenderWork | None,
 ) -> web.StreamResponse:
-    response = await open_stream(http)
+    stream = await open_stream(http, "derender" if work is None else calls[0].route)
+    server = http[SPAN_KEY]
     queue: asyncio.Queue[CompletionChunk | BaseException | None] = asyncio.Queue()
+
     async def pump(call: _Call) -> None:
         try:
-            async for chunk in _chunks_of(state, url, call):
+            async for chunk in _chunks_of(state, url, call, server, work):
                 await queue.put(chunk)
         except BaseException as exc:  # handed to the writer, which reports it in-band
             await queue.put(exc)
@@ -178,7 +205,9 @@ async def _stream(
 
     tasks = [asyncio.ensure_future(pump(call)) for call in calls]
     usages: list[Usage] = []
+    reasons: dict[int, str | None] = {}
     open_calls = len(calls)
+    tail = DONE_FRAME
     try:
         while open_calls:
             item = await queue.get()
@@ -187,38 +216,55 @@ async def _stream(
                 continue
             if isinstance(item, BaseException):
                 error = item if isinstance(item, GatewayError) else EngineFailed(f"the engine stream broke: {item}")
-                await send(response, frame(error_json(error)))
+                tail = frame(error_json(error)) + DONE_FRAME
                 break
             if not item.choices:
                 if item.usage not in (None, msgspec.UNSET):
                     usages.append(item.usage)  # type: ignore[arg-type]
                 continue
+            for choice in item.choices:
+                if choice.finish_reason is not None:
+                    reasons[choice.index] = choice.finish_reason
             item.id, item.created = response_id, created
-            await send(response, frame(_encode(item)))
+            await stream.send(frame(_encode(item)))
         if include_usage and usages:
             usage = CompletionChunk(id=response_id, created=created, model=_model(http), choices=[], usage=_sum_usage(usages))
-            await send(response, frame(_encode(usage)))
+            await stream.send(frame(_encode(usage)))
     finally:
         for task in tasks:
             task.cancel()
-    await send(response, DONE_FRAME)
-    await write_eof(response)
-    return response
+    if usages:
+        total = _sum_usage(usages)
+        describe_outcome(server, [reasons[i] for i in sorted(reasons)], total.prompt_tokens, total.completion_tokens or 0)
+    return await stream.close(tail)
 
 
 def _model(http: web.Request) -> str:
     return http.app[GATEWAY].config.model
 
 
-async def _json(state: GatewayState, url: str, calls: list[_Call], response_id: str, created: int) -> web.Response:
+async def _json(
+    http: web.Request,
+    state: GatewayState,
+    url: str,
+    calls: list[_Call],
+    response_id: str,
+    created: int,
+    work: DerenderWork | None,
+) -> web.Response:
+    server = http[SPAN_KEY]
+
     async def one(call: _Call) -> Completion:
-        async with state.engines.generate(url, call.body, stream=False) as engine:
+        async with state.engines.generate(url, call.body, stream=False, request_id=call.request_id, parent=server) as engine:
             raw = await engine.read()
-        if call.derender is None:
+        if call.derender is None or work is None:
             return COMPLETION_DECODER.decode(raw)
+        work.begin()
         for choice in whole_choices(raw, call.mode):
             feed_choice(call.derender, call.mode, choice)
-        return call.derender.response()
+        answer = call.derender.response()
+        work.end()
+        return answer
 
     answers = await asyncio.gather(*(one(call) for call in calls))
     merged = Completion(
@@ -228,4 +274,6 @@ async def _json(state: GatewayState, url: str, calls: list[_Call], response_id: 
         choices=[choice for answer in answers for choice in answer.choices],
         usage=_sum_usage([answer.usage for answer in answers]),
     )
+    usage = merged.usage
+    describe_outcome(server, [c.finish_reason for c in merged.choices], usage.prompt_tokens, usage.completion_tokens or 0)
     return web.Response(body=_encode(merged), content_type="application/json")

@@ -9,6 +9,8 @@ import msgspec
 import yaml
 from msgspec import Meta, Struct
 
+from engine.telemetry import TracingConfig
+
 Route = Literal["derender", "text", "tokens", "tokens-remote"]
 ROUTES: tuple[Route, ...] = ("derender", "text", "tokens", "tokens-remote")
 
@@ -67,6 +69,8 @@ class GatewayConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     reasoning_field: Literal["reasoning", "reasoning_content", "both"] = "reasoning"
     timeouts: Timeouts = msgspec.field(default_factory=Timeouts)
     max_body_bytes: Annotated[int, Meta(ge=1024)] = MAX_BODY_BYTES
+    tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
+    """OpenTelemetry export (OTLP/HTTP); the OTEL_* variables apply where this leaves a field unset."""
 
     def __post_init__(self) -> None:
         needs_remote = self.render == "remote" or self.route == "tokens-remote"

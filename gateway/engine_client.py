@@ -17,9 +17,22 @@ from contextlib import asynccontextmanager
 
 import aiohttp
 import msgspec
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind
+from yarl import URL
 
+from engine.telemetry import Tracing, inject, record_error
 from gateway.config import EngineEndpoint, Timeouts
-from gateway.errors import EngineFailed, EngineUnavailable, GatewayError, InvalidRequest, ModelNotFound, PayloadTooLarge, Unprocessable
+from gateway.errors import (
+    ClientGone,
+    EngineFailed,
+    EngineUnavailable,
+    GatewayError,
+    InvalidRequest,
+    ModelNotFound,
+    PayloadTooLarge,
+    Unprocessable,
+)
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +78,10 @@ _CAPABILITIES = msgspec.json.Decoder(_Capabilities)
 
 
 class EngineClient:
-    def __init__(self, endpoints: list[EngineEndpoint], timeouts: Timeouts, *, remote: bool = False) -> None:
+    def __init__(
+        self, endpoints: list[EngineEndpoint], timeouts: Timeouts, *, remote: bool = False, tracing: Tracing | None = None
+    ) -> None:
+        self._tracer = tracing.tracer if tracing is not None else trace.NoOpTracer()
         self._routes: dict[str, frozenset[str]] = {}
         self._remote = remote
         self._urls = [e.url.rstrip("/") for e in endpoints]
@@ -93,27 +109,57 @@ class EngineClient:
         return self._urls[next(self._next)]
 
     @asynccontextmanager
-    async def generate(self, url: str, body: bytes, *, stream: bool) -> AsyncIterator[aiohttp.ClientResponse]:
+    async def generate(
+        self, url: str, body: bytes, *, stream: bool, request_id: str, parent: Span | None = None
+    ) -> AsyncIterator[aiohttp.ClientResponse]:
+        """One engine request, inside an `engine.generate` client span (a child of `parent`)
+        whose context travels as `traceparent`; the span ends when the caller is done reading."""
+        context = trace.set_span_in_context(parent) if parent is not None else None
+        span = self._tracer.start_span("engine.generate", context=context, kind=SpanKind.CLIENT)
+        headers = {"Content-Type": "application/json"}
+        if span.is_recording():
+            target = URL(url)
+            span.set_attributes(
+                {
+                    "http.request.method": "POST",
+                    "url.full": url + GENERATE_PATH,
+                    "server.address": target.host or "",
+                    "server.port": target.port or 80,
+                    "onehop.request_id": request_id,
+                    "onehop.stream": stream,
+                }
+            )
+            inject(headers, span)
         limit = self._timeouts.first_token_s if stream else self._timeouts.request_s
         try:
-            async with asyncio.timeout(limit):
-                response = await self.session.post(
-                    url + GENERATE_PATH,
-                    data=body,
-                    headers={"Content-Type": "application/json"},
-                    timeout=self._stream_timeout if stream else self._json_timeout,
-                )
-        except TimeoutError as exc:
-            raise EngineUnavailable(f"the engine did not answer within {limit} s") from exc
-        except aiohttp.ClientError as exc:
-            raise EngineUnavailable(f"cannot reach the engine: {exc}") from exc
-        try:
-            if response.status != 200:
-                raise engine_error(response.status, await response.read())
-            yield response
+            try:
+                async with asyncio.timeout(limit):
+                    response = await self.session.post(
+                        url + GENERATE_PATH,
+                        data=body,
+                        headers=headers,
+                        timeout=self._stream_timeout if stream else self._json_timeout,
+                    )
+            except TimeoutError as exc:
+                raise EngineUnavailable(f"the engine did not answer within {limit} s") from exc
+            except aiohttp.ClientError as exc:
+                raise EngineUnavailable(f"cannot reach the engine: {exc}") from exc
+            span.set_attribute("http.response.status_code", response.status)
+            try:
+                if response.status != 200:
+                    raise engine_error(response.status, await response.read())
+                yield response
+            finally:
+                response.release()
+                response.close()
+        except (asyncio.CancelledError, ClientGone):
+            span.set_attribute("onehop.client_disconnected", True)
+            raise
+        except Exception as exc:
+            record_error(span, exc)
+            raise
         finally:
-            response.release()
-            response.close()
+            span.end()
 
     def first_event_timeout(self) -> float:
         return self._timeouts.first_token_s

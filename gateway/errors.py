@@ -102,6 +102,8 @@ def as_gateway_error(exc: BaseException) -> GatewayError:
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+ERROR_KEY = web.RequestKey("onehop_error", str)
+"""The class of the error a request was answered with, for the trace's `error.type`."""
 
 
 @web.middleware
@@ -116,4 +118,13 @@ async def gateway_error_middleware(request: web.Request, handler: Handler) -> we
         error = as_gateway_error(exc)
         if error.status >= 500:
             log.exception("request failed: %s %s", request.method, request.path)
+    request[ERROR_KEY] = type(error).__name__
     return web.Response(status=error.status, body=error_json(error), content_type="application/json")
+
+
+class ClientGone(Exception):
+    """The client closed the connection while its stream was being written (not an error of ours)."""
+
+    def __init__(self, response: web.StreamResponse) -> None:
+        super().__init__("client disconnected")
+        self.response = response

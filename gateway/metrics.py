@@ -4,10 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
-_STAGE_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1)
+_GAP_BUCKETS = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+_STAGE_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.5)
+STAGES = ("render", "policy", "derender")
 
 
 @dataclass
@@ -21,16 +29,49 @@ class GatewayMetrics:
             ["endpoint", "route", "model", "status"], registry=r,
         )
         self.in_flight = Gauge("onehop_gateway_in_flight_requests", "Requests being served now.", ["endpoint"], registry=r)
-        self.render_seconds = Histogram(
-            "onehop_gateway_render_seconds", "Render (chat template + tokenize) time per request.", buckets=_STAGE_BUCKETS, registry=r
+        self.stage_seconds = Histogram(
+            "onehop_gateway_stage_seconds",
+            "Gateway time per request in each stage: render, policy, derender (the derender's own compute).",
+            ["stage"], buckets=_STAGE_BUCKETS, registry=r,
+        )
+        self.derender_cpu = Counter(
+            "onehop_gateway_derender_cpu_seconds", "Gateway CPU spent derendering engine output, by route.", ["route"], registry=r
         )
         self.e2e = Histogram(
             "onehop_gateway_request_duration_seconds", "From request arrival to the last byte, by route.",
             ["route"], buckets=_LATENCY_BUCKETS, registry=r,
         )
+        self.time_to_first_token = Histogram(
+            "onehop_gateway_time_to_first_token_seconds", "Streams: from request arrival to the first content sent, by route.",
+            ["route"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.inter_token_latency = Histogram(
+            "onehop_gateway_inter_token_latency_seconds", "Streams: gap between two writes to the client, by route.",
+            ["route"], buckets=_GAP_BUCKETS, registry=r,
+        )
         self.disconnects = Counter(
             "onehop_gateway_client_disconnects", "Clients that left before the answer was complete, by route.", ["route"], registry=r
         )
+        self.engine_aborts = Counter(
+            "onehop_gateway_engine_aborts", "Abort requests sent to engines for clients that left.", registry=r
+        )
+        self.policy_decisions = Counter(
+            "onehop_gateway_policy_decisions",
+            "Route decisions by route and basis: a rule's name, `cost`, `default` or `header`.",
+            ["route", "rule"], registry=r,
+        )
+        self.engine_retries = Counter(
+            "onehop_gateway_engine_retries", "Requests retried on another engine before their first byte.", ["engine"], registry=r
+        )
+        self.circuit_open = Gauge(
+            "onehop_gateway_engine_circuit_open", "1 while an engine's circuit breaker is open, else 0.", ["engine"], registry=r
+        )
+
+    def watch_engines(self, urls: list[str]) -> None:
+        """Give every configured engine its series, so dashboards see zeros rather than gaps."""
+        for url in urls:
+            self.engine_retries.labels(url)
+            self.circuit_open.labels(url).set(0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 
 import msgspec
 from aiohttp import web
+from opentelemetry import trace
 
 from engine.derender.chat import ChatDerender, ChatOptions, forced_tool_prefix
 from engine.openai_schema import (
@@ -25,13 +26,23 @@ from engine.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
 )
+from gateway import remote
 from gateway.completions import serve_completion
 from gateway.config import ROUTES, Route
 from gateway.engine_request import chat_sampling, generate_body
 from gateway.errors import EngineUnavailable, InvalidRequest, ModelNotFound
+from gateway.observe import SPAN_KEY, describe_request, stage
 from gateway.policy import EngineState, NoRoute, RequestFeatures, decide
-from gateway import remote
-from gateway.relay import ClientGone, derender_json, derender_stream, relay_json, relay_stream, remote_error, remote_json, remote_stream
+from gateway.relay import (
+    ClientGone,
+    derender_json,
+    derender_stream,
+    relay_json,
+    relay_stream,
+    remote_error,
+    remote_json,
+    remote_stream,
+)
 from gateway.state import GATEWAY, GatewayState
 from gateway.validate import check_chat, check_completion
 
@@ -49,7 +60,23 @@ def _decode(decoder: msgspec.json.Decoder, body: bytes, what: str) -> object:
 
 
 async def choose_route(state: GatewayState, http: web.Request, url: str, features: RequestFeatures) -> Route:
-    """The route for this request: the override header if allowed, else the policy's decision."""
+    """The route for this request, in a `policy` span; the decision goes on the server span too."""
+    started = time.perf_counter()
+    with stage(state.tracing.tracer, "policy", http[SPAN_KEY]) as span:
+        route, basis = await _decide(state, http, url, features)
+        reason = http[REASON_KEY]
+        if span.is_recording():
+            decision = {"onehop.route": route, "onehop.policy.rule": basis, "onehop.policy.reason": reason}
+            span.set_attributes(decision)
+            http[SPAN_KEY].set_attributes({**decision, "onehop.engine.endpoint": url})
+    state.metrics.policy_decisions.labels(route, basis).inc()
+    state.metrics.stage_seconds.labels("policy").observe(time.perf_counter() - started)
+    return route
+
+
+async def _decide(state: GatewayState, http: web.Request, url: str, features: RequestFeatures) -> tuple[Route, str]:
+    """The override header if allowed, else the policy's decision; with its basis (rule name,
+    `cost`, `default` or `header`), a bounded label for metrics."""
     available = await state.engines.routes(url)
     wanted = http.headers.get(ROUTE_HEADER)
     if wanted and state.config.route_header:
@@ -58,17 +85,19 @@ async def choose_route(state: GatewayState, http: web.Request, url: str, feature
         if wanted not in available:
             raise InvalidRequest(f"route {wanted!r} is not available on this engine", param=ROUTE_HEADER)
         http[ROUTE_KEY], http[REASON_KEY] = wanted, f"{ROUTE_HEADER} header"
-        return wanted  # type: ignore[return-value]
+        return wanted, "header"  # type: ignore[return-value]
     load = state.feedback.load(url) if state.feedback is not None else None
     engine = EngineState(routes=available)
     if load is not None:
         engine = EngineState(routes=available, output_cpu_cores=load.output_cpu_cores, in_flight=load.in_flight)
+    policy = state.policy
     try:
-        decision = decide(state.policy, features, engine)
+        decision = decide(policy, features, engine)
     except NoRoute as exc:
         raise EngineUnavailable(str(exc)) from exc
     http[ROUTE_KEY], http[REASON_KEY] = decision.route, decision.reason
-    return decision.route
+    basis = decision.rule if decision.rule is not None else ("cost" if policy.default == "cost" else "default")
+    return decision.route, basis
 
 
 def chat_features(request: ChatCompletionRequest, prompt_tokens: int, http: web.Request) -> RequestFeatures:
@@ -114,10 +143,11 @@ async def guard_disconnect(
     try:
         return await work()
     except asyncio.CancelledError:
-        state.spawn(state.engines.abort(url, request_id))
+        state.abort(url, request_id)
         raise
     except ClientGone as gone:  # it left between two writes, before its cancellation arrived
-        state.spawn(state.engines.abort(url, request_id))
+        state.abort(url, request_id)
+        trace.get_current_span().set_attribute("onehop.client_disconnected", True)  # the server span
         return gone.response
 
 
@@ -130,16 +160,27 @@ async def handle_chat(http: web.Request) -> web.StreamResponse:
     check_model(state, request.model)
     sampling = chat_sampling(request)
     assert state.renderer is not None
-    started = time.perf_counter()
-    prompt = await render_chat(state, request, body)
-    forced = forced_tool_prefix(request, state.config.tool_parser)
-    if forced is not None:
-        prompt = prompt + state.renderer.encode(forced)
-    state.metrics.render_seconds.observe(time.perf_counter() - started)
-    url = state.engines.pick()
-    route = await choose_route(state, http, url, chat_features(request, len(prompt), http))
+    server = http[SPAN_KEY]
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     stream = bool(request.stream)
+    max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+    describe_request(
+        server, max_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p,
+        n=request.n, seed=request.seed, stream=stream,
+    )
+    server.set_attribute("gen_ai.response.id", request_id)
+    if state.tracing.record_content and server.is_recording():
+        server.set_attribute("gen_ai.input.messages", _messages_json(body))
+    started = time.perf_counter()
+    with stage(state.tracing.tracer, "render", server) as span:
+        prompt = await render_chat(state, request, body)
+        forced = forced_tool_prefix(request, state.config.tool_parser)
+        if forced is not None:
+            prompt = prompt + state.renderer.encode(forced)
+        span.set_attribute("onehop.prompt_tokens", len(prompt))
+    state.metrics.stage_seconds.labels("render").observe(time.perf_counter() - started)
+    url = state.engines.pick()
+    route = await choose_route(state, http, url, chat_features(request, len(prompt), http))
     options = request.stream_options
     engine_body = generate_body(
         request_id=request_id,
@@ -155,9 +196,9 @@ async def handle_chat(http: web.Request) -> web.StreamResponse:
 
     async def work() -> web.StreamResponse:
         first = state.engines.first_event_timeout()
-        async with state.engines.generate(url, engine_body, stream=stream) as engine:
+        async with state.engines.generate(url, engine_body, stream=stream, request_id=request_id, parent=server) as engine:
             if route == "derender":
-                response = await (relay_stream(http, engine, first) if stream else relay_json(engine))
+                response = await (relay_stream(http, engine, first) if stream else relay_json(http, engine))
             elif route == "tokens-remote":
                 remote = _remote_derender(state, body, prompt)
                 response = await (remote_stream(http, engine, remote, first) if stream else remote_json(engine, remote))
@@ -165,7 +206,7 @@ async def handle_chat(http: web.Request) -> web.StreamResponse:
                 derender = _chat_derender(state, request, prompt, request_id)
                 mode = "tokens" if route == "tokens" else "text"
                 response = await (
-                    derender_stream(http, engine, derender, mode, first) if stream else derender_json(engine, derender, mode)
+                    derender_stream(http, engine, derender, mode, first) if stream else derender_json(http, engine, derender, mode)
                 )
         return response
 
@@ -225,8 +266,36 @@ async def handle_completion(http: web.Request) -> web.StreamResponse:
     check_completion(request)
     check_model(state, request.model)
     assert state.renderer is not None
-    prompts = await state.renderer.completion_prompts(request)
+    server = http[SPAN_KEY]
+    describe_request(
+        server, max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
+        n=request.n, seed=request.seed, stream=bool(request.stream),
+    )
+    if state.tracing.record_content and server.is_recording():
+        server.set_attribute("gen_ai.input.messages", _prompt_json(body))
+    started = time.perf_counter()
+    with stage(state.tracing.tracer, "render", server) as span:
+        prompts = await state.renderer.completion_prompts(request)
+        span.set_attribute("onehop.prompt_tokens", sum(len(p) for p in prompts))
+    state.metrics.stage_seconds.labels("render").observe(time.perf_counter() - started)
     url = state.engines.pick()
     route = await choose_route(state, http, url, completion_features(request, prompts, http))
     return await serve_completion(http, state, request, body, prompts, route, url)
 
+
+
+class _Messages(msgspec.Struct):
+    messages: msgspec.Raw = msgspec.Raw(b"[]")
+
+
+class _Prompt(msgspec.Struct):
+    prompt: msgspec.Raw = msgspec.Raw(b'""')
+
+
+def _messages_json(body: bytes) -> str:
+    """The request's messages as sent, for `record_content` only."""
+    return bytes(msgspec.json.decode(body, type=_Messages).messages).decode("utf-8", "replace")
+
+
+def _prompt_json(body: bytes) -> str:
+    return bytes(msgspec.json.decode(body, type=_Prompt).prompt).decode("utf-8", "replace")

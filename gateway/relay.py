@@ -21,12 +21,23 @@ import msgspec
 from aiohttp import web
 
 from engine.protocol import (
+    SUMMARY_HEADER,
     EngineError,
+    EngineSummary,
     ProtocolError,
     decode_generate_response,
     decode_generate_stream_chunk,
+    decode_summary,
+    find_summary,
 )
-from gateway.errors import EngineFailed, EngineUnavailable, GatewayError, error_json
+from gateway.errors import (
+    ClientGone,
+    EngineFailed,
+    EngineUnavailable,
+    GatewayError,
+    error_json,
+)
+from gateway.observe import SPAN_KEY, DerenderWork, StreamTimer, describe_outcome
 from gateway.remote import RemoteChatDerender, RemoteServiceError
 from gateway.sse import DONE, DONE_FRAME, SSEReader, frame
 
@@ -48,36 +59,39 @@ class Derender(Protocol):
     def response(self) -> Any: ...
 
 
-class ClientGone(Exception):
-    """The client closed the connection while its stream was being written."""
+class ClientStream:
+    """The SSE answer to the client: a reset means it left (`ClientGone`); content writes are timed."""
 
-    def __init__(self, response: web.StreamResponse) -> None:
-        super().__init__("client disconnected")
+    __slots__ = ("_timer", "response")
+
+    def __init__(self, response: web.StreamResponse, timer: StreamTimer) -> None:
         self.response = response
+        self._timer = timer
+
+    async def send(self, data: bytes) -> None:
+        try:
+            await self.response.write(data)
+        except ConnectionResetError as exc:
+            raise ClientGone(self.response) from exc
+        self._timer.wrote()
+
+    async def close(self, tail: bytes = DONE_FRAME) -> web.StreamResponse:
+        """Write the last frames (an error event, `[DONE]`) and end the stream."""
+        try:
+            await self.response.write(tail)
+            await self.response.write_eof()
+        except ConnectionResetError as exc:
+            raise ClientGone(self.response) from exc
+        return self.response
 
 
-async def send(response: web.StreamResponse, data: bytes) -> None:
-    """Write to the client; a reset means it left, which is not an engine failure."""
-    try:
-        await response.write(data)
-    except ConnectionResetError as exc:
-        raise ClientGone(response) from exc
-
-
-async def write_eof(response: web.StreamResponse) -> None:
-    try:
-        await response.write_eof()
-    except ConnectionResetError as exc:
-        raise ClientGone(response) from exc
-
-
-async def open_stream(http: web.Request) -> web.StreamResponse:
+async def open_stream(http: web.Request, route: str) -> ClientStream:
     response = web.StreamResponse(headers=SSE_HEADERS)
     try:
         await response.prepare(http)
     except ConnectionResetError as exc:  # it left before the headers went out
         raise ClientGone(response) from exc
-    return response
+    return ClientStream(response, StreamTimer(http, route))
 
 
 async def pieces(engine: aiohttp.ClientResponse, first_timeout: float) -> AsyncIterator[bytes]:
@@ -96,22 +110,36 @@ async def pieces(engine: aiohttp.ClientResponse, first_timeout: float) -> AsyncI
 
 async def relay_stream(http: web.Request, engine: aiohttp.ClientResponse, first_timeout: float) -> web.StreamResponse:
     """The derender route: the engine's SSE bytes, as they come."""
-    response = await open_stream(http)
+    stream = await open_stream(http, "derender")
+    tail = b""
+    previous = b""
     try:
         async for piece in pieces(engine, first_timeout):
-            await send(response, piece)
+            await stream.send(piece)
+            previous, tail = tail, piece
     except ClientGone:
         raise
     except GatewayError as exc:
-        await send(response, frame(error_json(exc)) + DONE_FRAME)
+        return await stream.close(frame(error_json(exc)) + DONE_FRAME)
     except (aiohttp.ClientError, TimeoutError) as exc:
-        await send(response, frame(error_json(EngineFailed(f"the engine stream broke: {exc}"))) + DONE_FRAME)
-    await write_eof(response)
-    return response
+        return await stream.close(frame(error_json(EngineFailed(f"the engine stream broke: {exc}"))) + DONE_FRAME)
+    # The engine's summary comment rides just before [DONE], in the last piece or two.
+    _describe_summary(http, find_summary(previous + tail))
+    return await stream.close(b"")
 
 
-async def relay_json(engine: aiohttp.ClientResponse) -> web.Response:
-    return web.Response(body=await engine.read(), content_type="application/json")
+def _describe_summary(http: web.Request, summary: EngineSummary | None) -> None:
+    span = http.get(SPAN_KEY)
+    if summary is not None and span is not None:
+        describe_outcome(span, summary.finish_reasons, summary.prompt_tokens, summary.completion_tokens)
+
+
+async def relay_json(http: web.Request, engine: aiohttp.ClientResponse) -> web.Response:
+    body = await engine.read()
+    header = engine.headers.get(SUMMARY_HEADER)
+    if header is not None:
+        _describe_summary(http, decode_summary(header))
+    return web.Response(body=body, content_type="application/json")
 
 
 async def engine_payloads(engine: aiohttp.ClientResponse, first_timeout: float) -> AsyncIterator[bytes]:
@@ -164,25 +192,36 @@ async def derender_stream(
     http: web.Request, engine: aiohttp.ClientResponse, derender: Derender, mode: str, first_timeout: float
 ) -> web.StreamResponse:
     """The text and token routes, streaming: engine chunks in, OpenAI chunks out."""
-    response = await open_stream(http)
+    stream = await open_stream(http, mode)
+    work = DerenderWork(http, mode)
+    tail = DONE_FRAME
     try:
-        for chunk in derender.start():
-            await send(response, frame(_encode(chunk)))
+        started = False
         async for payload in engine_payloads(engine, first_timeout):
-            for chunk in feed_chunk(derender, mode, payload):
-                await send(response, frame(_encode(chunk)))
+            if not started:  # the role chunk goes with the first output, as the engine's does
+                started = True
+                for chunk in derender.start():
+                    await stream.send(frame(_encode(chunk)))
+            work.begin()
+            chunks = feed_chunk(derender, mode, payload)
+            work.end()
+            for chunk in chunks:
+                await stream.send(frame(_encode(chunk)))
+        if not started:
+            for chunk in derender.start():
+                await stream.send(frame(_encode(chunk)))
         usage = derender.usage_chunk()
         if usage is not None:
-            await send(response, frame(_encode(usage)))
+            await stream.send(frame(_encode(usage)))
     except ClientGone:
         raise
     except GatewayError as exc:
-        await send(response, frame(error_json(exc)))
+        tail = frame(error_json(exc)) + DONE_FRAME
     except (aiohttp.ClientError, TimeoutError) as exc:
-        await send(response, frame(error_json(EngineFailed(f"the engine stream broke: {exc}"))))
-    await send(response, DONE_FRAME)
-    await write_eof(response)
-    return response
+        tail = frame(error_json(EngineFailed(f"the engine stream broke: {exc}"))) + DONE_FRAME
+    finally:
+        work.finish(derender)
+    return await stream.close(tail)
 
 
 def whole_choices(body: bytes, mode: str) -> list[Any]:
@@ -192,36 +231,43 @@ def whole_choices(body: bytes, mode: str) -> list[Any]:
         raise EngineFailed(f"the engine sent an invalid answer: {exc}") from exc
 
 
-async def derender_json(engine: aiohttp.ClientResponse, derender: Derender, mode: str) -> web.Response:
+async def derender_json(http: web.Request, engine: aiohttp.ClientResponse, derender: Derender, mode: str) -> web.Response:
     """The text and token routes, non-streaming: all of each choice in one step."""
-    for choice in whole_choices(await engine.read(), mode):
-        feed_choice(derender, mode, choice)
-    return web.Response(body=_encode(derender.response()), content_type="application/json")
+    raw = await engine.read()
+    work = DerenderWork(http, mode)
+    work.begin()
+    try:
+        for choice in whole_choices(raw, mode):
+            feed_choice(derender, mode, choice)
+        body = _encode(derender.response())
+    finally:
+        work.end()
+        work.finish(derender)
+    return web.Response(body=body, content_type="application/json")
 
 
 async def remote_stream(
     http: web.Request, engine: aiohttp.ClientResponse, remote: RemoteChatDerender, first_timeout: float
 ) -> web.StreamResponse:
     """The tokens-remote route: every engine chunk goes through vLLM's stateless derender."""
-    response = await open_stream(http)
+    stream = await open_stream(http, "tokens-remote")
+    tail = DONE_FRAME
     try:
         async for payload in engine_payloads(engine, first_timeout):
             if payload.startswith(b'{"error"'):
                 raise EngineFailed(f"the engine failed mid-stream: {payload[:300].decode('utf-8', 'replace')}")
             chunk = await remote.chunk(payload)
             if chunk is not None:
-                await send(response, frame(chunk))
+                await stream.send(frame(chunk))
     except ClientGone:
         raise
     except GatewayError as exc:
-        await send(response, frame(error_json(exc)))
+        tail = frame(error_json(exc)) + DONE_FRAME
     except RemoteServiceError as exc:
-        await send(response, frame(error_json(remote_error(exc))))
+        tail = frame(error_json(remote_error(exc))) + DONE_FRAME
     except (aiohttp.ClientError, TimeoutError) as exc:
-        await send(response, frame(error_json(EngineFailed(f"the engine stream broke: {exc}"))))
-    await send(response, DONE_FRAME)
-    await write_eof(response)
-    return response
+        tail = frame(error_json(EngineFailed(f"the engine stream broke: {exc}"))) + DONE_FRAME
+    return await stream.close(tail)
 
 
 async def remote_json(engine: aiohttp.ClientResponse, remote: RemoteChatDerender) -> web.Response:

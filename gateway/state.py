@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from engine.derender.vocab import TokenVocab
+from engine.telemetry import Tracing, TracingConfig
 from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient
 from gateway.feedback import EngineFeedback
@@ -23,6 +24,7 @@ class GatewayState:
     engines: EngineClient
     renderer: LocalRenderer | None = None
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+    tracing: Tracing = field(default_factory=lambda: Tracing(TracingConfig(), "onehop-gateway"))
     fixed_policy: Policy = field(default_factory=Policy)
     """The policy when no file is configured (the config's route, with capability fallbacks)."""
     policy_file: PolicyFile | None = None
@@ -34,6 +36,11 @@ class GatewayState:
     vocab: TokenVocab | None = None
     background: set[asyncio.Task[None]] = field(default_factory=set)
     """Aborts sent after a client left; kept referenced until done."""
+
+    def abort(self, url: str, request_id: str) -> None:
+        """Tell the engine to stop a request whose client left (in the background)."""
+        self.metrics.engine_aborts.inc()
+        self.spawn(self.engines.abort(url, request_id))
 
     def spawn(self, coro: object) -> None:
         task = asyncio.ensure_future(coro)  # type: ignore[arg-type]

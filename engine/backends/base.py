@@ -56,6 +56,8 @@ class BackendOutput:
     stop_reason: int | None = None
     """The stop token id that ended the choice; None for EOS, length and abort."""
     num_cached_tokens: int | None = None
+    queued_s: float | None = None
+    """Seconds the request waited before the backend started it; None where the backend cannot tell."""
 
 
 @dataclass(frozen=True, slots=True)

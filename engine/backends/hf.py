@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from collections import deque
 from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -37,7 +38,13 @@ from typing import Annotated, Any, Literal, TypeVar, cast
 import msgspec
 import torch
 from msgspec import Meta
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DynamicCache,
+    GenerationConfig,
+)
 from transformers.cache_utils import DynamicLayer
 
 from engine.backends.base import (
@@ -257,6 +264,8 @@ class _Request:
     rows: list[_Row] = field(default_factory=list)
     gone: bool = False  # aborted, closed by its consumer, or the backend is closing
     released: asyncio.Event = field(default_factory=asyncio.Event)
+    registered: float = field(default_factory=time.monotonic)
+    queued_s: float | None = None  # set when it joins the batch
 
 
 @dataclass(slots=True, eq=False)
@@ -830,6 +839,7 @@ class HFBackend:
         # First come, first served: a wide n>1 request at the head is not overtaken.
         while self._waiting and len(self._waiting[0].rows) <= room:
             state = self._waiting.popleft()
+            state.queued_s = time.monotonic() - state.registered
             joining.append(state)
             room -= len(state.rows)
         return joining
@@ -846,7 +856,9 @@ class HFBackend:
                 continue
             logprobs = [item.logprobs] if item.logprobs is not None else None
             owner.outbox.put(
-                BackendOutput(item.row.index, [item.token], logprobs, item.finish_reason, item.stop_reason)
+                BackendOutput(
+                    item.row.index, [item.token], logprobs, item.finish_reason, item.stop_reason, queued_s=owner.queued_s
+                )
             )
             item.row.reported = item.finish_reason is not None
             touched[id(owner)] = owner

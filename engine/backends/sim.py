@@ -145,13 +145,7 @@ _RANK_STEP = 1.5
 _TAIL_WINDOW = 8  # prompt tokens decoded to find the generation prompt (3 tokens in Qwen3)
 
 _ASCII_WORDS = tuple(
-    """
-    the a of to and in request token stream latency queue batch prefill decode cache
-    model server client load test engine router shard replica budget window chunk
-    step signal metric trace span sample output prompt context reply answer result
-    value simple steady quick quiet bright plain river mountain harbor garden lantern
-    copper marble amber violet meadow orbit pixel vector kernel packet socket buffer
-    """.split()
+    ["the", "a", "of", "to", "and", "in", "request", "token", "stream", "latency", "queue", "batch", "prefill", "decode", "cache", "model", "server", "client", "load", "test", "engine", "router", "shard", "replica", "budget", "window", "chunk", "step", "signal", "metric", "trace", "span", "sample", "output", "prompt", "context", "reply", "answer", "result", "value", "simple", "steady", "quick", "quiet", "bright", "plain", "river", "mountain", "harbor", "garden", "lantern", "copper", "marble", "amber", "violet", "meadow", "orbit", "pixel", "vector", "kernel", "packet", "socket", "buffer"]
 )
 # Multi-byte words: split across byte-level tokens, they exercise UTF-8 reassembly.
 _EXOTIC_WORDS = ("世界", "🫠", "𓀀", "café", "naïve", "Ωmega")
@@ -557,6 +551,7 @@ class _Choice:
             output.logprobs = [self._logprobs.entry(t, start + i) for i, t in enumerate(ids)]
         if not self._started:
             output.num_cached_tokens = 0  # no prefix cache in the simulator
+            output.queued_s = 0.0  # and no batch limit: every request starts at once
             self._started = True
         return output
 
@@ -783,7 +778,7 @@ class SimBackend:
         tool = named[0] if named else tools[rng.randrange(len(tools))]
         call = {"name": tool["name"], "arguments": _fake_arguments(tool.get("parameters"), rng)}
         whole = f"\n{json.dumps(call, ensure_ascii=False)}\n{_TOOL_CALL_END}"
-        rest = whole[len(opened) :] if whole.startswith(opened) else whole
+        rest = whole.removeprefix(opened)
         return self._encode(rest)
 
     def _content(self, rng: random.Random) -> list[int]:

@@ -315,4 +315,15 @@ async def test_gateway_metrics_after_real_requests(gateway: Any) -> None:
     }
     assert counts[("derender", "200")] == counts[("text", "200")] == counts[("tokens", "200")] == 1
     assert counts[("none", "404")] == 1
-    assert families["onehop_gateway_render_seconds"].samples
+    stages = {
+        s.labels["stage"]: s.value for s in families["onehop_gateway_stage_seconds"].samples if s.name.endswith("_count")
+    }
+    assert stages == {"render": 3, "policy": 3, "derender": 2}  # derender: the text and token routes only
+    cpu = {s.labels["route"]: s.value for s in families["onehop_gateway_derender_cpu_seconds"].samples if s.name.endswith("_total")}
+    assert set(cpu) == {"text", "tokens"} and all(v > 0 for v in cpu.values())
+    decisions = {
+        (s.labels["route"], s.labels["rule"]): s.value
+        for s in families["onehop_gateway_policy_decisions"].samples
+        if s.name.endswith("_total")
+    }
+    assert decisions == {("derender", "header"): 1, ("text", "header"): 1, ("tokens", "header"): 1}

@@ -1,0 +1,163 @@
+"""What the gateway records about each request: its spans and its stream timings.
+
+    chat {model}                server span (GenAI conventions), opened by the middleware
+    ├── render                  chat template + tokenize
+    ├── policy                  route decision, with the rule or cost comparison
+    ├── engine.generate         client span; `traceparent` → the engine's server span
+    └── derender                text and token routes: the stateful derender's work
+
+Spans are explicit (each helper takes the span it writes to), so code that
+runs inside the engine request never writes to the wrong one. With tracing
+off every span is OpenTelemetry's no-op span and `is_recording()` is False.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from aiohttp import web
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind
+
+from engine.telemetry import record_error
+from gateway.state import GATEWAY
+
+OPERATIONS = {"chat": "chat", "completions": "text_completion"}
+"""gen_ai.operation.name of each endpoint."""
+SPAN_KEY = web.RequestKey("onehop_span", Span)
+STARTED_KEY = web.RequestKey("onehop_started", float)
+"""perf_counter() at the request's arrival, for time to first token."""
+
+
+@contextmanager
+def stage(tracer: trace.Tracer, name: str, parent: Span, *, kind: SpanKind = SpanKind.INTERNAL) -> Iterator[Span]:
+    """A child span of `parent` for one step of the request; failures set `error.type`."""
+    span = tracer.start_span(name, context=trace.set_span_in_context(parent), kind=kind)
+    try:
+        yield span
+    except asyncio.CancelledError:
+        span.set_attribute("onehop.client_disconnected", True)
+        raise
+    except Exception as exc:
+        record_error(span, exc)
+        raise
+    finally:
+        span.end()
+
+
+def describe_request(
+    span: Span,
+    *,
+    max_tokens: int | None,
+    temperature: float | None,
+    top_p: float | None,
+    n: int | None,
+    seed: int | None,
+    stream: bool,
+) -> None:
+    if not span.is_recording():
+        return
+    attributes: dict[str, Any] = {"onehop.stream": stream}
+    for key, value in (
+        ("gen_ai.request.max_tokens", max_tokens),
+        ("gen_ai.request.temperature", temperature),
+        ("gen_ai.request.top_p", top_p),
+        ("gen_ai.request.choice.count", n),
+        ("gen_ai.request.seed", seed),
+    ):
+        if value is not None:
+            attributes[key] = value
+    span.set_attributes(attributes)
+
+
+def describe_outcome(span: Span, finish_reasons: Sequence[str | None], input_tokens: int, output_tokens: int) -> None:
+    if span.is_recording():
+        span.set_attributes(
+            {
+                "gen_ai.response.finish_reasons": [reason or "" for reason in finish_reasons],
+                "gen_ai.usage.input_tokens": input_tokens,
+                "gen_ai.usage.output_tokens": output_tokens,
+            }
+        )
+
+
+def describe_derender(span: Span, derender: Any) -> None:
+    """Outcome from the gateway's own derender (text and token routes): what the client saw."""
+    if span.is_recording():
+        usage = derender.usage()
+        reasons = [choice.finish_reason for choice in derender.choices]
+        describe_outcome(span, reasons, usage.prompt_tokens, usage.completion_tokens or 0)
+
+
+class StreamTimer:
+    """Time to first content and the gaps between writes of one client stream."""
+
+    __slots__ = ("_first", "_itl", "_last", "_span", "_started", "_ttft")
+
+    def __init__(self, http: web.Request, route: str) -> None:
+        metrics = http.app[GATEWAY].metrics
+        self._started = http.get(STARTED_KEY, time.perf_counter())
+        self._span = http.get(SPAN_KEY)
+        self._ttft = metrics.time_to_first_token.labels(route)
+        self._itl = metrics.inter_token_latency.labels(route)
+        self._first = True
+        self._last = 0.0
+
+    def wrote(self) -> None:
+        now = time.perf_counter()
+        if self._first:
+            self._first = False
+            self._ttft.observe(now - self._started)
+            if self._span is not None and self._span.is_recording():
+                self._span.set_attribute("onehop.time_to_first_token_s", now - self._started)
+        else:
+            self._itl.observe(now - self._last)
+        self._last = now
+
+
+class DerenderWork:
+    """The gateway's derender work for one request (text and token routes).
+
+    CPU is thread time summed over `begin()`/`end()` pairs around each engine
+    chunk; `finish()` puts it on the `derender` span, the stage histogram and
+    the per-route counter, and the client-visible outcome on the server span.
+    """
+
+    __slots__ = ("_chunks", "_http", "_mark", "_route", "_span", "cpu_s")
+
+    def __init__(self, http: web.Request, route: str) -> None:
+        self._http = http
+        self._route = route
+        self.cpu_s = 0.0
+        self._mark = 0.0
+        self._chunks = 0
+        parent = http.get(SPAN_KEY)
+        self._span: Span | None = None
+        if parent is not None and parent.is_recording():
+            tracer = http.app[GATEWAY].tracing.tracer
+            self._span = tracer.start_span("derender", context=trace.set_span_in_context(parent))
+
+    def begin(self) -> None:
+        self._mark = time.thread_time()
+
+    def end(self) -> None:
+        self.cpu_s += time.thread_time() - self._mark
+        self._chunks += 1
+
+    def finish(self, derender: Any | None) -> None:
+        """Record the work; `derender` (when one object saw the whole answer) describes the outcome."""
+        metrics = self._http.app[GATEWAY].metrics
+        metrics.derender_cpu.labels(self._route).inc(self.cpu_s)
+        metrics.stage_seconds.labels("derender").observe(self.cpu_s)
+        parent = self._http.get(SPAN_KEY)
+        if parent is not None and derender is not None:
+            describe_derender(parent, derender)
+        if self._span is not None:
+            self._span.set_attributes(
+                {"onehop.route": self._route, "onehop.derender.cpu_s": self.cpu_s, "onehop.derender.chunks": self._chunks}
+            )
+            self._span.end()
