@@ -78,7 +78,7 @@ class EngineMetrics:
         )
         self.aborts = Counter(
             "onehop_engine_aborts",
-            "Requests ended early: client_disconnect, abort_request or stop_string.",
+            "Requests ended early: client_disconnect or abort_request.",
             ["reason"],
             registry=r,
         )

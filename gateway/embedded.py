@@ -55,6 +55,7 @@ async def embedded(engine: EngineConfig, *, host: str, port: int, route: Route) 
         reasoning_parser=engine.reasoning_parser,
         tool_parser=engine.tool_parser,
         reasoning_field=engine.reasoning_field,
+        tracing=engine.tracing,  # one setting for both; each exports as its own service
     )
     gateway_runner = web.AppRunner(create_gateway_app(config), handler_cancellation=True)
     try:

@@ -26,13 +26,31 @@ reasoning or tool calls) and E2E (to the end of the stream), with
 The client runs in this process, so on a small machine it competes with the
 engine and the gateway for CPU: compare rows of one run, not runs.
 
-    .venv/bin/python scripts/bench_gateway.py [--quick] [--json out.json]
+Then the cost of tracing: two more gateways in front of the same engine, one
+with tracing off and one tracing every request (`tracing: {endpoint: ...,
+sample_ratio: 1.0}`), exporting over OTLP/HTTP to a sink process (this
+script with `--otlp-sink PORT`) that answers 200 and counts the spans it
+decodes. The derender route runs through them in alternating cells (off, on,
+off, on, ...; a first unmeasured round warms both up). Each gateway's CPU is
+read at the start of each of its cells, so a round's window also holds what
+its exporter thread did while the other gateway was measured; after the last
+round the benchmark waits until the sink holds every traced request's server
+span, then takes the final reading. Reported: CPU per request (warm-ups
+included, they are traced too) on / off over all rounds, the spread of the
+per-round ratios, and the gateway spans the sink received per traced
+request. OTEL_* variables are removed from every process's environment; the
+engine is untraced.
+
+    .venv/bin/python scripts/bench_gateway.py [--quick] [--tracing-only] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
+import dataclasses
+import gzip
 import itertools
 import json
 import math
@@ -75,6 +93,12 @@ CONNECT_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 120.0  # one SSE line; a 256-stream cell on 2 cores can stall a stream for seconds
 READY_TIMEOUT_S = 90.0
 STOP_TIMEOUT_S = 15.0
+SPANS_TIMEOUT_S = 30.0  # the batch span processor exports every 5 s (OTEL_BSP_SCHEDULE_DELAY's default)
+
+TRACING_TARGET_RATIO = 1.05
+TRACING_ROUTE = "derender"
+GATEWAY_SERVICE = "onehop-gateway"
+SPAN_KIND_SERVER = 2
 
 
 @dataclass(frozen=True)
@@ -86,10 +110,33 @@ class Plan:
     """Measured requests per cell, by concurrency."""
     warmup: int
     """Unmeasured requests each worker makes first (connections, the burst of the cell's start)."""
+    tracing_streams: int
+    tracing_requests: int
+    """Measured requests per tracing cell (each worker's warm-up request comes on top)."""
+    tracing_rounds: int
+    """Measured (off, on) rounds, after one unmeasured round."""
 
 
-FULL = Plan(tokens=1000, itl_ms=2, ttft_ms=20, requests={1: 8, 32: 96, 256: 256}, warmup=1)
-QUICK = Plan(tokens=100, itl_ms=1, ttft_ms=5, requests={1: 3, 32: 32, 256: 256}, warmup=1)
+FULL = Plan(
+    tokens=1000,
+    itl_ms=2,
+    ttft_ms=20,
+    requests={1: 8, 32: 96, 256: 256},
+    warmup=1,
+    tracing_streams=32,
+    tracing_requests=96,
+    tracing_rounds=6,
+)
+QUICK = Plan(
+    tokens=100,
+    itl_ms=1,
+    ttft_ms=5,
+    requests={1: 3, 32: 32, 256: 256},
+    warmup=1,
+    tracing_streams=32,
+    tracing_requests=64,
+    tracing_rounds=3,
+)
 
 
 class BenchError(RuntimeError):
@@ -108,6 +155,10 @@ class Cell:
     """SSE events delivered in the cell, warm-up included (the gateway's CPU covers it too)."""
     gateway_cpu_s: float = 0.0
     wall_s: float = 0.0
+
+    def sent(self, plan: Plan) -> int:
+        """Requests the gateway served in the cell, warm-ups included."""
+        return self.requests + plan.warmup * self.concurrency
 
 
 @dataclass(frozen=True)
@@ -221,6 +272,12 @@ class Requests:
         self._engine_url = engine_url + "/inference/v1/generate"
         self._gateway_url = gateway_url + "/v1/chat/completions"
 
+    def through(self, gateway_url: str) -> Requests:
+        """The same requests, sent to another gateway."""
+        other = copy.copy(self)
+        other._gateway_url = gateway_url + "/v1/chat/completions"
+        return other
+
     def url(self, target: str) -> str:
         return self._engine_url if target == DIRECT else self._gateway_url
 
@@ -260,10 +317,17 @@ def process_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    command = [sys.executable, "-m", "gateway", *args]
+def child_env() -> dict[str, str]:
+    """This environment without OTEL_*: only a config's `tracing:` turns tracing on."""
+    return {key: value for key, value in os.environ.items() if not key.startswith("OTEL_")}
+
+
+def spawn(args: list[str], log: Path, *, module: bool = True) -> subprocess.Popen[bytes]:
+    command = [sys.executable, *(["-m", "gateway"] if module else []), *args]
     with log.open("wb") as out:
-        return subprocess.Popen(command, cwd=ROOT, start_new_session=True, stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            command, cwd=ROOT, env=child_env(), start_new_session=True, stdout=out, stderr=subprocess.STDOUT
+        )
 
 
 def start_engine(tokenizer_dir: Path, port: int, plan: Plan, log: Path) -> subprocess.Popen[bytes]:
@@ -274,8 +338,16 @@ def start_engine(tokenizer_dir: Path, port: int, plan: Plan, log: Path) -> subpr
     return spawn(args, log)
 
 
-def start_gateway(tokenizer_dir: Path, engine_url: str, port: int, folder: Path) -> subprocess.Popen[bytes]:
-    config = {
+def start_gateway(
+    tokenizer_dir: Path,
+    engine_url: str,
+    port: int,
+    folder: Path,
+    *,
+    name: str = "gateway",
+    tracing: dict[str, Any] | None = None,
+) -> subprocess.Popen[bytes]:
+    config: dict[str, Any] = {
         "model": MODEL,
         "tokenizer": str(tokenizer_dir),
         "engines": [{"url": engine_url}],
@@ -284,9 +356,15 @@ def start_gateway(tokenizer_dir: Path, engine_url: str, port: int, folder: Path)
         "route": "derender",
         "route_header": True,
     }
-    path = folder / "gateway.yaml"
+    if tracing is not None:
+        config["tracing"] = tracing
+    path = folder / f"{name}.yaml"
     path.write_text(json.dumps(config))  # JSON is YAML
-    return spawn(["gateway", "--config", str(path)], folder / "gateway.log")
+    return spawn(["gateway", "--config", str(path)], folder / f"{name}.log")
+
+
+def start_sink(port: int, log: Path) -> subprocess.Popen[bytes]:
+    return spawn([str(Path(__file__).resolve()), "--otlp-sink", str(port)], log, module=False)
 
 
 def stop(process: subprocess.Popen[bytes]) -> None:
@@ -313,6 +391,73 @@ async def wait_ready(session: aiohttp.ClientSession, url: str, process: subproce
             pass
         await asyncio.sleep(0.2)
     raise BenchError(f"{url} was not ready within {READY_TIMEOUT_S} s")
+
+
+# ------------------------------------------------------------ OTLP sink
+
+
+def serve_otlp_sink(port: int) -> None:
+    """An OTLP/HTTP traces receiver: POST /v1/traces answers 200 (empty body) and counts the
+    spans it decodes, per service; GET /stats returns the counts as JSON."""
+    from aiohttp import web
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    stats: dict[str, Any] = {"exports": 0, "bytes": 0, "services": {}}
+
+    async def traces(request: web.Request) -> web.Response:
+        body = await request.read()
+        if request.headers.get("Content-Encoding") == "gzip":
+            body = gzip.decompress(body)
+        if request.content_type != "application/x-protobuf":
+            return web.Response(status=415)
+        stats["exports"] += 1
+        stats["bytes"] += len(body)
+        for resource_spans in ExportTraceServiceRequest.FromString(body).resource_spans:
+            service = next(
+                (a.value.string_value for a in resource_spans.resource.attributes if a.key == "service.name"), ""
+            )
+            counts = stats["services"].setdefault(service, {"spans": 0, "server_spans": 0, "names": {}})
+            for scope_spans in resource_spans.scope_spans:
+                for span in scope_spans.spans:
+                    counts["spans"] += 1
+                    counts["server_spans"] += span.kind == SPAN_KIND_SERVER
+                    counts["names"][span.name] = counts["names"].get(span.name, 0) + 1
+        return web.Response(body=b"", content_type="application/x-protobuf")
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def read_stats(_: web.Request) -> web.Response:
+        return web.json_response(stats)
+
+    app = web.Application(client_max_size=64 * 1024**2)
+    app.router.add_post("/v1/traces", traces)
+    app.router.add_get("/health", health)
+    app.router.add_get("/stats", read_stats)
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None, loop=new_event_loop())
+
+
+async def sink_stats(session: aiohttp.ClientSession, sink_url: str) -> dict[str, Any]:
+    async with session.get(sink_url + "/stats") as resp:
+        if resp.status != 200:
+            raise BenchError(f"the OTLP sink answered {resp.status}")
+        stats: dict[str, Any] = await resp.json()
+        return stats
+
+
+def gateway_spans(stats: dict[str, Any]) -> dict[str, Any]:
+    return stats["services"].get(GATEWAY_SERVICE, {"spans": 0, "server_spans": 0, "names": {}})
+
+
+async def wait_spans(session: aiohttp.ClientSession, sink_url: str, requests: int) -> dict[str, Any]:
+    """The sink's counts once it holds a gateway server span per traced request (or at the timeout:
+    spans the exporter dropped then show as fewer spans per request)."""
+    deadline = time.monotonic() + SPANS_TIMEOUT_S
+    while True:
+        stats = await sink_stats(session, sink_url)
+        if gateway_spans(stats)["server_spans"] >= requests or time.monotonic() > deadline:
+            return stats
+        await asyncio.sleep(0.1)
 
 
 # ------------------------------------------------------------ measuring
@@ -356,7 +501,7 @@ def client_session() -> aiohttp.ClientSession:
     return aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0, limit_per_host=0))
 
 
-async def measure(plan: Plan, concurrency: Sequence[int]) -> dict[str, Any]:
+async def measure(plan: Plan, concurrency: Sequence[int], *, matrix: bool = True) -> dict[str, Any]:
     tokenizer_dir = ensure_tokenizer()
     engine_port, gateway_port = free_port(), free_port()
     engine_url, gateway_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{gateway_port}"
@@ -364,22 +509,133 @@ async def measure(plan: Plan, concurrency: Sequence[int]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench_gateway_") as tmp:
         folder = Path(tmp)
         engine = start_engine(tokenizer_dir, engine_port, plan, folder / "engine.log")
-        gateway = start_gateway(tokenizer_dir, engine_url, gateway_port, folder)
+        gateway = start_gateway(tokenizer_dir, engine_url, gateway_port, folder) if matrix else None
         try:
             async with client_session() as session:
                 await wait_ready(session, engine_url, engine, folder / "engine.log")
-                await wait_ready(session, gateway_url, gateway, folder / "gateway.log")
                 requests = Requests(tokenizer_dir, engine_url, gateway_url, plan.tokens)
-                for streams in concurrency:
-                    for target in TARGETS:
-                        cell = Cell(target, streams)
-                        await run_cell(session, requests, cell, plan, gateway.pid)
-                        cells.append(cell)
-                        print(f"measured {target} x{streams}: {cell.requests} requests in {cell.wall_s:.1f} s", file=sys.stderr)
+                if gateway is not None:
+                    await wait_ready(session, gateway_url, gateway, folder / "gateway.log")
+                    for streams in concurrency:
+                        for target in TARGETS:
+                            cell = Cell(target, streams)
+                            await run_cell(session, requests, cell, plan, gateway.pid)
+                            cells.append(cell)
+                            print(
+                                f"measured {target} x{streams}: {cell.requests} requests in {cell.wall_s:.1f} s",
+                                file=sys.stderr,
+                            )
+                    stop(gateway)  # idle from here on; its CPU and memory are the tracing gateways' now
+                tracing = await measure_tracing(session, requests, plan, tokenizer_dir, engine_url, folder)
         finally:
-            stop(gateway)
+            if gateway is not None:
+                stop(gateway)
             stop(engine)
-    return {"plan": asdict(plan), "cpus": os.cpu_count(), "cells": [asdict(c) for c in cells], "rows": summarize(cells)}
+    return {
+        "plan": asdict(plan),
+        "cpus": os.cpu_count(),
+        "cells": [asdict(c) for c in cells],
+        "rows": summarize(cells),
+        "tracing": tracing,
+    }
+
+
+async def measure_tracing(
+    session: aiohttp.ClientSession, requests: Requests, plan: Plan, tokenizer_dir: Path, engine_url: str, folder: Path
+) -> dict[str, Any]:
+    """Gateway CPU per derender request with tracing off and at 100% sampling, in alternating cells."""
+    sink_port = free_port()
+    sink_url = f"http://127.0.0.1:{sink_port}"
+    tracing = {"endpoint": sink_url + "/v1/traces", "sample_ratio": 1.0}
+    sink = start_sink(sink_port, folder / "otlp_sink.log")
+    ports = {"off": free_port(), "on": free_port()}
+    gateways = {
+        name: start_gateway(
+            tokenizer_dir,
+            engine_url,
+            port,
+            folder,
+            name=f"gateway_tracing_{name}",
+            tracing=tracing if name == "on" else None,
+        )
+        for name, port in ports.items()
+    }
+    try:
+        await wait_ready(session, sink_url, sink, folder / "otlp_sink.log")
+        for name, process in gateways.items():
+            await wait_ready(session, f"http://127.0.0.1:{ports[name]}", process, folder / f"gateway_tracing_{name}.log")
+        through = {name: requests.through(f"http://127.0.0.1:{port}") for name, port in ports.items()}
+        # Each gateway's CPU at the start of each of its measured cells, then at the end.
+        marks: dict[str, list[float]] = {"off": [], "on": []}
+        sent: dict[str, list[int]] = {"off": [], "on": []}
+        cells: dict[str, list[Cell]] = {"off": [], "on": []}
+        traced = 0
+        cell_plan = dataclasses.replace(plan, requests={**plan.requests, plan.tracing_streams: plan.tracing_requests})
+        for round_ in range(plan.tracing_rounds + 1):
+            if round_ == 1:  # the warm-up round's spans out of the way: each window exports its own
+                await wait_spans(session, sink_url, traced)
+            for name in ("off", "on"):
+                pid = gateways[name].pid
+                if round_ > 0:
+                    marks[name].append(process_cpu(pid))
+                cell = Cell(TRACING_ROUTE, plan.tracing_streams)
+                await run_cell(session, through[name], cell, cell_plan, pid)
+                traced += cell.sent(plan) if name == "on" else 0
+                if round_ > 0:
+                    sent[name].append(cell.sent(plan))
+                    cells[name].append(cell)
+            print(f"measured tracing round {round_}{' (warm-up)' if round_ == 0 else ''}", file=sys.stderr)
+        stats = await wait_spans(session, sink_url, traced)
+        for name in ("off", "on"):
+            marks[name].append(process_cpu(gateways[name].pid))
+    finally:
+        for process in gateways.values():
+            stop(process)
+        stop(sink)
+    return summarize_tracing(plan, marks, sent, cells, stats, traced)
+
+
+def summarize_tracing(
+    plan: Plan,
+    marks: dict[str, list[float]],
+    sent: dict[str, list[int]],
+    cells: dict[str, list[Cell]],
+    stats: dict[str, Any],
+    traced: int,
+) -> dict[str, Any]:
+    def window_cpu(name: str) -> list[float]:
+        return [after - before for before, after in itertools.pairwise(marks[name])]
+
+    cpu = {name: window_cpu(name) for name in ("off", "on")}
+    per_request = {name: sum(cpu[name]) / sum(sent[name]) for name in ("off", "on")}
+    rounds = [
+        (on / on_sent) / (off / off_sent) if off > 0 else math.nan
+        for off, off_sent, on, on_sent in zip(cpu["off"], sent["off"], cpu["on"], sent["on"], strict=True)
+    ]
+    spans = gateway_spans(stats)
+    e2e = {name: [s for c in cells[name] for s in c.e2e_s] for name in ("off", "on")}
+    return {
+        "route": TRACING_ROUTE,
+        "concurrency": plan.tracing_streams,
+        "rounds": plan.tracing_rounds,
+        "requests_per_gateway": sum(sent["on"]),
+        "sample_ratio": 1.0,
+        "gateway_cpu_s": {name: sum(cpu[name]) for name in ("off", "on")},
+        "off_cpu_ms_per_request": per_request["off"] * 1000,
+        "on_cpu_ms_per_request": per_request["on"] * 1000,
+        "added_cpu_ms_per_request": (per_request["on"] - per_request["off"]) * 1000,
+        "cpu_ratio": per_request["on"] / per_request["off"] if per_request["off"] > 0 else math.nan,
+        "round_ratios": rounds,
+        "ratio_min": min(rounds),
+        "ratio_max": max(rounds),
+        "traced_requests": traced,  # through the traced gateway, its warm-up round included
+        "spans_exported": spans["spans"],
+        "spans_per_request": spans["spans"] / traced,
+        "span_names_per_request": {name: count / traced for name, count in sorted(spans["names"].items())},
+        "exports": stats["exports"],
+        "export_bytes_per_request": stats["bytes"] / traced,
+        "e2e_p50_ms": {name: percentile(e2e[name], 50) * 1000 for name in ("off", "on")},
+    }
 
 
 # ------------------------------------------------------------ report
@@ -422,6 +678,9 @@ def summarize(cells: Sequence[Cell]) -> list[dict[str, Any]]:
 
 def report(results: dict[str, Any]) -> str:
     plan = results["plan"]
+    tracing = [tracing_line(results["tracing"], plan["tokens"])]
+    if not results["rows"]:
+        return "\n".join(tracing)
     lines = [
         f"Streamed chat, {plan['tokens']} output tokens per request, sim engine (itl_ms={plan['itl_ms']},"
         f" ttft_ms={plan['ttft_ms']}) and gateway in their own processes, {results['cpus']} CPUs, closed loop",
@@ -440,8 +699,19 @@ def report(results: dict[str, Any]) -> str:
             f" | {row['e2e_p50_ms']:.1f} | {row['e2e_p99_ms']:.1f} | {added} | {ratio}"
             f" | {'—' if cpu is None else f'{cpu:.1f}'} |"
         )
-    lines += ["", targets_line(results["rows"], plan["tokens"])]
+    lines += ["", targets_line(results["rows"], plan["tokens"]), *tracing]
     return "\n".join(lines)
+
+
+def tracing_line(tracing: dict[str, Any], tokens: int) -> str:
+    return (
+        f"tracing at 100% sampling: gateway CPU/request ×{tracing['cpu_ratio']:.3f}"
+        f" (target <= {TRACING_TARGET_RATIO:g}; rounds ×{tracing['ratio_min']:.3f}–×{tracing['ratio_max']:.3f}),"
+        f" {tracing['spans_per_request']:.2f} spans/request exported"
+        f" ({tracing['off_cpu_ms_per_request']:.2f} → {tracing['on_cpu_ms_per_request']:.2f} ms,"
+        f" {tracing['added_cpu_ms_per_request']:+.2f} ms per request; {tracing['route']} route, {tokens}-token streams,"
+        f" {tracing['concurrency']} streams, {tracing['rounds']} rounds, {tracing['requests_per_gateway']} requests per gateway)"
+    )
 
 
 def targets_line(rows: Sequence[dict[str, Any]], tokens: int) -> str:
@@ -462,10 +732,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a short run (fewer, shorter requests) for CI")
     parser.add_argument("--json", type=Path, default=None, help="write the raw results here")
+    parser.add_argument("--tracing-only", action="store_true", help="only the tracing cost, not the route table")
+    parser.add_argument("--otlp-sink", type=int, metavar="PORT", help=argparse.SUPPRESS)  # the sink process
     args = parser.parse_args(argv)
+    if args.otlp_sink is not None:
+        serve_otlp_sink(args.otlp_sink)
+        return 0
     plan = QUICK if args.quick else FULL
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
-        results = runner.run(measure(plan, CONCURRENCY))
+        results = runner.run(measure(plan, CONCURRENCY, matrix=not args.tracing_only))
     print(report(results))
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2))

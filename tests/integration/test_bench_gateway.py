@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 LATENCIES = ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p90_ms", "e2e_p99_ms", "e2e_p50_ratio")
@@ -23,10 +25,11 @@ def load_bench() -> ModuleType:
     return module
 
 
-def test_quick_run_reports_every_cell(tmp_path: Path) -> None:
+def test_quick_run_reports_every_cell(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bench = load_bench()
     out = tmp_path / "gateway.json"
     assert bench.main(["--quick", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
     results = json.loads(out.read_text())
     rows = results["rows"]
     assert [(r["route"], r["concurrency"]) for r in rows] == [
@@ -45,3 +48,23 @@ def test_quick_run_reports_every_cell(tmp_path: Path) -> None:
             assert math.isfinite(cpu) and cpu >= 0  # /proc counts clock ticks: a short cell may read zero
     for cell in results["cells"]:
         assert len(cell["ttft_s"]) == len(cell["e2e_s"]) == cell["requests"]
+
+    # Tracing off and at 100% sampling, side by side: the spans really reached the OTLP sink.
+    tracing = results["tracing"]
+    plan = bench.QUICK
+    assert tracing["route"] == "derender" and tracing["concurrency"] == plan.tracing_streams
+    per_cell = plan.tracing_requests + plan.warmup * plan.tracing_streams
+    assert tracing["requests_per_gateway"] == plan.tracing_rounds * per_cell
+    assert tracing["traced_requests"] == (plan.tracing_rounds + 1) * per_cell  # with the warm-up round
+    assert len(tracing["round_ratios"]) == plan.tracing_rounds
+    for key in ("off_cpu_ms_per_request", "on_cpu_ms_per_request", "cpu_ratio"):
+        assert math.isfinite(tracing[key]) and tracing[key] > 0, key
+    assert tracing["ratio_min"] <= tracing["cpu_ratio"] <= tracing["ratio_max"]
+    # Each traced request: the server span, render, policy and engine.generate (gateway spans only).
+    assert tracing["spans_per_request"] >= 4
+    names = tracing["span_names_per_request"]
+    for name in ("chat sim", "render", "policy", "engine.generate"):
+        assert names.get(name, 0) >= 1, (name, names)
+    assert tracing["exports"] >= 1
+    line = next(line for line in printed.splitlines() if line.startswith("tracing at 100% sampling: gateway CPU/request ×"))
+    assert "spans/request exported" in line and "target <= 1.05" in line
