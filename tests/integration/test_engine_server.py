@@ -401,7 +401,12 @@ async def test_health_models_capabilities_and_metrics(qwen3_tokenizer: Any, qwen
     assert requests[("tokens", "200")] == 1 and requests[("text", "200")] == 1
     cpu = {s.labels["mode"]: s.value for s in families["onehop_engine_output_cpu_seconds"].samples if s.name.endswith("_total")}
     assert cpu["text"] > 0
-    assert "onehop_engine_time_to_first_token_seconds" in families
+    ttft = {s.labels["mode"]: s.value for s in families["onehop_engine_time_to_first_token_seconds"].samples if s.name.endswith("_count")}
+    assert ttft == {"tokens": 1, "text": 1}
+    queued = {s.labels["mode"]: s.value for s in families["onehop_engine_queue_seconds"].samples if s.name.endswith("_count")}
+    assert queued == {"tokens": 1, "text": 1}  # the simulator reports its (zero) queue time
+    gaps = {s.labels["mode"]: s.value for s in families["onehop_engine_inter_token_latency_seconds"].samples if s.name.endswith("_count")}
+    assert gaps["tokens"] >= 1 and gaps["text"] >= 1
 
 
 async def test_routes_agree_on_the_hf_backend(qwen3_tokenizer: Any, tiny_model_dir: Path, qwen3_vocab: Any, session: Any) -> None:

@@ -7,10 +7,12 @@ import random
 from pathlib import Path
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine.config import EngineConfig
 from engine.state import ENGINE
 from gateway.embedded import embedded
+from gateway.state import GATEWAY
 
 STREAMS = 200
 CONCURRENCY = 50
@@ -61,3 +63,18 @@ async def test_two_hundred_cut_streams_leave_no_engine_request(qwen3_tokenizer_d
             await asyncio.sleep(0.01)
         assert not backend.running(), f"{len(backend.running())} engine requests still running 1 s after the last cut"
         assert not running.engine[ENGINE].running
+        # What the operator sees: the cuts are counted on both sides.
+        gateway = _samples(running.gateway[GATEWAY].metrics.render())
+        engine_side = _samples(running.engine[ENGINE].metrics.render())
+        assert gateway["onehop_gateway_engine_aborts_total"] > 0
+        assert gateway["onehop_gateway_client_disconnects_total"] > 0
+        assert engine_side["onehop_engine_aborts_total"] > 0
+
+
+def _samples(text: bytes) -> dict[str, float]:
+    """Sample values summed over labels, by sample name."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text.decode()):
+        for sample in family.samples:
+            out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out

@@ -303,6 +303,10 @@ async def test_gateway_metrics_after_real_requests(gateway: Any) -> None:
     client, state = gateway
     for name in ROUTES:
         await client.chat.completions.create(model="sim", messages=MESSAGES, max_tokens=4, **route(name))
+    streamed: dict[str, int] = {}
+    for name in ("derender", "tokens"):
+        stream = await client.chat.completions.create(model="sim", messages=MESSAGES, max_tokens=6, stream=True, **route(name))
+        streamed[name] = len([chunk async for chunk in stream])
     with pytest.raises(openai.NotFoundError):
         await client.chat.completions.create(model="nope", messages=MESSAGES)
     async with aiohttp.ClientSession() as session, session.get(str(client.base_url).replace("/v1/", "/metrics")) as resp:
@@ -313,12 +317,22 @@ async def test_gateway_metrics_after_real_requests(gateway: Any) -> None:
         for s in families["onehop_gateway_requests"].samples
         if s.name.endswith("_total")
     }
-    assert counts[("derender", "200")] == counts[("text", "200")] == counts[("tokens", "200")] == 1
+    assert counts[("derender", "200")] == counts[("tokens", "200")] == 2 and counts[("text", "200")] == 1
     assert counts[("none", "404")] == 1
+
+    def by_route(name: str, suffix: str) -> dict[str, float]:
+        return {s.labels["route"]: s.value for s in families[name].samples if s.name.endswith(suffix)}
+
+    # Streams only: one first-token time each, and a gap per later write.
+    assert by_route("onehop_gateway_time_to_first_token_seconds", "_count") == {"derender": 1, "tokens": 1}
+    gaps = by_route("onehop_gateway_inter_token_latency_seconds", "_count")
+    assert gaps["tokens"] == streamed["tokens"] - 1  # the token route writes each chunk it sends
+    assert gaps["derender"] >= 1  # the relay writes what arrives, however the bytes were cut
+    assert by_route("onehop_gateway_request_duration_seconds", "_count") == {"derender": 2, "text": 1, "tokens": 2, "none": 1}
     stages = {
         s.labels["stage"]: s.value for s in families["onehop_gateway_stage_seconds"].samples if s.name.endswith("_count")
     }
-    assert stages == {"render": 3, "policy": 3, "derender": 2}  # derender: the text and token routes only
+    assert stages == {"render": 5, "policy": 5, "derender": 3}  # derender: the text and token routes only
     cpu = {s.labels["route"]: s.value for s in families["onehop_gateway_derender_cpu_seconds"].samples if s.name.endswith("_total")}
     assert set(cpu) == {"text", "tokens"} and all(v > 0 for v in cpu.values())
     decisions = {
@@ -326,4 +340,4 @@ async def test_gateway_metrics_after_real_requests(gateway: Any) -> None:
         for s in families["onehop_gateway_policy_decisions"].samples
         if s.name.endswith("_total")
     }
-    assert decisions == {("derender", "header"): 1, ("text", "header"): 1, ("tokens", "header"): 1}
+    assert decisions == {("derender", "header"): 2, ("text", "header"): 1, ("tokens", "header"): 2}
