@@ -19,14 +19,16 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from engine.app import load_vocab, new_event_loop
 from engine.openai_schema import ModelCard, ModelList
 from engine.telemetry import Tracing, extract
-from gateway.config import GatewayConfig
+from gateway.admission import Gate
+from gateway.auth import KeyFileError, check_key, keys_from_env, load_key_file, needs_key
+from gateway.config import ConfigError, GatewayConfig
 from gateway.engine_client import ABORT_TIMEOUT_S, EngineClient
 from gateway.errors import ERROR_KEY, Handler, gateway_error_middleware
 from gateway.feedback import EngineFeedback
 from gateway.observe import OPERATIONS, SPAN_KEY, STARTED_KEY
 from gateway.pipeline import REASON_KEY, ROUTE_KEY, handle_chat, handle_completion
-from gateway.policy import Policy
-from gateway.policy_reload import PolicyFile
+from gateway.policy import Policy, PolicyError, load_policy
+from gateway.reload import WatchedFile
 from gateway.render import LocalRenderer
 from gateway.state import GATEWAY, GatewayState
 
@@ -43,8 +45,11 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     state.fixed_policy = Policy(default=config.route)
     loops: list[asyncio.Task[None]] = []
     if config.policy is not None:
-        state.policy_file = PolicyFile(config.policy)
+        state.policy_file = WatchedFile(config.policy, load_policy, "policy", (PolicyError,))
         loops.append(asyncio.ensure_future(state.policy_file.watch(config.policy_poll_s)))
+    if config.auth.api_keys_file is not None:
+        state.key_file = WatchedFile(config.auth.api_keys_file, load_key_file, "API keys", (KeyFileError,))
+        loops.append(asyncio.ensure_future(state.key_file.watch(config.auth.poll_s)))
     await state.engines.start()
     state.feedback = EngineFeedback([e.url.rstrip("/") for e in config.engines], config.feedback_interval_s)
     loops.append(asyncio.ensure_future(state.feedback.run(state.engines.session)))
@@ -70,6 +75,24 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
 
 
 _ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    state = request.app[GATEWAY]
+    auth = state.config.auth
+    if auth.enabled and needs_key(request, auth.protect_metrics):
+        check_key(request.headers.get("Authorization"), state.api_keys())
+    return await handler(request)
+
+
+@web.middleware
+async def admission_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    gate = request.app[GATEWAY].gate
+    if gate is None or request.path not in _ENDPOINTS:
+        return await handler(request)
+    async with gate.slot():
+        return await handler(request)
 
 
 @web.middleware
@@ -140,10 +163,17 @@ async def _route_header(request: web.Request, response: web.StreamResponse) -> N
 
 
 def create_app(config: GatewayConfig, *, renderer: LocalRenderer | None = None) -> web.Application:
-    app = web.Application(middlewares=[observe_middleware, gateway_error_middleware], client_max_size=config.max_body_bytes)
+    app = web.Application(middlewares=[observe_middleware, gateway_error_middleware, auth_middleware, admission_middleware], client_max_size=config.max_body_bytes)
     tracing = Tracing(config.tracing, "onehop-gateway")
     engines = EngineClient(config.engines, config.timeouts, remote=config.remote_url is not None, tracing=tracing)
     app[GATEWAY] = GatewayState(config=config, engines=engines, renderer=renderer, tracing=tracing)
+    state = app[GATEWAY]
+    state.gate = Gate(config.admission, state.metrics.admission_rejections.inc)
+    state.metrics.watch_admission(state.gate)
+    if config.auth.api_keys_env is not None:
+        state.env_keys = keys_from_env(config.auth.api_keys_env)
+        if not state.env_keys and config.auth.api_keys_file is None:
+            raise ConfigError(f"auth.api_keys_env names {config.auth.api_keys_env}, which holds no key")
     app[GATEWAY].metrics.watch_engines([e.url.rstrip("/") for e in config.engines])
     app.cleanup_ctx.append(_lifecycle)
     app.on_response_prepare.append(_route_header)
@@ -180,8 +210,9 @@ def serve(config: GatewayConfig) -> None:
 
 async def _reload_on_sighup(app: web.Application) -> None:
     def reload() -> None:
-        policy_file = app[GATEWAY].policy_file
-        if policy_file is not None:
-            policy_file.reload()
+        state = app[GATEWAY]
+        for watched in (state.policy_file, state.key_file):
+            if watched is not None:
+                watched.reload()
 
     asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload)

@@ -37,6 +37,40 @@ class Timeouts(Struct, forbid_unknown_fields=True, kw_only=True):
     """Non-streaming requests: the whole generation."""
 
 
+class Admission(Struct, forbid_unknown_fields=True, kw_only=True):
+    max_concurrency: Annotated[int, Meta(ge=1)] | None = None
+    """Requests served at once (streams hold a slot to their end); None: no limit."""
+    max_queue: Annotated[int, Meta(ge=0)] = 64
+    """Requests that may wait for a slot; more get a 429 at once."""
+    queue_timeout_s: Annotated[float, Meta(gt=0)] = 5.0
+    """Longest wait for a slot before a 429."""
+    retry_after_s: Annotated[int, Meta(ge=1)] = 1
+    """The 429's Retry-After."""
+
+
+class Limits(Struct, forbid_unknown_fields=True, kw_only=True):
+    max_n: Annotated[int, Meta(ge=1, le=16)] = 16
+    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    """Largest max_tokens / max_completion_tokens a client may ask for; None: the model's context."""
+    max_messages: Annotated[int, Meta(ge=1)] = 2048
+    max_prompts: Annotated[int, Meta(ge=1)] = 64
+    """Prompts in one /v1/completions request (each is one engine request)."""
+
+
+class Auth(Struct, forbid_unknown_fields=True, kw_only=True):
+    api_keys_file: str | None = None
+    """One key per line (`#` comments); reloaded on SIGHUP and when it changes."""
+    api_keys_env: str | None = None
+    """An environment variable holding comma-separated keys, read at start."""
+    protect_metrics: bool = False
+    """Ask for a key on /metrics too (/health stays open for probes)."""
+    poll_s: Annotated[float, Meta(gt=0)] = 1.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.api_keys_file is not None or self.api_keys_env is not None
+
+
 class EngineEndpoint(Struct, forbid_unknown_fields=True, kw_only=True):
     url: str
     """Base URL of a onehop engine or a vLLM server started with --enable-scale-out."""
@@ -71,6 +105,9 @@ class GatewayConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     max_body_bytes: Annotated[int, Meta(ge=1024)] = MAX_BODY_BYTES
     tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
     """OpenTelemetry export (OTLP/HTTP); the OTEL_* variables apply where this leaves a field unset."""
+    admission: Admission = msgspec.field(default_factory=Admission)
+    limits: Limits = msgspec.field(default_factory=Limits)
+    auth: Auth = msgspec.field(default_factory=Auth)
 
     def __post_init__(self) -> None:
         needs_remote = self.render == "remote" or self.route == "tokens-remote"

@@ -33,6 +33,8 @@ _encode = msgspec.json.Encoder().encode
 class GatewayError(Exception):
     status = 500
     type = "InternalServerError"
+    headers: dict[str, str] | None = None
+    """Extra response headers (e.g. `Retry-After` on a 429)."""
 
     def __init__(self, message: str, *, param: str | None = None, status: int | None = None) -> None:
         super().__init__(message)
@@ -119,7 +121,7 @@ async def gateway_error_middleware(request: web.Request, handler: Handler) -> we
         if error.status >= 500:
             log.exception("request failed: %s %s", request.method, request.path)
     request[ERROR_KEY] = type(error).__name__
-    return web.Response(status=error.status, body=error_json(error), content_type="application/json")
+    return web.Response(status=error.status, body=error_json(error), content_type="application/json", headers=error.headers)
 
 
 class ClientGone(Exception):

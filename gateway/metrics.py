@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CollectorRegistry,
@@ -11,6 +12,9 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+
+if TYPE_CHECKING:
+    from gateway.admission import Gate
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _GAP_BUCKETS = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -63,9 +67,20 @@ class GatewayMetrics:
         self.engine_retries = Counter(
             "onehop_gateway_engine_retries", "Requests retried on another engine before their first byte.", ["engine"], registry=r
         )
+        self.admission_rejections = Counter(
+            "onehop_gateway_admission_rejections", "Requests refused with a 429: no slot, the wait queue full or timed out.",
+            registry=r,
+        )
+        self.admission_waiting = Gauge(
+            "onehop_gateway_admission_waiting", "Requests waiting for a slot (admission control).", registry=r
+        )
         self.circuit_open = Gauge(
             "onehop_gateway_engine_circuit_open", "1 while an engine's circuit breaker is open, else 0.", ["engine"], registry=r
         )
+
+    def watch_admission(self, gate: "Gate") -> None:
+        """Read the admission gate's queue length at scrape time."""
+        self.admission_waiting.set_function(lambda: gate.waiting)
 
     def watch_engines(self, urls: list[str]) -> None:
         """Give every configured engine its series, so dashboards see zeros rather than gaps."""

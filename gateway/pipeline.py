@@ -44,7 +44,7 @@ from gateway.relay import (
     remote_stream,
 )
 from gateway.state import GATEWAY, GatewayState
-from gateway.validate import check_chat, check_completion
+from gateway.validate import check_chat, check_chat_limits, check_completion, check_completion_limits
 
 ROUTE_HEADER = "onehop-route"
 """Request header that picks the route (when the config allows it); the response names the route taken."""
@@ -157,6 +157,7 @@ async def handle_chat(http: web.Request) -> web.StreamResponse:
     request = _decode(CHAT_COMPLETION_REQUEST_DECODER, body, "chat completion")
     assert isinstance(request, ChatCompletionRequest)
     check_chat(request)
+    check_chat_limits(request, state.config.limits)
     check_model(state, request.model)
     sampling = chat_sampling(request)
     assert state.renderer is not None
@@ -264,6 +265,7 @@ async def handle_completion(http: web.Request) -> web.StreamResponse:
     request = _decode(COMPLETION_REQUEST_DECODER, body, "completion")
     assert isinstance(request, CompletionRequest)
     check_completion(request)
+    check_completion_limits(request, state.config.limits)
     check_model(state, request.model)
     assert state.renderer is not None
     server = http[SPAN_KEY]

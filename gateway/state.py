@@ -14,7 +14,8 @@ from gateway.engine_client import EngineClient
 from gateway.feedback import EngineFeedback
 from gateway.metrics import GatewayMetrics
 from gateway.policy import Policy
-from gateway.policy_reload import PolicyFile
+from gateway.admission import Gate
+from gateway.reload import WatchedFile
 from gateway.render import LocalRenderer
 
 
@@ -27,13 +28,20 @@ class GatewayState:
     tracing: Tracing = field(default_factory=lambda: Tracing(TracingConfig(), "onehop-gateway"))
     fixed_policy: Policy = field(default_factory=Policy)
     """The policy when no file is configured (the config's route, with capability fallbacks)."""
-    policy_file: PolicyFile | None = None
+    policy_file: WatchedFile[Policy] | None = None
     feedback: EngineFeedback | None = None
 
     @property
     def policy(self) -> Policy:
         return self.policy_file.current if self.policy_file is not None else self.fixed_policy
     vocab: TokenVocab | None = None
+    gate: Gate | None = None
+    key_file: WatchedFile[frozenset[bytes]] | None = None
+    env_keys: frozenset[bytes] = frozenset()
+
+    def api_keys(self) -> frozenset[bytes]:
+        """The keys accepted now: the file's (as last loaded) and the environment's."""
+        return self.env_keys | (self.key_file.current if self.key_file is not None else frozenset())
     background: set[asyncio.Task[None]] = field(default_factory=set)
     """Aborts sent after a client left; kept referenced until done."""
 

@@ -8,6 +8,7 @@ from typing import Any
 from msgspec import UNSET
 
 from engine.openai_schema import ChatCompletionRequest, CompletionRequest
+from gateway.config import Limits
 from gateway.errors import InvalidRequest
 
 MAX_N = 16
@@ -92,3 +93,33 @@ def check_chat(request: ChatCompletionRequest) -> None:
 def check_completion(request: CompletionRequest) -> None:
     _apply(_COMMON + _COMPLETION, request)
     _check_counts(request.n, request.logprobs)
+
+
+def _check_max_tokens(value: int | None, field: str, limits: Limits) -> None:
+    if value is not None and limits.max_tokens is not None and value > limits.max_tokens:
+        raise InvalidRequest(f"{field} must be at most {limits.max_tokens} on this gateway, got {value}", param=field)
+
+
+def _check_n(n: int | None, limits: Limits) -> None:
+    if n is not None and n > limits.max_n:
+        raise InvalidRequest(f"n must be at most {limits.max_n} on this gateway, got {n}", param="n")
+
+
+def check_chat_limits(request: ChatCompletionRequest, limits: Limits) -> None:
+    """The operator's limits (gateway config), on top of what the API allows."""
+    _check_n(request.n, limits)
+    _check_max_tokens(request.max_tokens, "max_tokens", limits)
+    _check_max_tokens(request.max_completion_tokens, "max_completion_tokens", limits)
+    if len(request.messages) > limits.max_messages:
+        raise InvalidRequest(
+            f"messages holds {len(request.messages)} messages, at most {limits.max_messages} are accepted", param="messages"
+        )
+
+
+def check_completion_limits(request: CompletionRequest, limits: Limits) -> None:
+    _check_n(request.n, limits)
+    _check_max_tokens(request.max_tokens, "max_tokens", limits)
+    prompt = request.prompt
+    prompts = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
+    if prompts > limits.max_prompts:
+        raise InvalidRequest(f"prompt holds {prompts} prompts, at most {limits.max_prompts} are accepted", param="prompt")

@@ -1,0 +1,26 @@
+"""A real gateway on a loopback port in front of a given engine, with any config."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from aiohttp.test_utils import TestServer
+
+from gateway.app import create_app
+from gateway.config import EngineEndpoint, GatewayConfig
+from gateway.state import GATEWAY, GatewayState
+
+
+@asynccontextmanager
+async def gateway_server(tokenizer_dir: Path, engine_url: str, **config: Any) -> AsyncIterator[tuple[str, GatewayState]]:
+    """Start the gateway (model `sim`) on a free port; yield its `/v1` base URL and state."""
+    gateway = GatewayConfig(model="sim", tokenizer=str(tokenizer_dir), engines=[EngineEndpoint(url=engine_url)], **config)
+    server = TestServer(create_app(gateway), handler_cancellation=True)
+    await server.start_server()
+    try:
+        yield str(server.make_url("/v1")), server.app[GATEWAY]
+    finally:
+        await server.close()
