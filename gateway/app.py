@@ -27,7 +27,9 @@ from gateway.errors import ERROR_KEY, Handler, gateway_error_middleware
 from gateway.feedback import EngineFeedback
 from gateway.observe import OPERATIONS, SPAN_KEY, STARTED_KEY
 from gateway.pipeline import REASON_KEY, ROUTE_KEY, handle_chat, handle_completion
+from gateway.metrics import GatewayMetrics
 from gateway.policy import Policy, PolicyError, load_policy
+from gateway.pool import Pool
 from gateway.reload import WatchedFile
 from gateway.render import LocalRenderer
 from gateway.state import GATEWAY, GatewayState
@@ -51,8 +53,11 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         state.key_file = WatchedFile(config.auth.api_keys_file, load_key_file, "API keys", (KeyFileError,))
         loops.append(asyncio.ensure_future(state.key_file.watch(config.auth.poll_s)))
     await state.engines.start()
-    state.feedback = EngineFeedback([e.url.rstrip("/") for e in config.engines], config.feedback_interval_s)
+    await state.engines.pool.resolve()
+    state.feedback = EngineFeedback(state.engines.pool.urls(), config.feedback_interval_s)
     loops.append(asyncio.ensure_future(state.feedback.run(state.engines.session)))
+    loops.append(asyncio.ensure_future(state.engines.watch_health()))
+    loops.append(asyncio.ensure_future(state.engines.pool.watch_dns(config.health.dns_interval_s)))
     if state.renderer is None:
         state.renderer = await asyncio.to_thread(LocalRenderer, state.config.tokenizer)
     if state.vocab is None:
@@ -165,8 +170,17 @@ async def _route_header(request: web.Request, response: web.StreamResponse) -> N
 def create_app(config: GatewayConfig, *, renderer: LocalRenderer | None = None) -> web.Application:
     app = web.Application(middlewares=[observe_middleware, gateway_error_middleware, auth_middleware, admission_middleware], client_max_size=config.max_body_bytes)
     tracing = Tracing(config.tracing, "onehop-gateway")
-    engines = EngineClient(config.engines, config.timeouts, remote=config.remote_url is not None, tracing=tracing)
-    app[GATEWAY] = GatewayState(config=config, engines=engines, renderer=renderer, tracing=tracing)
+    metrics = GatewayMetrics()
+    pool = Pool(config.engines, config.health, on_circuit=metrics.circuit)
+    engines = EngineClient(
+        pool,
+        config.timeouts,
+        config.health,
+        remote=config.remote_url is not None,
+        tracing=tracing,
+        on_retry=lambda url: metrics.engine_retries.labels(url).inc(),
+    )
+    app[GATEWAY] = GatewayState(config=config, engines=engines, renderer=renderer, tracing=tracing, metrics=metrics)
     state = app[GATEWAY]
     state.gate = Gate(config.admission, state.metrics.admission_rejections.inc)
     state.metrics.watch_admission(state.gate)
@@ -174,7 +188,6 @@ def create_app(config: GatewayConfig, *, renderer: LocalRenderer | None = None) 
         state.env_keys = keys_from_env(config.auth.api_keys_env)
         if not state.env_keys and config.auth.api_keys_file is None:
             raise ConfigError(f"auth.api_keys_env names {config.auth.api_keys_env}, which holds no key")
-    app[GATEWAY].metrics.watch_engines([e.url.rstrip("/") for e in config.engines])
     app.cleanup_ctx.append(_lifecycle)
     app.on_response_prepare.append(_route_header)
     app.router.add_post("/v1/chat/completions", handle_chat)

@@ -29,6 +29,7 @@ from engine.openai_schema import (
 from gateway.config import Route
 from gateway.engine_request import completion_sampling, generate_body
 from gateway.errors import EngineFailed, GatewayError, InvalidRequest, error_json
+from gateway.pool import Endpoint
 from gateway.observe import SPAN_KEY, DerenderWork, describe_outcome
 from gateway.relay import (
     ClientGone,
@@ -60,6 +61,8 @@ class _Call:
         self.request_id = request_id
         self.body = body
         self.route = route
+        self.url: str | None = None
+        """The engine that answered (after any retries): aborts go there."""
         self.mode = "tokens" if route in ("tokens", "tokens-remote") else "text"
         self.derender = derender
 
@@ -77,7 +80,7 @@ async def serve_completion(
     body: bytes,
     prompts: list[list[int]],
     route: Route,
-    url: str,
+    endpoint: Endpoint,
 ) -> web.StreamResponse:
     if route == "tokens-remote":
         raise InvalidRequest("the tokens-remote route serves chat completions only", param="onehop-route")
@@ -111,19 +114,22 @@ async def serve_completion(
     try:
         if route == "derender" and len(calls) == 1:
             call = calls[0]
-            async with state.engines.generate(url, call.body, stream=stream, request_id=call.request_id, parent=server) as engine:
+            async with state.engines.open(endpoint, call.body, stream=stream, request_id=call.request_id, parent=server) as (
+                call.url,
+                engine,
+            ):
                 return await (relay_stream(http, engine, state.engines.first_event_timeout()) if stream else relay_json(http, engine))
         work = None if route == "derender" else DerenderWork(http, route)
         try:
             if stream:
-                return await _stream(http, state, url, calls, response_id, created, include_usage, work)
-            return await _json(http, state, url, calls, response_id, created, work)
+                return await _stream(http, state, endpoint, calls, response_id, created, include_usage, work)
+            return await _json(http, state, endpoint, calls, response_id, created, work)
         finally:
             if work is not None:
                 work.finish(None)
     except (asyncio.CancelledError, ClientGone) as gone:
         for call in calls:
-            state.abort(url, call.request_id)
+            state.abort(call.url or endpoint.url, call.request_id)
         if isinstance(gone, ClientGone):
             return gone.response
         raise
@@ -159,9 +165,12 @@ def _derender(
 
 
 async def _chunks_of(
-    state: GatewayState, url: str, call: _Call, parent: Span, work: DerenderWork | None
+    state: GatewayState, endpoint: Endpoint, call: _Call, parent: Span, work: DerenderWork | None
 ) -> AsyncIterator[CompletionChunk]:
-    async with state.engines.generate(url, call.body, stream=True, request_id=call.request_id, parent=parent) as engine:
+    async with state.engines.open(endpoint, call.body, stream=True, request_id=call.request_id, parent=parent) as (
+        call.url,
+        engine,
+    ):
         async for payload in engine_payloads(engine, state.engines.first_event_timeout()):
             if call.derender is None or work is None:
                 try:
@@ -183,7 +192,7 @@ async def _chunks_of(
 async def _stream(
     http: web.Request,
     state: GatewayState,
-    url: str,
+    endpoint: Endpoint,
     calls: list[_Call],
     response_id: str,
     created: int,
@@ -196,7 +205,7 @@ async def _stream(
 
     async def pump(call: _Call) -> None:
         try:
-            async for chunk in _chunks_of(state, url, call, server, work):
+            async for chunk in _chunks_of(state, endpoint, call, server, work):
                 await queue.put(chunk)
         except BaseException as exc:  # handed to the writer, which reports it in-band
             await queue.put(exc)
@@ -246,7 +255,7 @@ def _model(http: web.Request) -> str:
 async def _json(
     http: web.Request,
     state: GatewayState,
-    url: str,
+    endpoint: Endpoint,
     calls: list[_Call],
     response_id: str,
     created: int,
@@ -255,7 +264,10 @@ async def _json(
     server = http[SPAN_KEY]
 
     async def one(call: _Call) -> Completion:
-        async with state.engines.generate(url, call.body, stream=False, request_id=call.request_id, parent=server) as engine:
+        async with state.engines.open(endpoint, call.body, stream=False, request_id=call.request_id, parent=server) as (
+            call.url,
+            engine,
+        ):
             raw = await engine.read()
         if call.derender is None or work is None:
             return COMPLETION_DECODER.decode(raw)

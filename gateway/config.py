@@ -71,9 +71,25 @@ class Auth(Struct, forbid_unknown_fields=True, kw_only=True):
         return self.api_keys_file is not None or self.api_keys_env is not None
 
 
+class Health(Struct, forbid_unknown_fields=True, kw_only=True):
+    interval_s: Annotated[float, Meta(gt=0)] = 2.0
+    """Active checks: GET /health on every engine this often."""
+    check_timeout_s: Annotated[float, Meta(gt=0)] = 2.0
+    failure_threshold: Annotated[int, Meta(ge=1)] = 3
+    """Consecutive failures (refused requests, 5xx answers, failed checks) that open an engine's circuit."""
+    open_s: Annotated[float, Meta(gt=0)] = 5.0
+    """How long an open circuit refuses traffic before one trial request."""
+    retries: Annotated[int, Meta(ge=0)] = 2
+    """Other engines tried when one fails before the first byte reached the client."""
+    dns_interval_s: Annotated[float, Meta(gt=0)] = 10.0
+    """How often `resolve: true` engines' host names are looked up again."""
+
+
 class EngineEndpoint(Struct, forbid_unknown_fields=True, kw_only=True):
     url: str
     """Base URL of a onehop engine or a vLLM server started with --enable-scale-out."""
+    resolve: bool = False
+    """Every address the host name resolves to is an engine (a Kubernetes headless Service)."""
 
 
 class GatewayConfig(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -106,6 +122,7 @@ class GatewayConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
     """OpenTelemetry export (OTLP/HTTP); the OTEL_* variables apply where this leaves a field unset."""
     admission: Admission = msgspec.field(default_factory=Admission)
+    health: Health = msgspec.field(default_factory=Health)
     limits: Limits = msgspec.field(default_factory=Limits)
     auth: Auth = msgspec.field(default_factory=Auth)
 

@@ -10,9 +10,8 @@ into the matching gateway error with the engine's own message.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import aiohttp
@@ -22,7 +21,8 @@ from opentelemetry.trace import Span, SpanKind
 from yarl import URL
 
 from engine.telemetry import Tracing, inject, record_error
-from gateway.config import EngineEndpoint, Timeouts
+from gateway.config import Health, Timeouts
+from gateway.pool import Endpoint, Pool
 from gateway.errors import (
     ClientGone,
     EngineFailed,
@@ -79,14 +79,22 @@ _CAPABILITIES = msgspec.json.Decoder(_Capabilities)
 
 class EngineClient:
     def __init__(
-        self, endpoints: list[EngineEndpoint], timeouts: Timeouts, *, remote: bool = False, tracing: Tracing | None = None
+        self,
+        pool: Pool,
+        timeouts: Timeouts,
+        health: Health,
+        *,
+        remote: bool = False,
+        tracing: Tracing | None = None,
+        on_retry: Callable[[str], None] = lambda url: None,
     ) -> None:
+        self.pool = pool
         self._tracer = tracing.tracer if tracing is not None else trace.NoOpTracer()
         self._routes: dict[str, frozenset[str]] = {}
         self._remote = remote
-        self._urls = [e.url.rstrip("/") for e in endpoints]
-        self._next = itertools.cycle(range(len(self._urls)))
         self._timeouts = timeouts
+        self._health = health
+        self._on_retry = on_retry
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -104,9 +112,47 @@ class EngineClient:
         assert self._session is not None, "EngineClient.start() was not awaited"
         return self._session
 
-    def pick(self) -> str:
-        """The engine for the next request (round robin; pools and load balancing come later)."""
-        return self._urls[next(self._next)]
+    def pick(self) -> Endpoint:
+        """The engine for the next request (power of two choices among closed circuits)."""
+        return self.pool.pick()
+
+    @asynccontextmanager
+    async def open(
+        self, first: Endpoint, body: bytes, *, stream: bool, request_id: str, parent: Span | None = None
+    ) -> AsyncIterator[tuple[str, aiohttp.ClientResponse]]:
+        """`generate` on `first`, or on other engines of the pool if it fails before answering.
+
+        Nothing has reached the client yet when an engine refuses the connection,
+        times out before its headers or answers 5xx, so the request is retried
+        elsewhere (up to `health.retries` times); each failure counts against
+        that engine's circuit. A 4xx is the client's and is not retried.
+        Yields the URL that answered (aborts go there) and its response.
+        """
+        tried: set[str] = set()
+        endpoint = first
+        while True:
+            answered = False
+            current = endpoint
+            current.outstanding += 1
+            current.breaker.started()
+            try:
+                async with self.generate(current.url, body, stream=stream, request_id=request_id, parent=parent) as response:
+                    self.pool.succeeded(current)
+                    answered = True
+                    yield current.url, response
+                return
+            except (EngineUnavailable, EngineFailed) as exc:
+                if answered:
+                    raise  # it failed after answering: not a reason to try another engine
+                self.pool.failed(current)
+                tried.add(current.url)
+                if len(tried) > self._health.retries:
+                    raise
+                log.warning("engine %s failed before answering (%s); retrying elsewhere", current.url, exc)
+                self._on_retry(current.url)
+                endpoint = self.pool.pick(tried)  # EngineUnavailable when no other engine is left
+            finally:
+                current.outstanding -= 1
 
     @asynccontextmanager
     async def generate(
@@ -201,3 +247,21 @@ class EngineClient:
                     await response.read()
         except (TimeoutError, aiohttp.ClientError) as exc:
             log.warning("abort of %s at %s failed: %s", request_id, url, exc)
+
+    async def watch_health(self) -> None:
+        """Active checks: a failing /health counts against the circuit, a passing one closes it."""
+        while True:
+            await asyncio.sleep(self._health.interval_s)
+            await asyncio.gather(*(self._check(e) for e in list(self.pool.endpoints.values())))
+
+    async def _check(self, endpoint: Endpoint) -> None:
+        try:
+            async with asyncio.timeout(self._health.check_timeout_s):
+                async with self.session.get(endpoint.url + "/health") as response:
+                    healthy = response.status == 200
+        except (TimeoutError, aiohttp.ClientError):
+            healthy = False
+        if healthy:
+            self.pool.succeeded(endpoint)
+        else:
+            self.pool.failed(endpoint)

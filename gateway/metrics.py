@@ -65,7 +65,7 @@ class GatewayMetrics:
             ["route", "rule"], registry=r,
         )
         self.engine_retries = Counter(
-            "onehop_gateway_engine_retries", "Requests retried on another engine before their first byte.", ["engine"], registry=r
+            "onehop_gateway_engine_retries", "Requests this engine failed before answering, retried on another one.", ["engine"], registry=r
         )
         self.admission_rejections = Counter(
             "onehop_gateway_admission_rejections", "Requests refused with a 429: no slot, the wait queue full or timed out.",
@@ -82,11 +82,10 @@ class GatewayMetrics:
         """Read the admission gate's queue length at scrape time."""
         self.admission_waiting.set_function(lambda: gate.waiting)
 
-    def watch_engines(self, urls: list[str]) -> None:
-        """Give every configured engine its series, so dashboards see zeros rather than gaps."""
-        for url in urls:
-            self.engine_retries.labels(url)
-            self.circuit_open.labels(url).set(0)
+    def circuit(self, engine: str, is_open: bool) -> None:
+        """An engine's circuit changed (or the engine joined the pool: closed), so dashboards see zeros, not gaps."""
+        self.engine_retries.labels(engine)
+        self.circuit_open.labels(engine).set(1 if is_open else 0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

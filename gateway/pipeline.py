@@ -137,16 +137,17 @@ def check_model(state: GatewayState, model: str | None) -> None:
 
 
 async def guard_disconnect(
-    state: GatewayState, url: str, request_id: str, work: Callable[[], Awaitable[web.StreamResponse]]
+    state: GatewayState, url: Callable[[], str], request_id: str, work: Callable[[], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
-    """Run `work`; if the client leaves mid-way, abort the engine request too."""
+    """Run `work`; if the client leaves mid-way, abort the engine request too (on the engine
+    `url()` names: the one that answered, after any retries)."""
     try:
         return await work()
     except asyncio.CancelledError:
-        state.abort(url, request_id)
+        state.abort(url(), request_id)
         raise
     except ClientGone as gone:  # it left between two writes, before its cancellation arrived
-        state.abort(url, request_id)
+        state.abort(url(), request_id)
         trace.get_current_span().set_attribute("onehop.client_disconnected", True)  # the server span
         return gone.response
 
@@ -180,8 +181,8 @@ async def handle_chat(http: web.Request) -> web.StreamResponse:
             prompt = prompt + state.renderer.encode(forced)
         span.set_attribute("onehop.prompt_tokens", len(prompt))
     state.metrics.stage_seconds.labels("render").observe(time.perf_counter() - started)
-    url = state.engines.pick()
-    route = await choose_route(state, http, url, chat_features(request, len(prompt), http))
+    endpoint = state.engines.pick()
+    route = await choose_route(state, http, endpoint.url, chat_features(request, len(prompt), http))
     options = request.stream_options
     engine_body = generate_body(
         request_id=request_id,
@@ -195,9 +196,15 @@ async def handle_chat(http: web.Request) -> web.StreamResponse:
         chat_request=body,
     )
 
+    used = endpoint.url
+
     async def work() -> web.StreamResponse:
+        nonlocal used
         first = state.engines.first_event_timeout()
-        async with state.engines.generate(url, engine_body, stream=stream, request_id=request_id, parent=server) as engine:
+        async with state.engines.open(endpoint, engine_body, stream=stream, request_id=request_id, parent=server) as (
+            used,
+            engine,
+        ):
             if route == "derender":
                 response = await (relay_stream(http, engine, first) if stream else relay_json(http, engine))
             elif route == "tokens-remote":
@@ -211,7 +218,7 @@ async def handle_chat(http: web.Request) -> web.StreamResponse:
                 )
         return response
 
-    return await guard_disconnect(state, url, request_id, work)
+    return await guard_disconnect(state, lambda: used, request_id, work)
 
 
 async def render_chat(state: GatewayState, request: ChatCompletionRequest, body: bytes) -> list[int]:
@@ -280,9 +287,9 @@ async def handle_completion(http: web.Request) -> web.StreamResponse:
         prompts = await state.renderer.completion_prompts(request)
         span.set_attribute("onehop.prompt_tokens", sum(len(p) for p in prompts))
     state.metrics.stage_seconds.labels("render").observe(time.perf_counter() - started)
-    url = state.engines.pick()
-    route = await choose_route(state, http, url, completion_features(request, prompts, http))
-    return await serve_completion(http, state, request, body, prompts, route, url)
+    endpoint = state.engines.pick()
+    route = await choose_route(state, http, endpoint.url, completion_features(request, prompts, http))
+    return await serve_completion(http, state, request, body, prompts, route, endpoint)
 
 
 

@@ -15,9 +15,11 @@ from gateway.state import GATEWAY, GatewayState
 
 
 @asynccontextmanager
-async def gateway_server(tokenizer_dir: Path, engine_url: str, **config: Any) -> AsyncIterator[tuple[str, GatewayState]]:
-    """Start the gateway (model `sim`) on a free port; yield its `/v1` base URL and state."""
-    gateway = GatewayConfig(model="sim", tokenizer=str(tokenizer_dir), engines=[EngineEndpoint(url=engine_url)], **config)
+async def gateway_server(tokenizer_dir: Path, engine_url: str | list[str], **config: Any) -> AsyncIterator[tuple[str, GatewayState]]:
+    """Start the gateway (model `sim`) on a free port, in front of one engine or several;
+    yield its `/v1` base URL and state."""
+    urls = [engine_url] if isinstance(engine_url, str) else engine_url
+    gateway = GatewayConfig(model="sim", tokenizer=str(tokenizer_dir), engines=[EngineEndpoint(url=u) for u in urls], **config)
     server = TestServer(create_app(gateway), handler_cancellation=True)
     await server.start_server()
     try:

@@ -1,0 +1,152 @@
+"""Three sim engines (real processes) behind one gateway; one is killed mid-run, then restarted.
+
+Requests that had not reached the client yet succeed on the others (retried
+before the first byte); streams on the killed engine end with an OpenAI error
+event and `[DONE]`; its circuit opens, and closes again once it is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import aiohttp
+import openai
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.config import Health
+from tests.support.gateway import gateway_server
+
+MESSAGES = [{"role": "user", "content": "Tell me a long story."}]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _start_engine(tokenizer: Path, port: int) -> subprocess.Popen[bytes]:
+    command = [
+        sys.executable, "-m", "gateway", "engine", "--backend", "sim", "--model", str(tokenizer),
+        "--served-model-name", "sim", "--port", str(port), "--backend-option", "itl_ms=25",
+    ]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+
+
+async def _wait_healthy(session: aiohttp.ClientSession, url: str, process: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"the engine at {url} exited with {process.returncode}"
+        try:
+            async with session.get(url + "/health") as resp:
+                if resp.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"the engine at {url} did not come up")
+
+
+def _kill(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait(timeout=10)
+
+
+@asynccontextmanager
+async def _engines(tokenizer: Path, count: int) -> AsyncIterator[list[tuple[str, subprocess.Popen[bytes]]]]:
+    ports = [_free_port() for _ in range(count)]
+    running = [(f"http://127.0.0.1:{p}", _start_engine(tokenizer, p)) for p in ports]
+    try:
+        async with aiohttp.ClientSession() as session:
+            await asyncio.gather(*(_wait_healthy(session, url, proc) for url, proc in running))
+        yield running
+    finally:
+        for _, process in running:
+            _kill(process)
+
+
+def _circuits(text: str) -> dict[str, float]:
+    for family in text_string_to_metric_families(text):
+        if family.name == "onehop_gateway_engine_circuit_open":
+            return {s.labels["engine"]: s.value for s in family.samples}
+    return {}
+
+
+async def test_engine_killed_mid_run_then_restarted(qwen3_tokenizer_dir: Path) -> None:
+    health = Health(interval_s=0.2, check_timeout_s=0.5, failure_threshold=2, open_s=30, retries=2)
+    async with _engines(qwen3_tokenizer_dir, 3) as engines:
+        victim_url, victim = engines[1]
+        async with gateway_server(qwen3_tokenizer_dir, [url for url, _ in engines], health=health) as (base, state):
+            metrics_url = base.removesuffix("/v1") + "/metrics"
+            async with openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0) as client, aiohttp.ClientSession() as session:
+
+                async def stream_one() -> str:
+                    try:
+                        stream = await client.chat.completions.create(
+                            model="sim", messages=MESSAGES, max_tokens=80, stream=True, extra_body={"ignore_eos": True}
+                        )
+                        async for _ in stream:
+                            pass
+                    except openai.APIError as exc:
+                        return f"error: {exc.message}"
+                    return "ok"
+
+                # Streams spread over the three engines (power of two choices), then one engine dies.
+                streams = [asyncio.ensure_future(stream_one()) for _ in range(9)]
+                await asyncio.sleep(0.8)
+                on_victim = state.engines.pool.endpoints[victim_url].outstanding
+                assert on_victim > 0
+                _kill(victim)
+                # Requests that start now: the victim refuses connections until its circuit
+                # opens; every one of them is retried on a live engine.
+                whole = await asyncio.gather(
+                    *(client.chat.completions.create(model="sim", messages=MESSAGES, max_tokens=4) for _ in range(12))
+                )
+                assert all(answer.usage is not None and answer.usage.completion_tokens == 4 for answer in whole)
+                outcomes = await asyncio.gather(*streams)
+                broken = [o for o in outcomes if o != "ok"]
+                assert len(broken) == on_victim, outcomes  # the victim's streams, and only those
+                assert all(o.startswith("error: the engine stream broke") for o in broken), broken
+
+                async with session.get(metrics_url) as resp:
+                    assert _circuits(await resp.text())[victim_url] == 1
+
+                # Back on the same port: a passing health check closes the circuit.
+                port = int(victim_url.rsplit(":", 1)[1])
+                restarted = _start_engine(qwen3_tokenizer_dir, port)
+                try:
+                    await _wait_healthy(session, victim_url, restarted)
+                    deadline = time.monotonic() + 10
+                    closed = False
+                    while time.monotonic() < deadline and not closed:
+                        async with session.get(metrics_url) as resp:
+                            closed = _circuits(await resp.text())[victim_url] == 0
+                        await asyncio.sleep(0.1)
+                    assert closed, "the circuit did not close after the engine came back"
+                    for _ in range(30):
+                        await client.chat.completions.create(model="sim", messages=MESSAGES, max_tokens=2)
+                    async with session.get(victim_url + "/metrics") as resp:
+                        served = sum(
+                            s.value
+                            for f in text_string_to_metric_families(await resp.text())
+                            if f.name == "onehop_engine_requests"
+                            for s in f.samples
+                            if s.name.endswith("_total")
+                        )
+                    assert served > 0, "the restarted engine got no traffic"
+                finally:
+                    _kill(restarted)
+            # Retries are counted on the engine that failed.
+            retried = {url: state.metrics.engine_retries.labels(url)._value.get() for url, _ in engines}
+            assert retried[victim_url] >= 1 and sum(retried.values()) == retried[victim_url]
