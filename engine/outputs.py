@@ -105,6 +105,7 @@ class _Choices:
         options = request.stream_options
         self.include_usage = bool(options and options.include_usage)
         self.continuous = self.include_usage and bool(options and options.continuous_usage_stats)
+        self.kv_transfer_params: dict[str, Any] | None = None
         self.pipelines: list[TextPipeline] | None = None
         if decode and context.vocab is not None and request.sampling_params.detokenize:
             params = text_params(request.sampling_params)
@@ -135,6 +136,8 @@ class _Choices:
         self.token_ids[index].extend(ids)
         if finish_reason is not None:
             self.finish[index] = (finish_reason, stop_reason)
+        if output.kv_transfer_params is not None:
+            self.kv_transfer_params = output.kv_transfer_params
         return ids, text, finish_reason, stop_reason
 
 
@@ -202,6 +205,7 @@ class _ModeWriter:
                 usage=self._c.usage(),
                 choices=[self._choice(i, ids, wants_logprobs) for i, ids in enumerate(self._c.token_ids)],  # type: ignore[misc]
                 prompt_token_ids=list(request.token_ids) if request.return_token_ids else None,
+                kv_transfer_params=self._c.kv_transfer_params,
             )
         )
         self.cpu_s += time.thread_time() - start

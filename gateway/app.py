@@ -58,6 +58,11 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     loops.append(asyncio.ensure_future(state.feedback.run(state.engines.session)))
     loops.append(asyncio.ensure_future(state.engines.watch_health()))
     loops.append(asyncio.ensure_future(state.engines.pool.watch_dns(config.health.dns_interval_s)))
+    if state.prefill is not None:
+        await state.prefill.start()
+        await state.prefill.pool.resolve()
+        loops.append(asyncio.ensure_future(state.prefill.watch_health()))
+        loops.append(asyncio.ensure_future(state.prefill.pool.watch_dns(config.health.dns_interval_s)))
     if state.renderer is None:
         state.renderer = await asyncio.to_thread(LocalRenderer, state.config.tokenizer)
     if state.vocab is None:
@@ -75,6 +80,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         task.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
     await state.engines.close()
+    if state.prefill is not None:
+        await state.prefill.close()
     state.renderer.close()
     await state.tracing.shutdown()
 
@@ -171,7 +178,7 @@ def create_app(config: GatewayConfig, *, renderer: LocalRenderer | None = None) 
     app = web.Application(middlewares=[observe_middleware, gateway_error_middleware, auth_middleware, admission_middleware], client_max_size=config.max_body_bytes)
     tracing = Tracing(config.tracing, "onehop-gateway")
     metrics = GatewayMetrics()
-    pool = Pool(config.engines, config.health, on_circuit=metrics.circuit)
+    pool = Pool(config.engines, config.health, config.balancing, on_circuit=metrics.circuit)
     engines = EngineClient(
         pool,
         config.timeouts,
@@ -181,6 +188,14 @@ def create_app(config: GatewayConfig, *, renderer: LocalRenderer | None = None) 
         on_retry=lambda url: metrics.engine_retries.labels(url).inc(),
     )
     app[GATEWAY] = GatewayState(config=config, engines=engines, renderer=renderer, tracing=tracing, metrics=metrics)
+    if config.prefill_engines:
+        app[GATEWAY].prefill = EngineClient(
+            Pool(config.prefill_engines, config.health, on_circuit=metrics.circuit),
+            config.timeouts,
+            config.health,
+            tracing=tracing,
+            on_retry=lambda url: metrics.engine_retries.labels(url).inc(),
+        )
     state = app[GATEWAY]
     state.gate = Gate(config.admission, state.metrics.admission_rejections.inc)
     state.metrics.watch_admission(state.gate)

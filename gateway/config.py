@@ -85,6 +85,15 @@ class Health(Struct, forbid_unknown_fields=True, kw_only=True):
     """How often `resolve: true` engines' host names are looked up again."""
 
 
+class Balancing(Struct, forbid_unknown_fields=True, kw_only=True):
+    mode: Literal["least_outstanding", "prefix_affinity"] = "least_outstanding"
+    """least_outstanding: power of two choices. prefix_affinity: requests that share their
+    first `prefix_tokens` rendered tokens go to the same engine (its prefix cache is warm),
+    unless it has more than `load_factor` times the pool's mean outstanding requests."""
+    prefix_tokens: Annotated[int, Meta(ge=1)] = 256
+    load_factor: Annotated[float, Meta(ge=1)] = 1.25
+
+
 class EngineEndpoint(Struct, forbid_unknown_fields=True, kw_only=True):
     url: str
     """Base URL of a onehop engine or a vLLM server started with --enable-scale-out."""
@@ -98,6 +107,9 @@ class GatewayConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     tokenizer: str
     """Tokenizer (or model) folder: local render and the token route's derender."""
     engines: Annotated[list[EngineEndpoint], Meta(min_length=1)]
+    prefill_engines: list[EngineEndpoint] = []
+    """Disaggregated serving: chat requests are prefilled here (max_tokens=1), then decoded on
+    `engines` with the KV cache the prefill engine hands over. Empty: no disaggregation."""
     host: str = "127.0.0.1"
     port: Annotated[int, Meta(ge=0, le=65535)] = 8000
     route: Route = "derender"
@@ -123,6 +135,7 @@ class GatewayConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     """OpenTelemetry export (OTLP/HTTP); the OTEL_* variables apply where this leaves a field unset."""
     admission: Admission = msgspec.field(default_factory=Admission)
     health: Health = msgspec.field(default_factory=Health)
+    balancing: Balancing = msgspec.field(default_factory=Balancing)
     limits: Limits = msgspec.field(default_factory=Limits)
     auth: Auth = msgspec.field(default_factory=Auth)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 
 import aiohttp
@@ -112,9 +112,9 @@ class EngineClient:
         assert self._session is not None, "EngineClient.start() was not awaited"
         return self._session
 
-    def pick(self) -> Endpoint:
-        """The engine for the next request (power of two choices among closed circuits)."""
-        return self.pool.pick()
+    def pick(self, prompt: Sequence[int] | None = None) -> Endpoint:
+        """The engine for the next request (see `Pool.pick`; `prompt` for prefix affinity)."""
+        return self.pool.pick(prompt=prompt)
 
     @asynccontextmanager
     async def open(

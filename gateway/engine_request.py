@@ -94,6 +94,7 @@ def generate_body(
     chat_request: bytes | None = None,
     completion_request: bytes | None = None,
     prompt_index: int = 0,
+    kv_transfer_params: dict[str, Any] | None = None,
 ) -> bytes:
     mode = ENGINE_MODE[route]
     body: dict[str, Any] = {
@@ -105,6 +106,8 @@ def generate_body(
     }
     if model is not None:
         body["model"] = model
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = kv_transfer_params
     if mode == "derender":
         if chat_request is not None:
             body["chat_request"] = msgspec.Raw(chat_request)

@@ -29,6 +29,7 @@ from engine.openai_schema import (
 from gateway import remote
 from gateway.completions import serve_completion
 from gateway.config import ROUTES, Route
+from gateway.disagg import prefill
 from gateway.engine_request import chat_sampling, generate_body
 from gateway.errors import EngineUnavailable, InvalidRequest, ModelNotFound
 from gateway.observe import SPAN_KEY, describe_request, stage
@@ -137,17 +138,19 @@ def check_model(state: GatewayState, model: str | None) -> None:
 
 
 async def guard_disconnect(
-    state: GatewayState, url: Callable[[], str], request_id: str, work: Callable[[], Awaitable[web.StreamResponse]]
+    state: GatewayState, urls: Callable[[], list[str]], request_id: str, work: Callable[[], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
-    """Run `work`; if the client leaves mid-way, abort the engine request too (on the engine
-    `url()` names: the one that answered, after any retries)."""
+    """Run `work`; if the client leaves mid-way, abort the engine requests too (on the engines
+    `urls()` names: those that answered, after any retries; prefill and decode)."""
     try:
         return await work()
     except asyncio.CancelledError:
-        state.abort(url(), request_id)
+        for url in urls():
+            state.abort(url, request_id)
         raise
     except ClientGone as gone:  # it left between two writes, before its cancellation arrived
-        state.abort(url(), request_id)
+        for url in urls():
+            state.abort(url, request_id)
         trace.get_current_span().set_attribute("onehop.client_disconnected", True)  # the server span
         return gone.response
 
@@ -181,28 +184,30 @@ async def handle_chat(http: web.Request) -> web.StreamResponse:
             prompt = prompt + state.renderer.encode(forced)
         span.set_attribute("onehop.prompt_tokens", len(prompt))
     state.metrics.stage_seconds.labels("render").observe(time.perf_counter() - started)
-    endpoint = state.engines.pick()
+    endpoint = state.engines.pick(prompt)
     route = await choose_route(state, http, endpoint.url, chat_features(request, len(prompt), http))
     options = request.stream_options
-    engine_body = generate_body(
-        request_id=request_id,
-        model=None,
-        prompt_ids=prompt,
-        sampling=sampling,
-        route=route,
-        stream=stream,
-        include_usage=bool(options and options.include_usage),
-        continuous_usage=bool(options and options.continuous_usage_stats),
-        chat_request=body,
-    )
-
-    used = endpoint.url
+    engines_used = [endpoint.url]
 
     async def work() -> web.StreamResponse:
-        nonlocal used
+        kv = None
+        if state.prefill is not None:
+            kv = await prefill(state.prefill, state.tracing.tracer, prompt, request_id, server, engines_used.append)
+        engine_body = generate_body(
+            request_id=request_id,
+            model=None,
+            prompt_ids=prompt,
+            sampling=sampling,
+            route=route,
+            stream=stream,
+            include_usage=bool(options and options.include_usage),
+            continuous_usage=bool(options and options.continuous_usage_stats),
+            chat_request=body,
+            kv_transfer_params=kv,
+        )
         first = state.engines.first_event_timeout()
         async with state.engines.open(endpoint, engine_body, stream=stream, request_id=request_id, parent=server) as (
-            used,
+            engines_used[0],
             engine,
         ):
             if route == "derender":
@@ -218,7 +223,7 @@ async def handle_chat(http: web.Request) -> web.StreamResponse:
                 )
         return response
 
-    return await guard_disconnect(state, lambda: used, request_id, work)
+    return await guard_disconnect(state, lambda: engines_used, request_id, work)
 
 
 async def render_chat(state: GatewayState, request: ChatCompletionRequest, body: bytes) -> list[int]:
@@ -287,7 +292,7 @@ async def handle_completion(http: web.Request) -> web.StreamResponse:
         prompts = await state.renderer.completion_prompts(request)
         span.set_attribute("onehop.prompt_tokens", sum(len(p) for p in prompts))
     state.metrics.stage_seconds.labels("render").observe(time.perf_counter() - started)
-    endpoint = state.engines.pick()
+    endpoint = state.engines.pick(prompts[0])
     route = await choose_route(state, http, endpoint.url, completion_features(request, prompts, http))
     return await serve_completion(http, state, request, body, prompts, route, endpoint)
 

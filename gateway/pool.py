@@ -16,17 +16,19 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import random
 import socket
 import time
-from collections.abc import Callable, Iterable
+from array import array
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
 from yarl import URL
 
-from gateway.config import EngineEndpoint, Health
+from gateway.config import Balancing, EngineEndpoint, Health
 from gateway.errors import EngineUnavailable
 
 log = logging.getLogger(__name__)
@@ -81,6 +83,7 @@ class Endpoint:
 class Pool:
     members: list[EngineEndpoint]
     health: Health
+    balancing: Balancing = field(default_factory=Balancing)
     on_circuit: Callable[[str, bool], None] = lambda url, is_open: None
     """Told when an endpoint's circuit opens (True) or closes (False): the metrics gauge."""
     endpoints: dict[str, Endpoint] = field(default_factory=dict)
@@ -103,18 +106,27 @@ class Pool:
     def urls(self) -> list[str]:
         return list(self.endpoints)
 
-    def pick(self, exclude: set[str] = frozenset()) -> Endpoint:  # type: ignore[assignment]
+    def pick(self, exclude: set[str] = frozenset(), prompt: Sequence[int] | None = None) -> Endpoint:  # type: ignore[assignment]
         now = time.monotonic()
         candidates = [e for e in self.endpoints.values() if e.url not in exclude and e.breaker.admits(now)]
         if not candidates:
             tried = f" ({len(exclude)} tried)" if exclude else ""
             raise EngineUnavailable(f"no engine can take the request: every circuit is open{tried}")
         if len(candidates) == 1:
-            chosen = candidates[0]
-        else:
-            a, b = self._rng.sample(candidates, 2)
-            chosen = a if a.outstanding <= b.outstanding else b
-        return chosen
+            return candidates[0]
+        if self.balancing.mode == "prefix_affinity" and prompt is not None:
+            return self._by_prefix(candidates, prompt)
+        a, b = self._rng.sample(candidates, 2)
+        return a if a.outstanding <= b.outstanding else b
+
+    def _by_prefix(self, candidates: list[Endpoint], prompt: Sequence[int]) -> Endpoint:
+        """Rendezvous hashing on the prompt's prefix, with bounded load: the highest-ranked
+        engine that is not over `load_factor` × the mean outstanding (+1, so an idle pool
+        still concentrates a prefix)."""
+        prefix = array("I", prompt[: self.balancing.prefix_tokens]).tobytes()
+        ranked = sorted(candidates, key=lambda e: hashlib.blake2b(e.url.encode() + b"\0" + prefix, digest_size=8).digest())
+        bound = self.balancing.load_factor * sum(e.outstanding for e in candidates) / len(candidates) + 1
+        return next((e for e in ranked if e.outstanding < bound), min(ranked, key=lambda e: e.outstanding))
 
     def succeeded(self, endpoint: Endpoint) -> None:
         was_open = endpoint.breaker.state is not Circuit.CLOSED

@@ -36,6 +36,8 @@ class GatewayState:
         return self.policy_file.current if self.policy_file is not None else self.fixed_policy
     vocab: TokenVocab | None = None
     gate: Gate | None = None
+    prefill: EngineClient | None = None
+    """The prefill pool's client when serving is disaggregated."""
     key_file: WatchedFile[frozenset[bytes]] | None = None
     env_keys: frozenset[bytes] = frozenset()
 
@@ -48,7 +50,7 @@ class GatewayState:
     def abort(self, url: str, request_id: str) -> None:
         """Tell the engine to stop a request whose client left (in the background)."""
         self.metrics.engine_aborts.inc()
-        self.spawn(self.engines.abort(url, request_id))
+        self.spawn(self.engines.abort(url, request_id))  # any client can reach any engine URL
 
     def spawn(self, coro: object) -> None:
         task = asyncio.ensure_future(coro)  # type: ignore[arg-type]

@@ -58,6 +58,8 @@ class BackendOutput:
     num_cached_tokens: int | None = None
     queued_s: float | None = None
     """Seconds the request waited before the backend started it; None where the backend cannot tell."""
+    kv_transfer_params: dict[str, object] | None = None
+    """Disaggregated serving: what a prefill engine hands the decode engine (on the finishing output)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -112,6 +112,8 @@ import itertools
 import json
 import math
 import random
+import uuid
+import zlib
 from array import array
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -632,6 +634,11 @@ class SimBackend:
         self._script_turn = 0
         self._live: dict[str, _Live] = {}
         self._closed = False
+        self.engine_id = f"sim-{uuid.uuid4().hex[:12]}"
+        self.prefills = 0
+        """Prefill requests served (`do_remote_decode`): one token, then the KV handed over."""
+        self.remote_decodes = 0
+        """Decode requests that started from another engine's prefill (`do_remote_prefill`)."""
 
     @property
     def info(self) -> BackendInfo:
@@ -659,10 +666,13 @@ class SimBackend:
         if self._closed:
             raise BackendError("the sim backend is closed")
         prompt = self._check(request)
+        role = self._kv_role(request)
         choices = self._choices(request, prompt)
         live = self._register(request.request_id)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._config.ttft_ms / 1000
+        # A decode whose prefill ran elsewhere starts with the KV cache in place.
+        deadline = loop.time() + (0 if role == "decode" else self._config.ttft_ms / 1000)
+        handover = self._handover(request) if role == "prefill" else None
         try:
             while True:
                 await self._wait(live, loop, deadline)
@@ -670,7 +680,12 @@ class SimBackend:
                     yield [choice.aborted() for choice in choices if not choice.finished]
                     return
                 width = self._config.tokens_per_step
-                yield [choice.take(width) for choice in choices if not choice.finished]
+                step = [choice.take(width) for choice in choices if not choice.finished]
+                if handover is not None:
+                    for output in step:
+                        if output.finish_reason is not None:
+                            output.kv_transfer_params = handover
+                yield step
                 if all(choice.finished for choice in choices):
                     return
                 deadline += self._config.itl_ms / 1000
@@ -699,6 +714,44 @@ class SimBackend:
         if request.request_id in self._live:
             raise BackendRequestError(f"request {request.request_id!r} is already running")
         return self._reader.read(ids)
+
+    def _kv_role(self, request: BackendRequest) -> str | None:
+        """Check a disaggregated-serving handshake the way a KV connector would see it.
+
+        Prefill (`do_remote_decode`): exactly one output token, one choice.
+        Decode (`do_remote_prefill`): the params must be a prefill engine's
+        answer for this very prompt (its block ids are derived from the tokens).
+        """
+        params = request.kv_transfer_params
+        if not params:
+            return None
+        if params.get("do_remote_decode"):
+            if request.sampling.max_tokens != 1 or request.sampling.n != 1:
+                raise BackendRequestError("a prefill request (do_remote_decode) must ask for max_tokens=1 and n=1")
+            self.prefills += 1
+            return "prefill"
+        if params.get("do_remote_prefill"):
+            engine = params.get("remote_engine_id")
+            if not isinstance(engine, str) or not engine.startswith("sim-"):
+                raise BackendRequestError(f"kv_transfer_params name no prefill engine (remote_engine_id={engine!r})")
+            if params.get("remote_block_ids") != _kv_blocks(request.prompt_token_ids):
+                raise BackendRequestError("kv_transfer_params describe another prompt's KV blocks (remote_block_ids)")
+            self.remote_decodes += 1
+            return "decode"
+        return None
+
+    def _handover(self, request: BackendRequest) -> dict[str, object]:
+        """What a prefill engine's connector returns for the decode engine to pull the KV cache."""
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": request.request_id,
+            "remote_block_ids": _kv_blocks(request.prompt_token_ids),
+            "remote_host": "127.0.0.1",
+            "remote_port": 0,
+            "tp_size": 1,
+        }
 
     def _register(self, request_id: str) -> _Live:
         live = _Live(request_id)
@@ -802,3 +855,13 @@ class SimBackend:
         finally:
             handle.cancel()
             live.waiter = None
+
+
+KV_BLOCK_TOKENS = 16
+
+
+def _kv_blocks(ids: Sequence[int]) -> list[int]:
+    """Stand-in KV block ids: one per 16 prompt tokens, derived from the tokens they hold."""
+    data = array("I", ids).tobytes()
+    step = KV_BLOCK_TOKENS * 4
+    return [zlib.crc32(data[i : i + step]) for i in range(0, len(data), step)]

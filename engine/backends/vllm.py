@@ -285,6 +285,7 @@ def _outputs(output: Any, top: int | None) -> list[BackendOutput]:
                 finish_reason=_finish_reason(reason),
                 stop_reason=completion.stop_reason if isinstance(completion.stop_reason, int) else None,
                 num_cached_tokens=cached,
+                kv_transfer_params=getattr(output, "kv_transfer_params", None) if reason is not None else None,
             )
         )
     return batch

@@ -84,3 +84,29 @@ async def test_a_name_that_stops_resolving_keeps_the_pool() -> None:
     pool._set_urls(["http://10.0.0.1:8100"])
     await asyncio.wait_for(pool.resolve(), timeout=10)
     assert pool.urls() == ["http://10.0.0.1:8100"]
+
+
+def _affinity_pool(count: int) -> Pool:
+    from gateway.config import Balancing
+
+    urls = [f"http://e{i}" for i in range(count)]
+    return Pool([EngineEndpoint(url=u) for u in urls], Health(), Balancing(mode="prefix_affinity", prefix_tokens=8))
+
+
+def test_prefix_affinity_keeps_a_prefix_on_one_engine() -> None:
+    pool = _affinity_pool(4)
+    shared = [1, 2, 3, 4, 5, 6, 7, 8]
+    assert len({pool.pick(prompt=shared + [i, i + 1]).url for i in range(50)}) == 1  # only the prefix counts
+    spread = {pool.pick(prompt=[i, 7, 7, 7, 7, 7, 7, 7]).url for i in range(200)}
+    assert len(spread) == 4  # different prefixes land all over the pool
+
+
+def test_prefix_affinity_bounds_the_load() -> None:
+    pool = _affinity_pool(3)
+    prompt = [9] * 16
+    home = pool.pick(prompt=prompt)
+    home.outstanding = 10  # far above the pool's mean (10/3 × 1.25 + 1)
+    other = pool.pick(prompt=prompt)
+    assert other.url != home.url
+    home.outstanding = 1
+    assert pool.pick(prompt=prompt).url == home.url  # back under the bound: back home
