@@ -11,6 +11,7 @@ import logging
 import signal
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import msgspec
 from aiohttp import web
@@ -20,8 +21,8 @@ from engine.app import load_vocab, new_event_loop
 from engine.openai_schema import ModelCard, ModelList
 from engine.telemetry import Tracing, extract
 from gateway.admission import Gate
-from gateway.auth import KeyFileError, check_key, keys_from_env, load_key_file, needs_key
-from gateway.config import ConfigError, GatewayConfig
+from gateway.auth import TENANT_KEY, KeyFileError, check_key, keys_from_env, load_key_file, needs_key
+from gateway.config import ConfigError, EngineEndpoint, GatewayConfig
 from gateway.engine_client import ABORT_TIMEOUT_S, EngineClient
 from gateway.errors import ERROR_KEY, Handler, gateway_error_middleware
 from gateway.feedback import EngineFeedback
@@ -47,22 +48,20 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     state.fixed_policy = Policy(default=config.route)
     loops: list[asyncio.Task[None]] = []
     if config.policy is not None:
-        state.policy_file = WatchedFile(config.policy, load_policy, "policy", (PolicyError,))
+        pools = set(config.pools)
+        state.policy_file = WatchedFile(config.policy, lambda path: policy_for(path, pools), "policy", (PolicyError,))
         loops.append(asyncio.ensure_future(state.policy_file.watch(config.policy_poll_s)))
     if config.auth.api_keys_file is not None:
         state.key_file = WatchedFile(config.auth.api_keys_file, load_key_file, "API keys", (KeyFileError,))
         loops.append(asyncio.ensure_future(state.key_file.watch(config.auth.poll_s)))
-    await state.engines.start()
-    await state.engines.pool.resolve()
-    state.feedback = EngineFeedback(state.engines.pool.urls(), config.feedback_interval_s)
+    for engines in state.clients():
+        await engines.start()
+        await engines.pool.resolve()
+        loops.append(asyncio.ensure_future(engines.watch_health()))
+        loops.append(asyncio.ensure_future(engines.pool.watch_dns(config.health.dns_interval_s)))
+    urls = [url for engines in state.clients() if engines is not state.prefill for url in engines.pool.urls()]
+    state.feedback = EngineFeedback(urls, config.feedback_interval_s)
     loops.append(asyncio.ensure_future(state.feedback.run(state.engines.session)))
-    loops.append(asyncio.ensure_future(state.engines.watch_health()))
-    loops.append(asyncio.ensure_future(state.engines.pool.watch_dns(config.health.dns_interval_s)))
-    if state.prefill is not None:
-        await state.prefill.start()
-        await state.prefill.pool.resolve()
-        loops.append(asyncio.ensure_future(state.prefill.watch_health()))
-        loops.append(asyncio.ensure_future(state.prefill.pool.watch_dns(config.health.dns_interval_s)))
     if state.renderer is None:
         state.renderer = await asyncio.to_thread(LocalRenderer, state.config.tokenizer)
     if state.vocab is None:
@@ -79,9 +78,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     for task in pending:
         task.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
-    await state.engines.close()
-    if state.prefill is not None:
-        await state.prefill.close()
+    for engines in state.clients():
+        await engines.close()
     state.renderer.close()
     await state.tracing.shutdown()
 
@@ -94,7 +92,9 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     state = request.app[GATEWAY]
     auth = state.config.auth
     if auth.enabled and needs_key(request, auth.protect_metrics):
-        check_key(request.headers.get("Authorization"), state.api_keys())
+        tenant = check_key(request.headers.get("Authorization"), state.api_keys())
+        if tenant is not None:
+            request[TENANT_KEY] = tenant
     return await handler(request)
 
 
@@ -178,24 +178,21 @@ def create_app(config: GatewayConfig, *, renderer: LocalRenderer | None = None) 
     app = web.Application(middlewares=[observe_middleware, gateway_error_middleware, auth_middleware, admission_middleware], client_max_size=config.max_body_bytes)
     tracing = Tracing(config.tracing, "onehop-gateway")
     metrics = GatewayMetrics()
-    pool = Pool(config.engines, config.health, config.balancing, on_circuit=metrics.circuit)
-    engines = EngineClient(
-        pool,
-        config.timeouts,
-        config.health,
-        remote=config.remote_url is not None,
-        tracing=tracing,
-        on_retry=lambda url: metrics.engine_retries.labels(url).inc(),
-    )
-    app[GATEWAY] = GatewayState(config=config, engines=engines, renderer=renderer, tracing=tracing, metrics=metrics)
-    if config.prefill_engines:
-        app[GATEWAY].prefill = EngineClient(
-            Pool(config.prefill_engines, config.health, on_circuit=metrics.circuit),
+
+    def client(members: list[EngineEndpoint]) -> EngineClient:
+        return EngineClient(
+            Pool(members, config.health, config.balancing, on_circuit=metrics.circuit),
             config.timeouts,
             config.health,
+            remote=config.remote_url is not None,
             tracing=tracing,
             on_retry=lambda url: metrics.engine_retries.labels(url).inc(),
         )
+
+    app[GATEWAY] = GatewayState(config=config, engines=client(config.engines), renderer=renderer, tracing=tracing, metrics=metrics)
+    app[GATEWAY].pools = {name: client(members) for name, members in config.pools.items()}
+    if config.prefill_engines:
+        app[GATEWAY].prefill = client(config.prefill_engines)
     state = app[GATEWAY]
     state.gate = Gate(config.admission, state.metrics.admission_rejections.inc)
     state.metrics.watch_admission(state.gate)
@@ -244,3 +241,13 @@ async def _reload_on_sighup(app: web.Application) -> None:
                 watched.reload()
 
     asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload)
+
+
+def policy_for(path: Path, pools: set[str]) -> Policy:
+    """Load a policy and check that every pool its rules name is configured."""
+    policy = load_policy(path)
+    unknown = sorted({r.pool for r in policy.rules if r.pool is not None} - pools)
+    if unknown:
+        known = ", ".join(sorted(pools)) or "none"
+        raise PolicyError(f"{path}: rules name pools the gateway config does not define: {', '.join(unknown)} (defined: {known})")
+    return policy

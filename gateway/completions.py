@@ -29,7 +29,7 @@ from engine.openai_schema import (
 from gateway.config import Route
 from gateway.engine_request import completion_sampling, generate_body
 from gateway.errors import EngineFailed, GatewayError, InvalidRequest, error_json
-from gateway.pool import Endpoint
+from gateway.engine_client import Target
 from gateway.observe import SPAN_KEY, DerenderWork, describe_outcome
 from gateway.relay import (
     ClientGone,
@@ -79,9 +79,9 @@ async def serve_completion(
     request: CompletionRequest,
     body: bytes,
     prompts: list[list[int]],
-    route: Route,
-    endpoint: Endpoint,
+    target: Target,
 ) -> web.StreamResponse:
+    route, engines, endpoint = target.route, target.engines, target.endpoint
     if route == "tokens-remote":
         raise InvalidRequest("the tokens-remote route serves chat completions only", param="onehop-route")
     response_id = f"cmpl-{uuid.uuid4().hex}"
@@ -114,16 +114,16 @@ async def serve_completion(
     try:
         if route == "derender" and len(calls) == 1:
             call = calls[0]
-            async with state.engines.open(endpoint, call.body, stream=stream, request_id=call.request_id, parent=server) as (
+            async with engines.open(endpoint, call.body, stream=stream, request_id=call.request_id, parent=server) as (
                 call.url,
                 engine,
             ):
-                return await (relay_stream(http, engine, state.engines.first_event_timeout()) if stream else relay_json(http, engine))
+                return await (relay_stream(http, engine, engines.first_event_timeout()) if stream else relay_json(http, engine))
         work = None if route == "derender" else DerenderWork(http, route)
         try:
             if stream:
-                return await _stream(http, state, endpoint, calls, response_id, created, include_usage, work)
-            return await _json(http, state, endpoint, calls, response_id, created, work)
+                return await _stream(http, state, target, calls, response_id, created, include_usage, work)
+            return await _json(http, state, target, calls, response_id, created, work)
         finally:
             if work is not None:
                 work.finish(None)
@@ -165,13 +165,13 @@ def _derender(
 
 
 async def _chunks_of(
-    state: GatewayState, endpoint: Endpoint, call: _Call, parent: Span, work: DerenderWork | None
+    state: GatewayState, target: Target, call: _Call, parent: Span, work: DerenderWork | None
 ) -> AsyncIterator[CompletionChunk]:
-    async with state.engines.open(endpoint, call.body, stream=True, request_id=call.request_id, parent=parent) as (
+    async with target.engines.open(target.endpoint, call.body, stream=True, request_id=call.request_id, parent=parent) as (
         call.url,
         engine,
     ):
-        async for payload in engine_payloads(engine, state.engines.first_event_timeout()):
+        async for payload in engine_payloads(engine, target.engines.first_event_timeout()):
             if call.derender is None or work is None:
                 try:
                     yield COMPLETION_CHUNK_DECODER.decode(payload)
@@ -192,7 +192,7 @@ async def _chunks_of(
 async def _stream(
     http: web.Request,
     state: GatewayState,
-    endpoint: Endpoint,
+    target: Target,
     calls: list[_Call],
     response_id: str,
     created: int,
@@ -205,7 +205,7 @@ async def _stream(
 
     async def pump(call: _Call) -> None:
         try:
-            async for chunk in _chunks_of(state, endpoint, call, server, work):
+            async for chunk in _chunks_of(state, target, call, server, work):
                 await queue.put(chunk)
         except BaseException as exc:  # handed to the writer, which reports it in-band
             await queue.put(exc)
@@ -255,7 +255,7 @@ def _model(http: web.Request) -> str:
 async def _json(
     http: web.Request,
     state: GatewayState,
-    endpoint: Endpoint,
+    target: Target,
     calls: list[_Call],
     response_id: str,
     created: int,
@@ -264,7 +264,7 @@ async def _json(
     server = http[SPAN_KEY]
 
     async def one(call: _Call) -> Completion:
-        async with state.engines.open(endpoint, call.body, stream=False, request_id=call.request_id, parent=server) as (
+        async with target.engines.open(target.endpoint, call.body, stream=False, request_id=call.request_id, parent=server) as (
             call.url,
             engine,
         ):

@@ -107,6 +107,9 @@ class GatewayConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     tokenizer: str
     """Tokenizer (or model) folder: local render and the token route's derender."""
     engines: Annotated[list[EngineEndpoint], Meta(min_length=1)]
+    pools: dict[str, Annotated[list[EngineEndpoint], Meta(min_length=1)]] = {}
+    """More engine pools, by name: a policy rule's `pool` sends its requests there
+    (`engines` serves the rest). Each pool is balanced and health-checked on its own."""
     prefill_engines: list[EngineEndpoint] = []
     """Disaggregated serving: chat requests are prefilled here (max_tokens=1), then decoded on
     `engines` with the KV cache the prefill engine hands over. Empty: no disaggregation."""

@@ -13,6 +13,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 import aiohttp
 import msgspec
@@ -21,7 +22,7 @@ from opentelemetry.trace import Span, SpanKind
 from yarl import URL
 
 from engine.telemetry import Tracing, inject, record_error
-from gateway.config import Health, Timeouts
+from gateway.config import Health, Route, Timeouts
 from gateway.pool import Endpoint, Pool
 from gateway.errors import (
     ClientGone,
@@ -265,3 +266,12 @@ class EngineClient:
             self.pool.succeeded(endpoint)
         else:
             self.pool.failed(endpoint)
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a request goes: its route, its pool's client, and the engine picked in it."""
+
+    route: Route
+    engines: EngineClient
+    endpoint: Endpoint

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import msgspec
 from aiohttp import web
@@ -29,7 +29,9 @@ from engine.openai_schema import (
 from gateway import remote
 from gateway.completions import serve_completion
 from gateway.config import ROUTES, Route
+from gateway.auth import TENANT_KEY
 from gateway.disagg import prefill
+from gateway.engine_client import EngineClient, Target
 from gateway.engine_request import chat_sampling, generate_body
 from gateway.errors import EngineUnavailable, InvalidRequest, ModelNotFound
 from gateway.observe import SPAN_KEY, describe_request, stage
@@ -60,25 +62,39 @@ def _decode(decoder: msgspec.json.Decoder, body: bytes, what: str) -> object:
         raise InvalidRequest(f"invalid {what} request: {exc}") from exc
 
 
-async def choose_route(state: GatewayState, http: web.Request, url: str, features: RequestFeatures) -> Route:
-    """The route for this request, in a `policy` span; the decision goes on the server span too."""
+async def choose_route(
+    state: GatewayState, http: web.Request, features: RequestFeatures, prompt: Sequence[int]
+) -> Target:
+    """The route and engine for this request, in a `policy` span; the decision goes on the
+    server span too. A rule that names a pool moves the request there (and the route is
+    decided again against what that pool's engines serve)."""
     started = time.perf_counter()
     with stage(state.tracing.tracer, "policy", http[SPAN_KEY]) as span:
-        route, basis = await _decide(state, http, url, features)
+        engines = state.engines
+        endpoint = engines.pick(prompt)
+        route, basis, pool = await _decide(state, http, engines, endpoint.url, features)
+        if pool is not None:
+            engines = state.pools[pool]
+            endpoint = engines.pick(prompt)
+            route, basis, _ = await _decide(state, http, engines, endpoint.url, features)
         reason = http[REASON_KEY]
         if span.is_recording():
             decision = {"onehop.route": route, "onehop.policy.rule": basis, "onehop.policy.reason": reason}
+            if pool is not None:
+                decision["onehop.pool"] = pool
             span.set_attributes(decision)
-            http[SPAN_KEY].set_attributes({**decision, "onehop.engine.endpoint": url})
+            http[SPAN_KEY].set_attributes({**decision, "onehop.engine.endpoint": endpoint.url})
     state.metrics.policy_decisions.labels(route, basis).inc()
     state.metrics.stage_seconds.labels("policy").observe(time.perf_counter() - started)
-    return route
+    return Target(route, engines, endpoint)
 
 
-async def _decide(state: GatewayState, http: web.Request, url: str, features: RequestFeatures) -> tuple[Route, str]:
+async def _decide(
+    state: GatewayState, http: web.Request, engines: EngineClient, url: str, features: RequestFeatures
+) -> tuple[Route, str, str | None]:
     """The override header if allowed, else the policy's decision; with its basis (rule name,
-    `cost`, `default` or `header`), a bounded label for metrics."""
-    available = await state.engines.routes(url)
+    `cost`, `default` or `header`), a bounded label for metrics, and the rule's pool."""
+    available = await engines.routes(url)
     wanted = http.headers.get(ROUTE_HEADER)
     if wanted and state.config.route_header:
         if wanted not in ROUTES:
@@ -86,7 +102,7 @@ async def _decide(state: GatewayState, http: web.Request, url: str, features: Re
         if wanted not in available:
             raise InvalidRequest(f"route {wanted!r} is not available on this engine", param=ROUTE_HEADER)
         http[ROUTE_KEY], http[REASON_KEY] = wanted, f"{ROUTE_HEADER} header"
-        return wanted, "header"  # type: ignore[return-value]
+        return wanted, "header", None  # type: ignore[return-value]
     load = state.feedback.load(url) if state.feedback is not None else None
     engine = EngineState(routes=available)
     if load is not None:
@@ -98,7 +114,8 @@ async def _decide(state: GatewayState, http: web.Request, url: str, features: Re
         raise EngineUnavailable(str(exc)) from exc
     http[ROUTE_KEY], http[REASON_KEY] = decision.route, decision.reason
     basis = decision.rule if decision.rule is not None else ("cost" if policy.default == "cost" else "default")
-    return decision.route, basis
+    pool = decision.pool if decision.pool is not None and state.pools.get(decision.pool) is not engines else None
+    return decision.route, basis, pool
 
 
 def chat_features(request: ChatCompletionRequest, prompt_tokens: int, http: web.Request) -> RequestFeatures:
@@ -115,6 +132,7 @@ def chat_features(request: ChatCompletionRequest, prompt_tokens: int, http: web.
         tools=bool(request.tools),
         reasoning=bool(kwargs.get("enable_thinking", True)),
         headers={k.lower(): v for k, v in http.headers.items()},
+        tenant=http.get(TENANT_KEY),
     )
 
 
@@ -129,6 +147,7 @@ def completion_features(request: CompletionRequest, prompts: list[list[int]], ht
         max_tokens=request.max_tokens,
         prompt_tokens=sum(len(p) for p in prompts),
         headers={k.lower(): v for k, v in http.headers.items()},
+        tenant=http.get(TENANT_KEY),
     )
 
 
@@ -184,8 +203,8 @@ async def handle_chat(http: web.Request) -> web.StreamResponse:
             prompt = prompt + state.renderer.encode(forced)
         span.set_attribute("onehop.prompt_tokens", len(prompt))
     state.metrics.stage_seconds.labels("render").observe(time.perf_counter() - started)
-    endpoint = state.engines.pick(prompt)
-    route = await choose_route(state, http, endpoint.url, chat_features(request, len(prompt), http))
+    target = await choose_route(state, http, chat_features(request, len(prompt), http), prompt)
+    route, engines, endpoint = target.route, target.engines, target.endpoint
     options = request.stream_options
     engines_used = [endpoint.url]
 
@@ -205,8 +224,8 @@ async def handle_chat(http: web.Request) -> web.StreamResponse:
             chat_request=body,
             kv_transfer_params=kv,
         )
-        first = state.engines.first_event_timeout()
-        async with state.engines.open(endpoint, engine_body, stream=stream, request_id=request_id, parent=server) as (
+        first = engines.first_event_timeout()
+        async with engines.open(endpoint, engine_body, stream=stream, request_id=request_id, parent=server) as (
             engines_used[0],
             engine,
         ):
@@ -292,9 +311,8 @@ async def handle_completion(http: web.Request) -> web.StreamResponse:
         prompts = await state.renderer.completion_prompts(request)
         span.set_attribute("onehop.prompt_tokens", sum(len(p) for p in prompts))
     state.metrics.stage_seconds.labels("render").observe(time.perf_counter() - started)
-    endpoint = state.engines.pick(prompts[0])
-    route = await choose_route(state, http, endpoint.url, completion_features(request, prompts, http))
-    return await serve_completion(http, state, request, body, prompts, route, endpoint)
+    target = await choose_route(state, http, completion_features(request, prompts, http), prompts[0])
+    return await serve_completion(http, state, request, body, prompts, target)
 
 
 
