@@ -143,3 +143,19 @@ async def test_api_keys_from_a_file_reload_and_the_environment(
             while state.key_file is not None and state.key_file.rejected == 0 and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             assert await models("key-two") == 200
+
+
+async def test_prompt_text_stays_out_of_the_logs(
+    qwen3_tokenizer_dir: Path, unused_tcp_port: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    secret = "walrus-umbrella-7731"
+    messages = [{"role": "user", "content": f"my secret is {secret}"}]
+    caplog.set_level("DEBUG")
+    async with gateway_server(qwen3_tokenizer_dir, f"http://127.0.0.1:{unused_tcp_port}") as (base, _):
+        async with openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0) as client:
+            with pytest.raises(openai.InternalServerError):  # no engine: 503, logged as a failure
+                await client.chat.completions.create(model="sim", messages=messages, max_tokens=4)
+            with pytest.raises(openai.BadRequestError):
+                await client.chat.completions.create(model="sim", messages=messages, max_tokens=4, n=99)
+    assert caplog.records, "nothing was logged: the check would prove nothing"
+    assert secret not in caplog.text
