@@ -29,6 +29,7 @@ from engine.openai_schema import (
 from gateway.config import Route
 from gateway.engine_request import completion_sampling, generate_body
 from gateway.errors import EngineFailed, GatewayError, InvalidRequest, error_json
+from gateway.disagg import prefill
 from gateway.engine_client import Target
 from gateway.observe import SPAN_KEY, DerenderWork, describe_outcome
 from gateway.relay import (
@@ -63,6 +64,8 @@ class _Call:
         self.route = route
         self.url: str | None = None
         """The engine that answered (after any retries): aborts go there."""
+        self.engines: list[str] = []
+        """The prefill engine, when disaggregated: aborts go there too."""
         self.mode = "tokens" if route in ("tokens", "tokens-remote") else "text"
         self.derender = derender
 
@@ -90,20 +93,25 @@ async def serve_completion(
     stream = bool(request.stream)
     options = request.stream_options
     include_usage = bool(options and options.include_usage)
+
+    def body_of(i: int, prompt: list[int], kv: dict[str, Any] | None = None) -> bytes:
+        return generate_body(
+            request_id=_request_id(response_id, i, len(prompts)),
+            model=None,
+            prompt_ids=prompt,
+            sampling=sampling,
+            route=route,
+            stream=stream,
+            include_usage=include_usage,
+            completion_request=body,
+            prompt_index=i,
+            kv_transfer_params=kv,
+        )
+
     calls = [
         _Call(
             _request_id(response_id, i, len(prompts)),
-            generate_body(
-                request_id=_request_id(response_id, i, len(prompts)),
-                model=None,
-                prompt_ids=prompt,
-                sampling=sampling,
-                route=route,
-                stream=stream,
-                include_usage=include_usage,
-                completion_request=body,
-                prompt_index=i,
-            ),
+            body_of(i, prompt),
             route,
             None if route == "derender" else _derender(state, request, prompt, i, response_id, created),
         )
@@ -112,6 +120,16 @@ async def serve_completion(
     server = http[SPAN_KEY]
     server.set_attribute("gen_ai.response.id", response_id)
     try:
+        if state.prefill is not None:
+            # Disaggregated: every prompt is prefilled (concurrently), then decoded with its KV hand-off.
+            handovers = await asyncio.gather(
+                *(
+                    prefill(state.prefill, state.tracing.tracer, prompt, call.request_id, server, call.engines.append)
+                    for call, prompt in zip(calls, prompts, strict=True)
+                )
+            )
+            for i, (call, kv) in enumerate(zip(calls, handovers, strict=True)):
+                call.body = body_of(i, prompts[i], kv)
         if route == "derender" and len(calls) == 1:
             call = calls[0]
             async with engines.open(endpoint, call.body, stream=stream, request_id=call.request_id, parent=server) as (
@@ -129,7 +147,8 @@ async def serve_completion(
                 work.finish(None)
     except (asyncio.CancelledError, ClientGone) as gone:
         for call in calls:
-            state.abort(call.url or endpoint.url, call.request_id)
+            for url in [call.url or endpoint.url, *call.engines]:
+                state.abort(url, call.request_id)
         if isinstance(gone, ClientGone):
             return gone.response
         raise

@@ -1,6 +1,6 @@
 """Prefill/decode disaggregation, orchestrated by the gateway as vLLM's serving expects.
 
-With `prefill_engines` configured, a chat request first goes to a prefill
+With `prefill_engines` configured, a request (each prompt of a completion) first goes to a prefill
 engine (typically `--tokens-only`): the rendered prompt, `max_tokens=1`,
 `n=1`, and `kv_transfer_params` asking for remote decode. Its answer's
 `kv_transfer_params` (where the KV cache is and how to pull it) go, untouched,

@@ -92,3 +92,26 @@ async def test_a_client_gone_during_prefill_aborts_it(qwen3_tokenizer_dir: Path)
             await asyncio.sleep(0.02)
         assert not prefill.backend.running(), "the prefill kept running for a client that left"
         assert not decode.backend.running() and decode.backend.remote_decodes == 0  # type: ignore[attr-defined]
+
+
+async def test_completions_are_disaggregated_too(qwen3_tokenizer_dir: Path) -> None:
+    async with (
+        engine_server(qwen3_tokenizer_dir, served_model_name="sim", tokens_only=True) as (prefill_url, prefill),
+        engine_server(qwen3_tokenizer_dir, served_model_name="sim") as (decode_url, decode),
+        gateway_server(qwen3_tokenizer_dir, decode_url, prefill_engines=[EngineEndpoint(url=prefill_url)]) as (pd_base, _),
+        gateway_server(qwen3_tokenizer_dir, decode_url) as (plain_base, _),
+        openai.AsyncOpenAI(base_url=pd_base, api_key="none", max_retries=0) as pd,
+        openai.AsyncOpenAI(base_url=plain_base, api_key="none", max_retries=0) as plain,
+    ):
+        for route in ("derender", "tokens"):
+            headers = {"onehop-route": route}
+            prompts = ["Once upon a time", "The weather today"]
+            answer = await pd.completions.create(model="sim", prompt=prompts, max_tokens=6, seed=3, extra_headers=headers)
+            reference = await plain.completions.create(model="sim", prompt=prompts, max_tokens=6, seed=3, extra_headers=headers)
+            assert [c.text for c in answer.choices] == [c.text for c in reference.choices]
+            stream = await pd.completions.create(
+                model="sim", prompt=prompts[0], max_tokens=6, seed=3, stream=True, extra_headers=headers
+            )
+            assert "".join([c.choices[0].text async for c in stream if c.choices]) == reference.choices[0].text
+        assert prefill.backend.prefills == 6  # type: ignore[attr-defined]
+        assert decode.backend.remote_decodes == 6  # type: ignore[attr-defined]
