@@ -175,7 +175,9 @@ async def _route_header(request: web.Request, response: web.StreamResponse) -> N
 
 
 def create_app(config: GatewayConfig, *, renderer: LocalRenderer | None = None) -> web.Application:
-    app = web.Application(middlewares=[observe_middleware, gateway_error_middleware, auth_middleware, admission_middleware], client_max_size=config.max_body_bytes)
+    # Outermost first: every answer (401 and 429 included) is observed and in OpenAI's shape.
+    middlewares = [observe_middleware, gateway_error_middleware, auth_middleware, admission_middleware]
+    app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
     tracing = Tracing(config.tracing, "onehop-gateway")
     metrics = GatewayMetrics()
 
@@ -189,7 +191,9 @@ def create_app(config: GatewayConfig, *, renderer: LocalRenderer | None = None) 
             on_retry=lambda url: metrics.engine_retries.labels(url).inc(),
         )
 
-    app[GATEWAY] = GatewayState(config=config, engines=client(config.engines), renderer=renderer, tracing=tracing, metrics=metrics)
+    app[GATEWAY] = GatewayState(
+        config=config, engines=client(config.engines), renderer=renderer, tracing=tracing, metrics=metrics
+    )
     app[GATEWAY].pools = {name: client(members) for name, members in config.pools.items()}
     if config.prefill_engines:
         app[GATEWAY].prefill = client(config.prefill_engines)

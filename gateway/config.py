@@ -111,8 +111,9 @@ class GatewayConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     """More engine pools, by name: a policy rule's `pool` sends its requests there
     (`engines` serves the rest). Each pool is balanced and health-checked on its own."""
     prefill_engines: list[EngineEndpoint] = []
-    """Disaggregated serving: requests (each prompt of a completion) are prefilled here (max_tokens=1), then decoded on
-    `engines` with the KV cache the prefill engine hands over. Empty: no disaggregation."""
+    """Disaggregated serving: requests (each prompt of a completion) are prefilled here
+    (max_tokens=1), then decoded on `engines` with the KV cache the prefill engine hands
+    over. Empty: no disaggregation."""
     host: str = "127.0.0.1"
     port: Annotated[int, Meta(ge=0, le=65535)] = 8000
     route: Route = "derender"

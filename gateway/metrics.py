@@ -65,7 +65,9 @@ class GatewayMetrics:
             ["route", "rule"], registry=r,
         )
         self.engine_retries = Counter(
-            "onehop_gateway_engine_retries", "Requests this engine failed before answering, retried on another one.", ["engine"], registry=r
+            "onehop_gateway_engine_retries",
+            "Requests this engine failed before answering, retried on another one.",
+            ["engine"], registry=r,
         )
         self.admission_rejections = Counter(
             "onehop_gateway_admission_rejections", "Requests refused with a 429: no slot, the wait queue full or timed out.",

@@ -1,0 +1,796 @@
+"""Side-by-side benchmark of serving setups: an async OpenAI-API load generator, one table.
+
+Every setup runs in this one invocation, on the same prompts (fixed seeds),
+one cell per setup × workload, cells interleaved (for each workload, every
+setup in turn) so drift on a shared machine hits them alike:
+
+- C: gateway → engine on the `derender` route (the engine sends OpenAI chunks);
+- D: gateway → engine on the `tokens` route (the engine sends ids, the
+  gateway derenders statefully);
+- E: gateway with the cost policy (configs/policy.yaml: its rules, then
+  `default: cost` against the engine's live output CPU).
+
+The engine is `onehop engine --backend sim` (vLLM venv absent or not
+requested: sim engine), one engine process and one gateway process per
+setup, each in its own process group, started with the helpers of
+`scripts/bench_gateway.py` and killed at the end. Setups with vLLM (A:
+vLLM's coupled server, B: vLLM three-stage through onehop's tokens-remote
+route) are listed in PLANNED_SETUPS and refused by `--setups` until they are
+implemented here.
+
+Workloads (`--workloads`, default all), streamed chat with
+`stream_options.include_usage`:
+
+- reasoning: thinking on, long outputs (`max_tokens` 1000, `ignore_eos`);
+- tools: two tools with `tool_choice: auto`, the sim answers with a Hermes
+  tool call (every stream must carry tool-call deltas);
+- logprobs: `logprobs` with `top_logprobs: 20` (policy E sends these to the
+  tokens route by its `wide-logprobs` rule);
+- short: short chats, `max_tokens` 32, `ignore_eos`.
+
+Load: closed loop (`--concurrency N` workers back to back) or open loop
+(`--rate R`: Poisson arrivals at R requests/s, seeded). Each cell first sends
+`warmup` unmeasured requests, then the measured ones. Per request: TTFT (to
+the first SSE event carrying content, reasoning or tool-call deltas), ITL
+(between consecutive such events), E2E (to the end of the stream), output
+tokens from the usage chunk. Per cell: utime + stime from /proc/PID/stat of
+the engine, the gateway and this process (the client) over the measured
+phase, per 1k output tokens; the engine's own output-processing CPU
+(`onehop_engine_output_cpu_seconds_total`) as cores over the phase; output
+tokens/s; the routes the gateway reported (`onehop-route` header).
+
+Output: a markdown table on stdout (`--markdown FILE` too), `--json FILE`,
+and with matplotlib importable `--plots DIR` (latency CDFs per workload, CPU
+per tier per setup); without matplotlib the plots are skipped with a note.
+The client shares the machine's cores with the servers: compare rows of one
+run, not runs.
+
+    .venv/bin/python scripts/bench.py [--quick] [--setups C,D,E] [--workloads reasoning,tools,logprobs,short]
+        [--concurrency 16 | --rate 40] [--json out.json] [--markdown out.md] [--plots docs]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import itertools
+import json
+import math
+import os
+import random
+import sys
+import tempfile
+import time
+import zlib
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import aiohttp  # noqa: E402
+
+from engine.app import new_event_loop  # noqa: E402
+from engine.qwen3.fixtures import ensure_tokenizer  # noqa: E402
+from gateway.feedback import load_between, parse_sample  # noqa: E402
+from gateway.policy import load_policy  # noqa: E402
+from scripts.bench_gateway import (  # noqa: E402
+    _DATA,
+    _DONE,
+    MODEL,
+    QUICK,
+    BenchError,
+    _decode,
+    _has_output,
+    client_session,
+    free_port,
+    percentile,
+    process_cpu,
+    spawn,
+    start_engine,
+    stop,
+    wait_ready,
+)
+
+POLICY_FILE = ROOT / "configs" / "policy.yaml"
+ENGINE_NOTE = "vLLM venv absent or not requested: sim engine"
+SEED = 20250101
+PERCENTILES = (50, 90, 99)
+LATENCIES = ("ttft", "itl", "e2e")
+TIERS = ("engine", "gateway", "client")
+
+METRICS: tuple[str, ...] = (
+    "requests",
+    "output_tokens",
+    *(f"{name}_p{q}_ms" for name in LATENCIES for q in PERCENTILES),
+    "tokens_per_s",
+    *(f"{tier}_cpu_s_per_1k_tokens" for tier in TIERS),
+    "engine_output_cores",
+)
+"""Every row's metric columns (JSON keys; the markdown table has one column per metric)."""
+
+HEADERS = {
+    "requests": "requests",
+    "output_tokens": "output tokens",
+    **{f"{name}_p{q}_ms": f"{name.upper()} p{q} (ms)" for name in LATENCIES for q in PERCENTILES},
+    "tokens_per_s": "output tok/s",
+    **{f"{tier}_cpu_s_per_1k_tokens": f"{tier} CPU s/1k tok" for tier in TIERS},
+    "engine_output_cores": "engine output cores",
+}
+
+
+# ------------------------------------------------------------ setups
+
+
+@dataclass(frozen=True)
+class Setup:
+    name: str
+    description: str
+    gateway: dict[str, Any]
+    """Gateway config keys on top of the common ones (model, tokenizer, engines, host, port)."""
+    policy: bool = False
+
+
+SETUPS: dict[str, Setup] = {
+    "C": Setup("C", "gateway → engine, derender route", {"route": "derender", "route_header": False}),
+    "D": Setup(
+        "D",
+        "gateway → engine, tokens route (stateful derender in the gateway)",
+        {"route": "tokens", "route_header": False},
+    ),
+    "E": Setup(
+        "E",
+        "gateway with the cost policy (configs/policy.yaml)",
+        {"route": "derender", "route_header": False, "policy": str(POLICY_FILE)},
+        policy=True,
+    ),
+}
+"""Setups this script runs, all on the sim engine."""
+
+PLANNED_SETUPS: dict[str, str] = {
+    "A": "vLLM coupled (its own /v1/chat/completions)",
+    "B": "vLLM three-stage via onehop's tokens-remote route",
+}
+"""Setups of the benchmark plan that need a vLLM install; not runnable by this script yet."""
+
+
+def parse_setups(text: str) -> list[Setup]:
+    names = [name.strip().upper() for name in text.split(",") if name.strip()]
+    if not names:
+        raise SystemExit("--setups: name at least one setup")
+    for name in names:
+        if name in PLANNED_SETUPS:
+            raise SystemExit(
+                f"--setups: setup {name} ({PLANNED_SETUPS[name]}) is not available in this script yet;"
+                f" available: {','.join(SETUPS)}"
+            )
+        if name not in SETUPS:
+            raise SystemExit(f"--setups: unknown setup {name!r}; available: {','.join(SETUPS)}")
+    return [SETUPS[name] for name in dict.fromkeys(names)]
+
+
+# ------------------------------------------------------------ workloads
+
+TOPICS = (
+    "a lighthouse keeper",
+    "the tides of a northern harbour",
+    "a bakery that opens at 4 am",
+    "the last train of the night",
+    "a glacier losing its ice",
+    "a chess club in a small town",
+    "a ship's cat",
+    "the first radio in a village",
+)
+CITIES = ("Lisbon", "Oslo", "Kyoto", "Lima", "Nairobi", "Perth", "Quebec", "Tbilisi")
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The current weather in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                },
+                "required": ["city"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "search_flights",
+            "description": "Flights between two cities on a date.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "origin": {"type": "string"},
+                    "destination": {"type": "string"},
+                    "date": {"type": "string"},
+                    "passengers": {"type": "integer", "minimum": 1, "maximum": 9},
+                },
+                "required": ["origin", "destination", "date"],
+            },
+        },
+    },
+]
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    description: str
+    max_tokens: int
+    quick_max_tokens: int
+    messages: Callable[[random.Random], list[dict[str, Any]]]
+    extra: dict[str, Any]
+    thinking: bool = False
+    exact: bool = True
+    """`ignore_eos`: every answer is exactly max_tokens long (checked)."""
+    tool_calls: bool = False
+    """Every stream must carry tool-call deltas."""
+
+    def body(self, rng: random.Random, index: int, max_tokens: int) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": MODEL,
+            "messages": self.messages(rng),
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "max_tokens": max_tokens,
+            "seed": index,
+            "chat_template_kwargs": {"enable_thinking": self.thinking},
+            **self.extra,
+        }
+        if self.exact:
+            body["ignore_eos"] = True
+        return body
+
+
+def _story(rng: random.Random) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": f"Think it through, then write a long story about {rng.choice(TOPICS)}."}]
+
+
+def _trip(rng: random.Random) -> list[dict[str, Any]]:
+    a, b = rng.sample(CITIES, 2)
+    return [
+        {"role": "system", "content": "You are a travel assistant. Use the tools when they help."},
+        {"role": "user", "content": f"I fly from {a} to {b} on day {rng.randint(1, 28)}: weather and flights?"},
+    ]
+
+
+def _chat(rng: random.Random) -> list[dict[str, Any]]:
+    return [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": f"One line about {rng.choice(TOPICS)}, please."},
+    ]
+
+
+WORKLOADS: dict[str, Workload] = {
+    w.name: w
+    for w in (
+        Workload("reasoning", "thinking on, long outputs", 1000, 200, _story, {}, thinking=True),
+        Workload(
+            "tools",
+            "tools + tool_choice auto, Hermes tool calls",
+            256,
+            128,
+            _trip,
+            {"tools": TOOLS, "tool_choice": "auto"},
+            exact=False,
+            tool_calls=True,
+        ),
+        Workload("logprobs", "logprobs with top_logprobs=20", 256, 64, _chat, {"logprobs": True, "top_logprobs": 20}),
+        Workload("short", "short chats", 32, 32, _chat, {}),
+    )
+}
+
+
+def parse_workloads(text: str) -> list[Workload]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in WORKLOADS]
+    if unknown or not names:
+        raise SystemExit(f"--workloads: unknown {unknown or 'none given'}; available: {','.join(WORKLOADS)}")
+    return [WORKLOADS[name] for name in dict.fromkeys(names)]
+
+
+# ------------------------------------------------------------ plan
+
+
+@dataclass(frozen=True)
+class Plan:
+    requests: dict[str, int]
+    """Measured requests per cell, by workload."""
+    warmup: int
+    """Unmeasured requests at the start of every cell (sent concurrently)."""
+    concurrency: int
+    itl_ms: float
+    ttft_ms: float
+    quick: bool
+
+    def max_tokens(self, workload: Workload) -> int:
+        return workload.quick_max_tokens if self.quick else workload.max_tokens
+
+
+FULL = Plan(
+    requests={"reasoning": 128, "tools": 512, "logprobs": 192, "short": 1024},
+    warmup=8,
+    concurrency=16,
+    itl_ms=2,
+    ttft_ms=20,
+    quick=False,
+)
+QUICK_PLAN = Plan(
+    requests={"reasoning": 12, "tools": 32, "logprobs": 16, "short": 32},
+    warmup=2,
+    concurrency=4,
+    itl_ms=1,
+    ttft_ms=5,
+    quick=True,
+)
+
+
+def prompts(workload: Workload, plan: Plan, count: int) -> list[bytes]:
+    """The same bodies for every setup: a generator seeded by the workload's name."""
+    rng = random.Random(SEED ^ zlib.crc32(workload.name.encode()))
+    tokens = plan.max_tokens(workload)
+    return [json.dumps(workload.body(rng, i, tokens)).encode() for i in range(count)]
+
+
+# ------------------------------------------------------------ client
+
+
+@dataclass(frozen=True)
+class Result:
+    ttft_s: float
+    itl_s: list[float]
+    e2e_s: float
+    output_tokens: int
+    tool_calls: bool
+    route: str
+
+
+async def stream_chat(session: aiohttp.ClientSession, url: str, body: bytes) -> Result:
+    """One streamed chat: timestamps of every output-bearing SSE event, usage from the last chunk."""
+    start = time.perf_counter()
+    stamps: list[float] = []
+    tool_calls = False
+    last = b""
+    async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as resp:
+        if resp.status != 200:
+            raise BenchError(f"{url} answered {resp.status}: {(await resp.text())[:500]}")
+        route = resp.headers.get("onehop-route", "?")
+        async for line in resp.content:  # to EOF, past [DONE], so the pooled connection is reused
+            if not line.startswith(_DATA) or line.startswith(_DONE):
+                continue
+            last = line
+            if _has_output(_decode(line)):
+                stamps.append(time.perf_counter())
+                tool_calls = tool_calls or b'"tool_calls"' in line
+    end = time.perf_counter()
+    final = _decode(last) if last else None
+    if not stamps or final is None or final.usage is None:
+        raise BenchError(f"{url}: a stream without output or usage (last: {last[:300]!r})")
+    itl = [b - a for a, b in itertools.pairwise(stamps)]
+    return Result(stamps[0] - start, itl, end - start, final.usage.completion_tokens, tool_calls, route)
+
+
+class Progress:
+    """One line on stderr, rewritten at most every 0.2 s."""
+
+    def __init__(self, label: str, total: int) -> None:
+        self.label, self.total, self.done, self._shown = label, total, 0, 0.0
+        self._tty = sys.stderr.isatty()
+        self._clear = "\x1b[K" if self._tty else ""
+        self.show(force=True)
+
+    def tick(self) -> None:
+        self.done += 1
+        self.show(force=self.done == self.total)
+
+    def show(self, *, force: bool = False) -> None:
+        now = time.monotonic()
+        if self._tty and (force or now - self._shown >= 0.2):
+            self._shown = now
+            sys.stderr.write(f"\r{self.label}: {self.done}/{self.total}{self._clear}")
+            sys.stderr.flush()
+
+    def end(self, note: str) -> None:
+        sys.stderr.write(f"\r{self.label}: {self.done}/{self.total} {note}{self._clear}\n")
+        sys.stderr.flush()
+
+
+@dataclass
+class Cell:
+    setup: str
+    workload: str
+    results: list[Result] = field(default_factory=list)
+    wall_s: float = 0.0
+    cpu_s: dict[str, float] = field(default_factory=dict)
+    engine_output_cores: float = 0.0
+
+
+@dataclass
+class Servers:
+    setup: Setup
+    engine: Any
+    gateway: Any
+    engine_url: str
+    gateway_url: str
+
+
+async def engine_sample(session: aiohttp.ClientSession, engine_url: str) -> Any:
+    async with session.get(engine_url + "/metrics") as resp:
+        return parse_sample(await resp.text(), time.monotonic())
+
+
+async def run_cell(
+    session: aiohttp.ClientSession,
+    servers: Servers,
+    workload: Workload,
+    bodies: list[bytes],
+    plan: Plan,
+    rate: float | None,
+) -> Cell:
+    cell = Cell(servers.setup.name, workload.name)
+    url = servers.gateway_url + "/v1/chat/completions"
+    warm, measured = bodies[: plan.warmup], bodies[plan.warmup :]
+    tokens = plan.max_tokens(workload)
+
+    async def one(body: bytes) -> Result:
+        result = await stream_chat(session, url, body)
+        if workload.exact and result.output_tokens != tokens:
+            raise BenchError(f"{cell.setup}/{cell.workload}: {result.output_tokens} output tokens, not {tokens}")
+        if workload.tool_calls and not result.tool_calls:
+            raise BenchError(f"{cell.setup}/{cell.workload}: a stream without tool-call deltas")
+        return result
+
+    await asyncio.gather(*(one(body) for body in warm))
+    progress = Progress(f"{cell.setup}/{cell.workload}", len(measured))
+
+    async def measure(body: bytes) -> None:
+        cell.results.append(await one(body))
+        progress.tick()
+
+    pids = {"engine": servers.engine.pid, "gateway": servers.gateway.pid, "client": os.getpid()}
+    before = {tier: process_cpu(pid) for tier, pid in pids.items()}
+    metrics_before = await engine_sample(session, servers.engine_url)
+    start = time.perf_counter()
+    if rate is None:
+        queue = iter(measured)
+
+        async def worker() -> None:
+            for body in queue:
+                await measure(body)
+
+        await asyncio.gather(*(worker() for _ in range(plan.concurrency)))
+    else:
+        # Open loop: Poisson arrivals, seeded per workload so every setup gets the same schedule.
+        arrivals = random.Random(SEED + zlib.crc32(workload.name.encode()))
+        tasks = []
+        for body in measured:
+            tasks.append(asyncio.create_task(measure(body)))
+            await asyncio.sleep(arrivals.expovariate(rate))
+        await asyncio.gather(*tasks)
+    cell.wall_s = time.perf_counter() - start
+    cell.cpu_s = {tier: process_cpu(pid) - before[tier] for tier, pid in pids.items()}
+    metrics_after = await engine_sample(session, servers.engine_url)
+    cell.engine_output_cores = load_between(metrics_before, metrics_after).output_cpu_cores
+    progress.end(f"in {cell.wall_s:.1f} s")
+    return cell
+
+
+# ------------------------------------------------------------ processes
+
+
+def write_gateway_config(setup: Setup, tokenizer_dir: Path, engine_url: str, port: int, folder: Path) -> Path:
+    config: dict[str, Any] = {
+        "model": MODEL,
+        "tokenizer": str(tokenizer_dir),
+        "engines": [{"url": engine_url}],
+        "host": "127.0.0.1",
+        "port": port,
+        **setup.gateway,
+    }
+    if setup.policy:
+        # configs/policy.yaml's batch-tenant rule names a `batch` pool: the same engine here.
+        config["pools"] = {"batch": [{"url": engine_url}]}
+    path = folder / f"gateway_{setup.name}.yaml"
+    path.write_text(json.dumps(config))  # JSON is YAML
+    return path
+
+
+def start_setup(setup: Setup, tokenizer_dir: Path, folder: Path, plan: Plan, longest: int) -> Servers:
+    engine_port, gateway_port = free_port(), free_port()
+    engine_url, gateway_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{gateway_port}"
+    engine_plan = dataclasses.replace(QUICK, tokens=longest, itl_ms=plan.itl_ms, ttft_ms=plan.ttft_ms)
+    engine = start_engine(tokenizer_dir, engine_port, engine_plan, folder / f"engine_{setup.name}.log")
+    config = write_gateway_config(setup, tokenizer_dir, engine_url, gateway_port, folder)
+    gateway = spawn(["gateway", "--config", str(config)], folder / f"gateway_{setup.name}.log")
+    return Servers(setup, engine, gateway, engine_url, gateway_url)
+
+
+async def measure_all(
+    setups: Sequence[Setup], workloads: Sequence[Workload], plan: Plan, rate: float | None
+) -> tuple[list[Cell], float]:
+    tokenizer_dir = ensure_tokenizer()
+    longest = max(plan.max_tokens(w) for w in workloads)
+    cells: list[Cell] = []
+    servers: list[Servers] = []
+    with tempfile.TemporaryDirectory(prefix="bench_") as tmp:
+        folder = Path(tmp)
+        started = time.perf_counter()
+        try:
+            servers = [start_setup(setup, tokenizer_dir, folder, plan, longest) for setup in setups]
+            async with client_session() as session:
+                for s in servers:
+                    await wait_ready(session, s.engine_url, s.engine, folder / f"engine_{s.setup.name}.log")
+                    await wait_ready(session, s.gateway_url, s.gateway, folder / f"gateway_{s.setup.name}.log")
+                startup_s = time.perf_counter() - started
+                print(f"{len(servers)} engines and gateways ready in {startup_s:.1f} s", file=sys.stderr)
+                for workload in workloads:
+                    bodies = prompts(workload, plan, plan.warmup + plan.requests[workload.name])
+                    for s in servers:
+                        cells.append(await run_cell(session, s, workload, bodies, plan, rate))
+        finally:
+            for s in servers:
+                stop(s.gateway)
+                stop(s.engine)
+    return cells, startup_s
+
+
+# ------------------------------------------------------------ report
+
+
+def _per_1k(cpu_s: float, tokens: int) -> float:
+    return cpu_s / tokens * 1000 if tokens else math.nan
+
+
+def summarize(cell: Cell) -> dict[str, Any]:
+    tokens = sum(r.output_tokens for r in cell.results)
+    series = {
+        "ttft": [r.ttft_s for r in cell.results],
+        "itl": [gap for r in cell.results for gap in r.itl_s],
+        "e2e": [r.e2e_s for r in cell.results],
+    }
+    row: dict[str, Any] = {
+        "setup": cell.setup,
+        "workload": cell.workload,
+        "requests": len(cell.results),
+        "output_tokens": tokens,
+    }
+    for name, values in series.items():
+        for q in PERCENTILES:
+            row[f"{name}_p{q}_ms"] = percentile(values, q) * 1000 if values else math.nan
+    row["tokens_per_s"] = tokens / cell.wall_s
+    for tier in TIERS:
+        row[f"{tier}_cpu_s_per_1k_tokens"] = _per_1k(cell.cpu_s[tier], tokens)
+    row["engine_output_cores"] = cell.engine_output_cores
+    row["wall_s"] = cell.wall_s
+    row["cpu_s"] = cell.cpu_s
+    row["routes"] = dict(Counter(r.route for r in cell.results))
+    row["tool_call_streams"] = sum(r.tool_calls for r in cell.results)
+    return row
+
+
+def _ratio(a: float, b: float) -> str:
+    if not (math.isfinite(a) and math.isfinite(b)) or b <= 0:
+        return "n/a (a zero reading)"
+    return f"×{a / b:.2f}"
+
+
+def ratio_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Comparisons measured side by side in this run, for the setups present."""
+    by = {(r["setup"], r["workload"]): r for r in rows}
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    setups = {r["setup"] for r in rows}
+    lines = []
+
+    def versus(other: str, base: str, tier: str) -> str:
+        key = f"{tier}_cpu_s_per_1k_tokens"
+        parts = ", ".join(f"{w} {_ratio(by[(other, w)][key], by[(base, w)][key])}" for w in workloads)
+        return f"{other} {tier} CPU per 1k output tokens vs {base}: {parts}"
+
+    for other in ("D", "E"):
+        if other in setups and "C" in setups:
+            lines += [versus(other, "C", "gateway"), versus(other, "C", "engine")]
+    if "E" in setups:
+        budget = load_policy(POLICY_FILE).cost.engine_budget_cores
+        peak = max(by[("E", w)]["engine_output_cores"] for w in workloads)
+        process = max(by[("E", w)]["cpu_s"]["engine"] / by[("E", w)]["wall_s"] for w in workloads)
+        verdict = "within" if peak <= budget else "over"
+        routes = "; ".join(
+            f"{w} " + ", ".join(f"{route} {n}" for route, n in sorted(by[("E", w)]["routes"].items()))
+            for w in workloads
+        )
+        lines += [
+            (
+                f"E engine output-processing CPU (onehop_engine_output_cpu_seconds_total): {peak:.3f} cores in its"
+                f" busiest cell (mean over the cell), {verdict} the policy's engine_budget_cores {budget:g}"
+                f" (whole engine process: {process:.3f} cores in its busiest cell)"
+            ),
+            f"E routes picked by the policy (requests): {routes}",
+        ]
+    return lines
+
+
+def _cell(value: Any, metric: str) -> str:
+    if isinstance(value, int):
+        return f"{value:,}"
+    if not math.isfinite(value):
+        return "n/a"
+    if metric.endswith("_ms"):
+        return f"{value:.1f}" if value >= 100 else f"{value:.2f}"
+    if metric == "tokens_per_s":
+        return f"{value:,.0f}"
+    return f"{value:.4f}"
+
+
+def markdown(results: dict[str, Any]) -> str:
+    load = results["load"]
+    how = (
+        f"closed loop, {load['concurrency']} streams"
+        if load["mode"] == "closed"
+        else f"open loop, Poisson {load['rate']:g} req/s"
+    )
+    lines = [
+        (
+            f"Engine: {results['engine_note']} (itl_ms={results['plan']['itl_ms']},"
+            f" ttft_ms={results['plan']['ttft_ms']}); one engine and one gateway process per setup; {how};"
+            f" {results['cpus']} CPUs; {'quick' if results['plan']['quick'] else 'full'} plan,"
+            f" {results['plan']['warmup']} warm-up requests per cell."
+        ),
+        "",
+        "Setups: " + "; ".join(f"{name}: {s['description']}" for name, s in results["setups"].items()) + ".",
+        "",
+        "| setup | workload | " + " | ".join(HEADERS[m] for m in METRICS) + " | routes |",
+        "|---|---|" + "---:|" * len(METRICS) + "---|",
+    ]
+    for row in results["rows"]:
+        routes = ", ".join(f"{route} {n}" for route, n in sorted(row["routes"].items()))
+        values = " | ".join(_cell(row[m], m) for m in METRICS)
+        lines.append(f"| {row['setup']} | {row['workload']} | {values} | {routes} |")
+    lines += ["", *(f"- {line}" for line in results["ratio_lines"])]
+    return "\n".join(lines) + "\n"
+
+
+def plot(cells: Sequence[Cell], rows: Sequence[dict[str, Any]], folder: Path) -> list[Path]:
+    """Latency CDFs per workload and CPU per tier per setup; [] (with a note) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("plots skipped: matplotlib is not importable (it is not a project dependency)", file=sys.stderr)
+        return []
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    workloads = list(dict.fromkeys(c.workload for c in cells))
+    setups = list(dict.fromkeys(c.setup for c in cells))
+    for workload in workloads:
+        fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+        for cell in (c for c in cells if c.workload == workload):
+            series = {
+                "ttft": [r.ttft_s for r in cell.results],
+                "itl": [gap for r in cell.results for gap in r.itl_s],
+                "e2e": [r.e2e_s for r in cell.results],
+            }
+            for ax, name in zip(axes, LATENCIES, strict=True):
+                values = sorted(v * 1000 for v in series[name])
+                if values:
+                    ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=cell.setup)
+        for ax, name in zip(axes, LATENCIES, strict=True):
+            ax.set_xlabel(f"{name.upper()} (ms)")
+            ax.set_ylabel("fraction of samples")
+            ax.grid(alpha=0.3)
+            ax.legend()
+        fig.suptitle(f"latency CDFs: {workload}")
+        fig.tight_layout()
+        path = folder / f"bench_latency_{workload}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    by = {(r["setup"], r["workload"]): r for r in rows}
+    fig, axes = plt.subplots(1, len(workloads), figsize=(4 * len(workloads), 4), squeeze=False)
+    width = 0.8 / len(TIERS)
+    for ax, workload in zip(axes[0], workloads, strict=True):
+        for i, tier in enumerate(TIERS):
+            values = [by[(s, workload)][f"{tier}_cpu_s_per_1k_tokens"] for s in setups]
+            ax.bar([x + (i - 1) * width for x in range(len(setups))], values, width, label=tier)
+        ax.set_xticks(range(len(setups)), setups)
+        ax.set_title(workload)
+        ax.set_ylabel("CPU s per 1k output tokens")
+        ax.legend()
+    fig.tight_layout()
+    path = folder / "bench_cpu.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    written.append(path)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="few requests, short outputs (CI)")
+    parser.add_argument(
+        "--setups",
+        default=",".join(SETUPS),
+        help=f"comma-separated, of: {', '.join(f'{n} ({s.description})' for n, s in SETUPS.items())}."
+        f" Planned, not available yet: {', '.join(f'{n} ({d})' for n, d in PLANNED_SETUPS.items())}",
+    )
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of: {', '.join(WORKLOADS)}")
+    load = parser.add_mutually_exclusive_group()
+    load.add_argument("--concurrency", type=int, default=None, help="closed loop: this many streams back to back")
+    load.add_argument("--rate", type=float, default=None, help="open loop: Poisson arrivals, requests per second")
+    parser.add_argument(
+        "--requests", type=int, default=None, help="measured requests per cell (default: the plan's, per workload)"
+    )
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--markdown", type=Path, default=None, help="write the markdown report here")
+    parser.add_argument("--plots", type=Path, default=None, help="write PNG plots into this folder (needs matplotlib)")
+    args = parser.parse_args(argv)
+    setups = parse_setups(args.setups)
+    workloads = parse_workloads(args.workloads)
+    plan = QUICK_PLAN if args.quick else FULL
+    if args.concurrency is not None:
+        if args.concurrency < 1:
+            parser.error("--concurrency must be at least 1")
+        plan = dataclasses.replace(plan, concurrency=args.concurrency)
+    if args.rate is not None and args.rate <= 0:
+        parser.error("--rate must be positive")
+    if args.requests is not None:
+        if args.requests < 1:
+            parser.error("--requests must be at least 1")
+        plan = dataclasses.replace(plan, requests=dict.fromkeys(plan.requests, args.requests))
+
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        cells, startup_s = runner.run(measure_all(setups, workloads, plan, args.rate))
+    rows = [summarize(cell) for cell in cells]
+    results: dict[str, Any] = {
+        "engine": "sim",
+        "engine_note": ENGINE_NOTE,
+        "cpus": os.cpu_count(),
+        "plan": dataclasses.asdict(plan),
+        "load": {"mode": "closed", "concurrency": plan.concurrency}
+        if args.rate is None
+        else {"mode": "open", "rate": args.rate},
+        "setups": {s.name: {"description": s.description, "gateway": s.gateway} for s in setups},
+        "planned_setups": PLANNED_SETUPS,
+        "workloads": {
+            w.name: {"description": w.description, "max_tokens": plan.max_tokens(w), "requests": plan.requests[w.name]}
+            for w in workloads
+        },
+        "metrics": list(METRICS),
+        "startup_s": startup_s,
+        "rows": rows,
+        "ratio_lines": ratio_lines(rows),
+        "samples_ms": {
+            f"{c.setup}/{c.workload}": {
+                "ttft": [r.ttft_s * 1000 for r in c.results],
+                "e2e": [r.e2e_s * 1000 for r in c.results],
+            }
+            for c in cells
+        },
+    }
+    report = markdown(results)
+    print(report, end="")
+    if args.markdown is not None:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(report)
+    if args.plots is not None:
+        results["plots"] = [str(p) for p in plot(cells, rows, args.plots)]
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,96 @@
+"""scripts/bench.py --quick runs every setup × workload end to end on the sim engine (no timings asserted)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "bench.py"
+TIMEOUT_S = 120
+
+
+def load_bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_harness", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quick_run_reports_every_setup_and_workload(tmp_path: Path) -> None:
+    bench = load_bench()
+    out_json, out_md = tmp_path / "out.json", tmp_path / "out.md"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--json", str(out_json), "--markdown", str(out_md)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(out_json.read_text())
+
+    assert results["engine_note"] == "vLLM venv absent or not requested: sim engine"
+    assert list(results["metrics"]) == list(bench.METRICS)
+    cells = {(row["setup"], row["workload"]): row for row in results["rows"]}
+    expected = {(setup, workload) for setup in bench.SETUPS for workload in bench.WORKLOADS}
+    assert set(cells) == expected and len(results["rows"]) == len(expected)
+
+    for (setup, workload), row in cells.items():
+        where = f"{setup}/{workload}"
+        for metric in bench.METRICS:
+            assert metric in row, (where, metric)
+            assert isinstance(row[metric], int | float) and math.isfinite(row[metric]), (where, metric, row[metric])
+        assert row["requests"] == bench.QUICK_PLAN.requests[workload], where
+        assert row["output_tokens"] > 0 and row["tokens_per_s"] > 0, where
+        for name in bench.LATENCIES:
+            p50, p90, p99 = (row[f"{name}_p{q}_ms"] for q in bench.PERCENTILES)
+            assert 0 <= p50 <= p90 <= p99, (where, name, p50, p90, p99)
+        assert row["ttft_p50_ms"] > 0 and row["e2e_p50_ms"] >= row["ttft_p50_ms"], where
+        for tier in bench.TIERS:
+            assert row[f"{tier}_cpu_s_per_1k_tokens"] >= 0, (where, tier)  # clock ticks: a short cell may read 0
+        assert row["engine_output_cores"] >= 0, where
+        if bench.WORKLOADS[workload].exact:
+            assert row["output_tokens"] == row["requests"] * bench.QUICK_PLAN.max_tokens(bench.WORKLOADS[workload]), (
+                where
+            )
+        if workload == "tools":
+            assert row["tool_call_streams"] == row["requests"], where
+        assert sum(row["routes"].values()) == row["requests"], where
+
+    # The routes each setup stands for: C derender, D tokens, E by the policy (wide logprobs → tokens).
+    assert {route for (s, _), row in cells.items() if s == "C" for route in row["routes"]} == {"derender"}
+    assert {route for (s, _), row in cells.items() if s == "D" for route in row["routes"]} == {"tokens"}
+    assert set(cells[("E", "logprobs")]["routes"]) == {"tokens"}
+    assert any(line.startswith("D gateway CPU per 1k output tokens vs C") for line in results["ratio_lines"])
+    assert any("engine_budget_cores" in line for line in results["ratio_lines"])
+
+    report = out_md.read_text()
+    header = next(line for line in report.splitlines() if line.startswith("| setup | workload |"))
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    assert columns == ["setup", "workload", *(bench.HEADERS[m] for m in bench.METRICS), "routes"]
+    assert report in done.stdout
+    for setup, workload in expected:
+        assert f"| {setup} | {workload} |" in report
+
+
+def test_unknown_and_planned_setups_are_refused() -> None:
+    for setups, message in (("A", "not available in this script yet"), ("C,Z", "unknown setup 'Z'")):
+        done = subprocess.run(
+            [sys.executable, str(SCRIPT), "--quick", "--setups", setups],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode != 0 and message in done.stderr, (setups, done.stderr[-1000:])
+        assert "available: C,D,E" in done.stderr
