@@ -683,11 +683,13 @@ def plot(cells: Sequence[Cell], rows: Sequence[dict[str, Any]], folder: Path) ->
                 "e2e": [r.e2e_s for r in cell.results],
             }
             for ax, name in zip(axes, LATENCIES, strict=True):
-                values = sorted(v * 1000 for v in series[name])
+                values = sorted(max(v * 1000, 1e-3) for v in series[name])
                 if values:
                     ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=cell.setup)
         for ax, name in zip(axes, LATENCIES, strict=True):
-            ax.set_xlabel(f"{name.upper()} (ms)")
+            ax.set_xlabel(f"{name.upper()} (ms{', log scale' if name == 'itl' else ''})")
+            if name == "itl":  # gaps span sub-ms bursts to long stalls
+                ax.set_xscale("log")
             ax.set_ylabel("fraction of samples")
             ax.grid(alpha=0.3)
             ax.legend()
