@@ -13,10 +13,30 @@ setup in turn) so drift on a shared machine hits them alike:
 The engine is `onehop engine --backend sim` (vLLM venv absent or not
 requested: sim engine), one engine process and one gateway process per
 setup, each in its own process group, started with the helpers of
-`scripts/bench_gateway.py` and killed at the end. Setups with vLLM (A:
-vLLM's coupled server, B: vLLM three-stage through onehop's tokens-remote
-route) are listed in PLANNED_SETUPS and refused by `--setups` until they are
-implemented here.
+`scripts/bench_gateway.py` and killed at the end.
+
+Setups on vLLM 0.32 (CPU, the tiny random Qwen3 model of
+`engine.qwen3.fixtures.ensure_tiny_model`), run only when `--setups` names
+them and a vLLM python is found (`--vllm-python`, else $ONEHOP_VLLM_PYTHON,
+else the last line of `bash scripts/setup_vllm.sh`); refused otherwise:
+
+- A: vLLM coupled: `scripts/vllm_serve.sh` (qwen3 reasoning parser, hermes
+  tool parser, auto tool choice; the script also passes --enable-scale-out),
+  the client posts to its /v1/chat/completions;
+- B: vLLM three-stage: onehop gateway with `render: remote`, `route:
+  tokens-remote`, `remote_url` a second vLLM server (render + stateless
+  derender, tier "remote"), `engines` the vLLM server of A (its
+  /inference/v1/generate);
+- C-vllm: gateway → `onehop engine --backend vllm` (run with vLLM's python,
+  PYTHONPATH the checkout) on the `derender` route.
+
+vLLM processes are counted as their whole process group (the API server and
+its engine-core child). vLLM on CPU is slow: run these on few, short requests
+(`--quick --workloads short,reasoning --concurrency 4 --requests 8`). The
+random model calls no tools, so the `tools` workload's tool-call check is off
+for them; and it samples its padding ids (embedding rows past the tokenizer's
+vocabulary), which onehop's derender refuses, so every vLLM setup's requests
+carry `logit_bias` -100 on those ids (the sim setups' do not).
 
 Workloads (`--workloads`, default all), streamed chat with
 `stream_options.include_usage`:
@@ -45,7 +65,8 @@ per tier per setup); without matplotlib the plots are skipped with a note.
 The client shares the machine's cores with the servers: compare rows of one
 run, not runs.
 
-    .venv/bin/python scripts/bench.py [--quick] [--setups C,D,E] [--workloads reasoning,tools,logprobs,short]
+    .venv/bin/python scripts/bench.py [--quick] [--setups C,D,E[,A,B,C-vllm]] [--vllm-python PATH]
+        [--workloads reasoning,tools,logprobs,short]
         [--concurrency 16 | --rate 40] [--json out.json] [--markdown out.md] [--plots docs]
 """
 
@@ -53,12 +74,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import json
 import math
 import os
 import random
+import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -76,7 +100,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import aiohttp  # noqa: E402
 
 from engine.app import new_event_loop  # noqa: E402
-from engine.qwen3.fixtures import ensure_tokenizer  # noqa: E402
+from engine.qwen3.fixtures import ensure_tiny_model, ensure_tokenizer  # noqa: E402
 from gateway.feedback import load_between, parse_sample  # noqa: E402
 from gateway.policy import load_policy  # noqa: E402
 from scripts.bench_gateway import (  # noqa: E402
@@ -134,6 +158,12 @@ class Setup:
     gateway: dict[str, Any]
     """Gateway config keys on top of the common ones (model, tokenizer, engines, host, port)."""
     policy: bool = False
+    kind: str = "sim"
+    """sim: onehop sim engine; vllm-coupled (A), vllm-three-stage (B), onehop-vllm (C-vllm)."""
+
+    @property
+    def vllm(self) -> bool:
+        return self.kind != "sim"
 
 
 SETUPS: dict[str, Setup] = {
@@ -152,26 +182,81 @@ SETUPS: dict[str, Setup] = {
 }
 """Setups this script runs, all on the sim engine."""
 
-PLANNED_SETUPS: dict[str, str] = {
-    "A": "vLLM coupled (its own /v1/chat/completions)",
-    "B": "vLLM three-stage via onehop's tokens-remote route",
+VLLM_SETUPS: dict[str, Setup] = {
+    "A": Setup("A", "vLLM coupled (its own /v1/chat/completions)", {}, kind="vllm-coupled"),
+    "B": Setup(
+        "B",
+        "vLLM three-stage: gateway (render remote, tokens-remote route) → vLLM render/derender + vLLM generate",
+        {"render": "remote", "route": "tokens-remote", "route_header": False},
+        kind="vllm-three-stage",
+    ),
+    "C-VLLM": Setup(
+        "C-vllm",
+        "gateway → onehop engine --backend vllm, derender route",
+        {"route": "derender", "route_header": False},
+        kind="onehop-vllm",
+    ),
 }
-"""Setups of the benchmark plan that need a vLLM install; not runnable by this script yet."""
+"""Setups on vLLM 0.32 (CPU, tiny random model): only with a vLLM python and only when named."""
+
+PLANNED_SETUPS: dict[str, str] = {}
+"""Setups of the benchmark plan this script cannot run yet (none)."""
+
+VLLM_NOTE = "vLLM 0.32 on CPU, tiny random Qwen3 model"
 
 
-def parse_setups(text: str) -> list[Setup]:
+def find_vllm_python(explicit: str | None) -> tuple[Path | None, str]:
+    """vLLM's venv python: --vllm-python, $ONEHOP_VLLM_PYTHON, else scripts/setup_vllm.sh's last line."""
+    if explicit:
+        where = f"--vllm-python {explicit}"
+        candidate: str | None = explicit
+    elif os.environ.get("ONEHOP_VLLM_PYTHON"):
+        candidate = os.environ["ONEHOP_VLLM_PYTHON"]
+        where = f"ONEHOP_VLLM_PYTHON={candidate}"
+    else:
+        where = "bash scripts/setup_vllm.sh"
+        try:
+            done = subprocess.run(
+                ["bash", str(ROOT / "scripts" / "setup_vllm.sh")],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=900,
+                check=False,
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return None, f"{where} failed: {exc}"
+        lines = done.stdout.strip().splitlines()
+        if done.returncode != 0 or not lines:
+            return None, f"{where} exited {done.returncode}: {done.stderr.strip()[-500:]}"
+        candidate = lines[-1].strip()
+    path = Path(candidate)
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        return None, f"no executable vLLM python at {path} (from {where})"
+    return path, where
+
+
+def parse_setups(text: str, vllm_python: Callable[[], tuple[Path | None, str]]) -> list[Setup]:
     names = [name.strip().upper() for name in text.split(",") if name.strip()]
     if not names:
         raise SystemExit("--setups: name at least one setup")
+    available = f"available: {','.join(SETUPS)}, and with a vLLM python {','.join(s.name for s in VLLM_SETUPS.values())}"
     for name in names:
         if name in PLANNED_SETUPS:
             raise SystemExit(
-                f"--setups: setup {name} ({PLANNED_SETUPS[name]}) is not available in this script yet;"
-                f" available: {','.join(SETUPS)}"
+                f"--setups: setup {name} ({PLANNED_SETUPS[name]}) is not available in this script yet; {available}"
             )
-        if name not in SETUPS:
-            raise SystemExit(f"--setups: unknown setup {name!r}; available: {','.join(SETUPS)}")
-    return [SETUPS[name] for name in dict.fromkeys(names)]
+        if name not in SETUPS and name not in VLLM_SETUPS:
+            raise SystemExit(f"--setups: unknown setup {name!r}; {available}")
+    wanted = [name for name in dict.fromkeys(names) if name in VLLM_SETUPS]
+    if wanted:
+        python, where = vllm_python()
+        if python is None:
+            raise SystemExit(
+                f"--setups: setup(s) {','.join(VLLM_SETUPS[n].name for n in wanted)} need vLLM's python, none"
+                f" usable: {where}; pass --vllm-python PATH or set ONEHOP_VLLM_PYTHON; {available}"
+            )
+    return [SETUPS.get(name) or VLLM_SETUPS[name] for name in dict.fromkeys(names)]
 
 
 # ------------------------------------------------------------ workloads
@@ -370,7 +455,11 @@ async def stream_chat(session: aiohttp.ClientSession, url: str, body: bytes) -> 
             if not line.startswith(_DATA) or line.startswith(_DONE):
                 continue
             last = line
-            if _has_output(_decode(line)):
+            try:
+                chunk = _decode(line)
+            except ValueError as exc:  # msgspec.ValidationError: e.g. an in-stream error event
+                raise BenchError(f"{url}: an event that is no chunk ({exc}): {line[:500]!r}") from exc
+            if _has_output(chunk):
                 stamps.append(time.perf_counter())
                 tool_calls = tool_calls or b'"tool_calls"' in line
     end = time.perf_counter()
@@ -417,12 +506,43 @@ class Cell:
 
 
 @dataclass
+class Proc:
+    """A server process in its own process group; `group`: count the whole group's CPU (vLLM)."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+    url: str
+    log: Path
+    group: bool = False
+
+    def cpu(self) -> float:
+        return group_cpu(self.popen.pid) if self.group else process_cpu(self.popen.pid)
+
+
+@dataclass
 class Servers:
     setup: Setup
-    engine: Any
-    gateway: Any
-    engine_url: str
-    gateway_url: str
+    url: str
+    """Where the client posts /v1/chat/completions."""
+    tiers: dict[str, Proc]
+    """CPU tiers: engine, gateway (absent for A), remote (B's vLLM render/derender server)."""
+    metrics_url: str | None
+    """A onehop engine's /metrics (output CPU); None on a vLLM server."""
+
+
+def group_cpu(pgid: int) -> float:
+    """utime + stime (and reaped children's) of every process in a process group, in seconds."""
+    ticks = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:
+            ticks += sum(int(f) for f in fields[11:15])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 async def engine_sample(session: aiohttp.ClientSession, engine_url: str) -> Any:
@@ -439,15 +559,17 @@ async def run_cell(
     rate: float | None,
 ) -> Cell:
     cell = Cell(servers.setup.name, workload.name)
-    url = servers.gateway_url + "/v1/chat/completions"
+    url = servers.url + "/v1/chat/completions"
     warm, measured = bodies[: plan.warmup], bodies[plan.warmup :]
     tokens = plan.max_tokens(workload)
+    # The random-weight model under vLLM calls no tools: the tool-call check is for the sim.
+    need_tools = workload.tool_calls and not servers.setup.vllm
 
     async def one(body: bytes) -> Result:
         result = await stream_chat(session, url, body)
         if workload.exact and result.output_tokens != tokens:
             raise BenchError(f"{cell.setup}/{cell.workload}: {result.output_tokens} output tokens, not {tokens}")
-        if workload.tool_calls and not result.tool_calls:
+        if need_tools and not result.tool_calls:
             raise BenchError(f"{cell.setup}/{cell.workload}: a stream without tool-call deltas")
         return result
 
@@ -458,9 +580,10 @@ async def run_cell(
         cell.results.append(await one(body))
         progress.tick()
 
-    pids = {"engine": servers.engine.pid, "gateway": servers.gateway.pid, "client": os.getpid()}
-    before = {tier: process_cpu(pid) for tier, pid in pids.items()}
-    metrics_before = await engine_sample(session, servers.engine_url)
+    client_pid = os.getpid()
+    before = {tier: proc.cpu() for tier, proc in servers.tiers.items()}
+    before["client"] = process_cpu(client_pid)
+    metrics_before = await engine_sample(session, servers.metrics_url) if servers.metrics_url else None
     start = time.perf_counter()
     if rate is None:
         queue = iter(measured)
@@ -479,17 +602,27 @@ async def run_cell(
             await asyncio.sleep(arrivals.expovariate(rate))
         await asyncio.gather(*tasks)
     cell.wall_s = time.perf_counter() - start
-    cell.cpu_s = {tier: process_cpu(pid) - before[tier] for tier, pid in pids.items()}
-    metrics_after = await engine_sample(session, servers.engine_url)
-    cell.engine_output_cores = load_between(metrics_before, metrics_after).output_cpu_cores
+    after = {tier: proc.cpu() for tier, proc in servers.tiers.items()}
+    after["client"] = process_cpu(client_pid)
+    cell.cpu_s = {tier: after[tier] - before[tier] for tier in after}
+    if metrics_before is not None and servers.metrics_url:
+        metrics_after = await engine_sample(session, servers.metrics_url)
+        cell.engine_output_cores = load_between(metrics_before, metrics_after).output_cpu_cores
+    else:
+        cell.engine_output_cores = math.nan
     progress.end(f"in {cell.wall_s:.1f} s")
     return cell
 
 
 # ------------------------------------------------------------ processes
 
+VLLM_MAX_MODEL_LEN = 2048
+VLLM_READY_TIMEOUT_S = 600.0
 
-def write_gateway_config(setup: Setup, tokenizer_dir: Path, engine_url: str, port: int, folder: Path) -> Path:
+
+def write_gateway_config(
+    setup: Setup, tokenizer_dir: Path, engine_url: str, port: int, folder: Path, *, remote_url: str | None = None
+) -> Path:
     config: dict[str, Any] = {
         "model": MODEL,
         "tokenizer": str(tokenizer_dir),
@@ -498,6 +631,8 @@ def write_gateway_config(setup: Setup, tokenizer_dir: Path, engine_url: str, por
         "port": port,
         **setup.gateway,
     }
+    if remote_url is not None:
+        config["remote_url"] = remote_url
     if setup.policy:
         # configs/policy.yaml's batch-tenant rule names a `batch` pool: the same engine here.
         config["pools"] = {"batch": [{"url": engine_url}]}
@@ -506,42 +641,180 @@ def write_gateway_config(setup: Setup, tokenizer_dir: Path, engine_url: str, por
     return path
 
 
-def start_setup(setup: Setup, tokenizer_dir: Path, folder: Path, plan: Plan, longest: int) -> Servers:
-    engine_port, gateway_port = free_port(), free_port()
-    engine_url, gateway_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{gateway_port}"
-    engine_plan = dataclasses.replace(QUICK, tokens=longest, itl_ms=plan.itl_ms, ttft_ms=plan.ttft_ms)
-    engine = start_engine(tokenizer_dir, engine_port, engine_plan, folder / f"engine_{setup.name}.log")
-    config = write_gateway_config(setup, tokenizer_dir, engine_url, gateway_port, folder)
-    gateway = spawn(["gateway", "--config", str(config)], folder / f"gateway_{setup.name}.log")
-    return Servers(setup, engine, gateway, engine_url, gateway_url)
+def vllm_env() -> dict[str, str]:
+    """A subprocess in vLLM's venv: offline, a small KV cache, this checkout importable."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("OTEL_")}
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p),
+    )
+    return env
+
+
+def spawn_vllm(name: str, argv: list[str], port: int, folder: Path) -> Proc:
+    log = folder / f"{name}.log"
+    with log.open("wb") as out:
+        popen = subprocess.Popen(
+            argv, cwd=ROOT, env=vllm_env(), start_new_session=True, stdout=out, stderr=subprocess.STDOUT
+        )
+    return Proc(name, popen, f"http://127.0.0.1:{port}", log, group=True)
+
+
+def start_vllm_server(name: str, vllm_python: Path, model_dir: Path, folder: Path) -> Proc:
+    """Stock vLLM's OpenAI server (scripts/vllm_serve.sh), the model served as MODEL."""
+    port = free_port()
+    argv = ["bash", str(ROOT / "scripts" / "vllm_serve.sh"), str(model_dir), str(port)]
+    argv += ["--max-model-len", str(VLLM_MAX_MODEL_LEN), "--served-model-name", MODEL]
+    os.environ["ONEHOP_VLLM_PYTHON"] = str(vllm_python)  # vllm_serve.sh finds the venv by it
+    return spawn_vllm(name, argv, port, folder)
+
+
+class Launcher:
+    """Starts every setup's processes, sharing A's vLLM server as B's engine; stops them all."""
+
+    def __init__(self, folder: Path, plan: Plan, longest: int, vllm_python: Path | None) -> None:
+        self.folder, self.plan, self.longest, self.vllm_python = folder, plan, longest, vllm_python
+        self.procs: list[Proc] = []
+        self._vllm_main: Proc | None = None
+
+    def _proc(self, name: str, popen: subprocess.Popen[bytes], port: int) -> Proc:
+        proc = Proc(name, popen, f"http://127.0.0.1:{port}", self.folder / f"{name}.log")
+        self.procs.append(proc)
+        return proc
+
+    def _vllm(self, name: str) -> Proc:
+        assert self.vllm_python is not None
+        proc = start_vllm_server(name, self.vllm_python, ensure_tiny_model(), self.folder)
+        self.procs.append(proc)
+        return proc
+
+    def vllm_main(self) -> Proc:
+        if self._vllm_main is None:
+            self._vllm_main = self._vllm("vllm_main")
+        return self._vllm_main
+
+    def gateway(self, setup: Setup, tokenizer_dir: Path, engine_url: str, remote_url: str | None = None) -> Proc:
+        port = free_port()
+        config = write_gateway_config(setup, tokenizer_dir, engine_url, port, self.folder, remote_url=remote_url)
+        name = f"gateway_{setup.name}"
+        return self._proc(name, spawn(["gateway", "--config", str(config)], self.folder / f"{name}.log"), port)
+
+    def start(self, setup: Setup) -> Servers:
+        if setup.kind == "sim":
+            tokenizer_dir = ensure_tokenizer()
+            port = free_port()
+            engine_plan = dataclasses.replace(
+                QUICK, tokens=self.longest, itl_ms=self.plan.itl_ms, ttft_ms=self.plan.ttft_ms
+            )
+            name = f"engine_{setup.name}"
+            engine = self._proc(name, start_engine(tokenizer_dir, port, engine_plan, self.folder / f"{name}.log"), port)
+            gateway = self.gateway(setup, tokenizer_dir, engine.url)
+            return Servers(setup, gateway.url, {"engine": engine, "gateway": gateway}, engine.url)
+        model_dir = ensure_tiny_model()
+        if setup.kind == "vllm-coupled":
+            engine = self.vllm_main()
+            return Servers(setup, engine.url, {"engine": engine}, None)
+        if setup.kind == "vllm-three-stage":
+            engine = self.vllm_main()
+            remote = self._vllm("vllm_remote_B")
+            gateway = self.gateway(setup, model_dir, engine.url, remote.url)
+            # remote_api: the render/derender server's API process alone, without its (idle) engine core.
+            remote_api = dataclasses.replace(remote, name=f"{remote.name}_api", group=False)
+            tiers = {"engine": engine, "gateway": gateway, "remote": remote, "remote_api": remote_api}
+            return Servers(setup, gateway.url, tiers, None)
+        if setup.kind == "onehop-vllm":
+            assert self.vllm_python is not None
+            port = free_port()
+            argv = [str(self.vllm_python), "-m", "gateway", "engine", "--backend", "vllm", "--model", str(model_dir)]
+            argv += ["--served-model-name", MODEL, "--port", str(port)]
+            argv += ["--backend-option", f"max_model_len={VLLM_MAX_MODEL_LEN}"]
+            engine = spawn_vllm(f"engine_{setup.name}", argv, port, self.folder)
+            self.procs.append(engine)
+            gateway = self.gateway(setup, model_dir, engine.url)
+            return Servers(setup, gateway.url, {"engine": engine, "gateway": gateway}, engine.url)
+        raise AssertionError(setup.kind)
+
+    async def wait(self, session: aiohttp.ClientSession) -> None:
+        for proc in self.procs:
+            await wait_up(session, proc)
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            stop(proc.popen)
+            if proc.group:  # vLLM's engine core must not outlive its server
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.popen.pid, signal.SIGKILL)
+
+
+def padded_vocab_bias() -> dict[str, float]:
+    """`logit_bias` -100 on the tiny model's padding ids (its embedding rows past the tokenizer's
+    vocabulary): the random weights sample them, and onehop's derender refuses ids it cannot decode
+    (C-vllm's stream would end in an error event). Sent to every vLLM setup alike, never to the sim."""
+    from tokenizers import Tokenizer
+
+    model_dir = ensure_tiny_model()
+    size = Tokenizer.from_file(str(model_dir / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+    rows = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+    return {str(i): -100.0 for i in range(size, rows)}
+
+
+def with_logit_bias(body: bytes, bias: dict[str, float]) -> bytes:
+    data = json.loads(body)
+    data["logit_bias"] = bias
+    return json.dumps(data).encode()
+
+
+async def wait_up(session: aiohttp.ClientSession, proc: Proc) -> None:
+    if not proc.group:
+        await wait_ready(session, proc.url, proc.popen, proc.log)
+        return
+    deadline = time.monotonic() + VLLM_READY_TIMEOUT_S
+    started = time.monotonic()
+    while time.monotonic() < deadline:
+        if proc.popen.poll() is not None:
+            raise BenchError(f"{proc.name} exited with {proc.popen.returncode}: {proc.log.read_text(errors='replace')[-3000:]}")
+        try:
+            async with session.get(proc.url + "/health") as resp:
+                if resp.status == 200:
+                    print(f"{proc.name} ready in {time.monotonic() - started:.0f} s", file=sys.stderr)
+                    return
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(1.0)
+    raise BenchError(f"{proc.name} was not ready within {VLLM_READY_TIMEOUT_S:.0f} s: {proc.log.read_text(errors='replace')[-2000:]}")
 
 
 async def measure_all(
-    setups: Sequence[Setup], workloads: Sequence[Workload], plan: Plan, rate: float | None
+    setups: Sequence[Setup],
+    workloads: Sequence[Workload],
+    plan: Plan,
+    rate: float | None,
+    vllm_python: Path | None = None,
 ) -> tuple[list[Cell], float]:
-    tokenizer_dir = ensure_tokenizer()
     longest = max(plan.max_tokens(w) for w in workloads)
     cells: list[Cell] = []
-    servers: list[Servers] = []
     with tempfile.TemporaryDirectory(prefix="bench_") as tmp:
         folder = Path(tmp)
         started = time.perf_counter()
+        launcher = Launcher(folder, plan, longest, vllm_python)
         try:
-            servers = [start_setup(setup, tokenizer_dir, folder, plan, longest) for setup in setups]
+            servers = [launcher.start(setup) for setup in setups]
             async with client_session() as session:
-                for s in servers:
-                    await wait_ready(session, s.engine_url, s.engine, folder / f"engine_{s.setup.name}.log")
-                    await wait_ready(session, s.gateway_url, s.gateway, folder / f"gateway_{s.setup.name}.log")
+                await launcher.wait(session)
                 startup_s = time.perf_counter() - started
-                print(f"{len(servers)} engines and gateways ready in {startup_s:.1f} s", file=sys.stderr)
+                print(f"{len(launcher.procs)} servers for {len(servers)} setups ready in {startup_s:.1f} s", file=sys.stderr)
+                padded = padded_vocab_bias() if any(s.setup.vllm for s in servers) else {}
                 for workload in workloads:
                     bodies = prompts(workload, plan, plan.warmup + plan.requests[workload.name])
+                    biased = [with_logit_bias(body, padded) for body in bodies] if padded else bodies
                     for s in servers:
-                        cells.append(await run_cell(session, s, workload, bodies, plan, rate))
+                        cells.append(
+                            await run_cell(session, s, workload, biased if s.setup.vllm else bodies, plan, rate)
+                        )
         finally:
-            for s in servers:
-                stop(s.gateway)
-                stop(s.engine)
+            launcher.stop()
     return cells, startup_s
 
 
@@ -570,7 +843,10 @@ def summarize(cell: Cell) -> dict[str, Any]:
             row[f"{name}_p{q}_ms"] = percentile(values, q) * 1000 if values else math.nan
     row["tokens_per_s"] = tokens / cell.wall_s
     for tier in TIERS:
-        row[f"{tier}_cpu_s_per_1k_tokens"] = _per_1k(cell.cpu_s[tier], tokens)
+        row[f"{tier}_cpu_s_per_1k_tokens"] = _per_1k(cell.cpu_s.get(tier, math.nan), tokens)
+    if "remote" in cell.cpu_s:  # B: vLLM's render + stateless derender server (group; API process alone)
+        row["remote_cpu_s_per_1k_tokens"] = _per_1k(cell.cpu_s["remote"], tokens)
+        row["remote_api_cpu_s_per_1k_tokens"] = _per_1k(cell.cpu_s["remote_api"], tokens)
     row["engine_output_cores"] = cell.engine_output_cores
     row["wall_s"] = cell.wall_s
     row["cpu_s"] = cell.cpu_s
@@ -600,6 +876,53 @@ def ratio_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
     for other in ("D", "E"):
         if other in setups and "C" in setups:
             lines += [versus(other, "C", "gateway"), versus(other, "C", "engine")]
+
+    def latency(other: str, base: str, key: str, note: str = "") -> str:
+        parts = ", ".join(f"{w} {_ratio(by[(other, w)][key], by[(base, w)][key])}" for w in workloads)
+        return f"{other} {key.split('_')[0].upper()} p50 vs {base}{note}: {parts}"
+
+    if "A" in setups:
+        for other, note in (
+            ("C", " (C on the sim engine, A on vLLM)"),
+            ("C-vllm", " (both on vLLM)"),
+            ("B", " (both on vLLM)"),
+        ):
+            if other in setups:
+                lines += [latency(other, "A", "e2e_p50_ms", note), latency(other, "A", "ttft_p50_ms", note)]
+        if "B" in setups:
+            total = {
+                s: {w: sum(v for t, v in by[(s, w)]["cpu_s"].items() if t != "remote_api") for w in workloads}
+                for s in ("A", "B")
+            }
+            parts = ", ".join(
+                f"{w} {_ratio(_per_1k(total['B'][w], by[('B', w)]['output_tokens']), _per_1k(total['A'][w], by[('A', w)]['output_tokens']))}"
+                for w in workloads
+            )
+            lines.append(f"B all-tier CPU (engine + gateway + remote + client) per 1k output tokens vs A: {parts}")
+    if "B" in setups and "D" in setups:
+        parts = ", ".join(
+            f"{w} {_ratio(by[('B', w)]['remote_cpu_s_per_1k_tokens'], by[('D', w)]['gateway_cpu_s_per_1k_tokens'])}"
+            f" ({by[('B', w)]['remote_cpu_s_per_1k_tokens']:.4f} vs {by[('D', w)]['gateway_cpu_s_per_1k_tokens']:.4f} s)"
+            for w in workloads
+        )
+        lines.append(
+            "B derender tier (vLLM render + stateless derender server, whole process group) CPU per 1k output"
+            f" tokens vs D derender tier (gateway, stateful derender): {parts}"
+        )
+        parts = ", ".join(
+            f"{w} {_ratio(by[('B', w)]['remote_api_cpu_s_per_1k_tokens'], by[('D', w)]['gateway_cpu_s_per_1k_tokens'])}"
+            f" ({by[('B', w)]['remote_api_cpu_s_per_1k_tokens']:.4f} vs {by[('D', w)]['gateway_cpu_s_per_1k_tokens']:.4f} s)"
+            for w in workloads
+        )
+        lines.append(
+            "B derender tier, its API server process alone (no engine core) CPU per 1k output tokens"
+            f" vs D gateway: {parts}"
+        )
+        parts = ", ".join(
+            f"{w} {_ratio(by[('B', w)]['remote_cpu_s_per_1k_tokens'] + by[('B', w)]['gateway_cpu_s_per_1k_tokens'], by[('D', w)]['gateway_cpu_s_per_1k_tokens'])}"
+            for w in workloads
+        )
+        lines.append(f"B gateway + remote CPU per 1k output tokens vs D gateway: {parts}")
     if "E" in setups:
         budget = load_policy(POLICY_FILE).cost.engine_budget_cores
         peak = max(by[("E", w)]["engine_output_cores"] for w in workloads)
@@ -645,6 +968,13 @@ def markdown(results: dict[str, Any]) -> str:
             f" ttft_ms={results['plan']['ttft_ms']}); one engine and one gateway process per setup; {how};"
             f" {results['cpus']} CPUs; {'quick' if results['plan']['quick'] else 'full'} plan,"
             f" {results['plan']['warmup']} warm-up requests per cell."
+            + (
+                ""
+                if results["engine"] == "sim"
+                else " vLLM setups: A is one vLLM server alone (no gateway: gateway CPU n/a); B's engine is that"
+                " same vLLM server and its render/derender server a second one (CPU tier `remote`, in the JSON"
+                " and the ratio lines); vLLM CPU is its whole process group; engine output cores n/a on vLLM."
+            )
         ),
         "",
         "Setups: " + "; ".join(f"{name}: {s['description']}" for name, s in results["setups"].items()) + ".",
@@ -725,7 +1055,12 @@ def main(argv: list[str] | None = None) -> int:
         "--setups",
         default=",".join(SETUPS),
         help=f"comma-separated, of: {', '.join(f'{n} ({s.description})' for n, s in SETUPS.items())}."
-        f" Planned, not available yet: {', '.join(f'{n} ({d})' for n, d in PLANNED_SETUPS.items())}",
+        f" With a vLLM python (only when named): {', '.join(f'{s.name} ({s.description})' for s in VLLM_SETUPS.values())}",
+    )
+    parser.add_argument(
+        "--vllm-python",
+        default=None,
+        help="vLLM's venv python for A, B, C-vllm (default: $ONEHOP_VLLM_PYTHON, else `bash scripts/setup_vllm.sh`)",
     )
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of: {', '.join(WORKLOADS)}")
     load = parser.add_mutually_exclusive_group()
@@ -738,7 +1073,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", type=Path, default=None, help="write the markdown report here")
     parser.add_argument("--plots", type=Path, default=None, help="write PNG plots into this folder (needs matplotlib)")
     args = parser.parse_args(argv)
-    setups = parse_setups(args.setups)
+    found: list[Path] = []
+
+    def vllm_python() -> tuple[Path | None, str]:
+        path, where = find_vllm_python(args.vllm_python)
+        if path is not None:
+            found.append(path)
+        return path, where
+
+    setups = parse_setups(args.setups, vllm_python)
+    vllm_path = found[0] if found else None
     workloads = parse_workloads(args.workloads)
     plan = QUICK_PLAN if args.quick else FULL
     if args.concurrency is not None:
@@ -753,11 +1097,16 @@ def main(argv: list[str] | None = None) -> int:
         plan = dataclasses.replace(plan, requests=dict.fromkeys(plan.requests, args.requests))
 
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
-        cells, startup_s = runner.run(measure_all(setups, workloads, plan, args.rate))
+        cells, startup_s = runner.run(measure_all(setups, workloads, plan, args.rate, vllm_path))
     rows = [summarize(cell) for cell in cells]
     results: dict[str, Any] = {
-        "engine": "sim",
-        "engine_note": ENGINE_NOTE,
+        "engine": "sim" if vllm_path is None else "sim+vllm",
+        "engine_note": ENGINE_NOTE
+        if vllm_path is None
+        else (
+            f"{', '.join(s.name for s in setups if not s.vllm) or 'none'} on the sim engine;"
+            f" {', '.join(s.name for s in setups if s.vllm)} on {VLLM_NOTE} ({vllm_path})"
+        ),
         "cpus": os.cpu_count(),
         "plan": dataclasses.asdict(plan),
         "load": {"mode": "closed", "concurrency": plan.concurrency}

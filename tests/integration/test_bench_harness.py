@@ -82,10 +82,11 @@ def test_quick_run_reports_every_setup_and_workload(tmp_path: Path) -> None:
         assert f"| {setup} | {workload} |" in report
 
 
-def test_unknown_and_planned_setups_are_refused() -> None:
-    for setups, message in (("A", "not available in this script yet"), ("C,Z", "unknown setup 'Z'")):
+def test_unknown_setups_and_vllm_setups_without_vllm_are_refused(tmp_path: Path) -> None:
+    no_vllm = str(tmp_path / "no-vllm" / "python")  # A and B need vLLM's python: refused without one
+    for setups, message in (("A", "need vLLM's python"), ("C,B", "need vLLM's python"), ("C,Z", "unknown setup 'Z'")):
         done = subprocess.run(
-            [sys.executable, str(SCRIPT), "--quick", "--setups", setups],
+            [sys.executable, str(SCRIPT), "--quick", "--setups", setups, "--vllm-python", no_vllm],
             cwd=ROOT,
             capture_output=True,
             text=True,
