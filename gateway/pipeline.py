@@ -34,7 +34,7 @@ from gateway.disagg import prefill
 from gateway.engine_client import EngineClient, Target
 from gateway.engine_request import chat_sampling, generate_body
 from gateway.errors import EngineUnavailable, InvalidRequest, ModelNotFound
-from gateway.observe import SPAN_KEY, describe_request, stage
+from gateway.observe import SPAN_KEY, describe_request, measured
 from gateway.policy import EngineState, NoRoute, RequestFeatures, decide
 from gateway.relay import (
     ClientGone,
@@ -68,8 +68,7 @@ async def choose_route(
     """The route and engine for this request, in a `policy` span; the decision goes on the
     server span too. A rule that names a pool moves the request there (and the route is
     decided again against what that pool's engines serve)."""
-    started = time.perf_counter()
-    with stage(state.tracing.tracer, "policy", http[SPAN_KEY]) as span:
+    with measured(state, "policy", http[SPAN_KEY]) as span:
         engines = state.engines
         endpoint = engines.pick(prompt)
         route, basis, pool = await _decide(state, http, engines, endpoint.url, features)
@@ -85,7 +84,6 @@ async def choose_route(
             span.set_attributes(decision)
             http[SPAN_KEY].set_attributes({**decision, "onehop.engine.endpoint": endpoint.url})
     state.metrics.policy_decisions.labels(route, basis).inc()
-    state.metrics.stage_seconds.labels("policy").observe(time.perf_counter() - started)
     return Target(route, engines, endpoint)
 
 
@@ -194,15 +192,13 @@ async def handle_chat(http: web.Request) -> web.StreamResponse:
     )
     server.set_attribute("gen_ai.response.id", request_id)
     if state.tracing.record_content and server.is_recording():
-        server.set_attribute("gen_ai.input.messages", _messages_json(body))
-    started = time.perf_counter()
-    with stage(state.tracing.tracer, "render", server) as span:
+        server.set_attribute("gen_ai.input.messages", _raw_field(body, _Messages))
+    with measured(state, "render", server) as span:
         prompt = await render_chat(state, request, body)
         forced = forced_tool_prefix(request, state.config.tool_parser)
         if forced is not None:
             prompt = prompt + state.renderer.encode(forced)
         span.set_attribute("onehop.prompt_tokens", len(prompt))
-    state.metrics.stage_seconds.labels("render").observe(time.perf_counter() - started)
     target = await choose_route(state, http, chat_features(request, len(prompt), http), prompt)
     route, engines, endpoint = target.route, target.engines, target.endpoint
     options = request.stream_options
@@ -305,12 +301,10 @@ async def handle_completion(http: web.Request) -> web.StreamResponse:
         n=request.n, seed=request.seed, stream=bool(request.stream),
     )
     if state.tracing.record_content and server.is_recording():
-        server.set_attribute("gen_ai.input.messages", _prompt_json(body))
-    started = time.perf_counter()
-    with stage(state.tracing.tracer, "render", server) as span:
+        server.set_attribute("gen_ai.input.messages", _raw_field(body, _Prompt))
+    with measured(state, "render", server) as span:
         prompts = await state.renderer.completion_prompts(request)
         span.set_attribute("onehop.prompt_tokens", sum(len(p) for p in prompts))
-    state.metrics.stage_seconds.labels("render").observe(time.perf_counter() - started)
     target = await choose_route(state, http, completion_features(request, prompts, http), prompts[0])
     return await serve_completion(http, state, request, body, prompts, target)
 
@@ -324,10 +318,8 @@ class _Prompt(msgspec.Struct):
     prompt: msgspec.Raw = msgspec.Raw(b'""')
 
 
-def _messages_json(body: bytes) -> str:
-    """The request's messages as sent, for `record_content` only."""
-    return bytes(msgspec.json.decode(body, type=_Messages).messages).decode("utf-8", "replace")
-
-
-def _prompt_json(body: bytes) -> str:
-    return bytes(msgspec.json.decode(body, type=_Prompt).prompt).decode("utf-8", "replace")
+def _raw_field(body: bytes, kind: type[_Messages] | type[_Prompt]) -> str:
+    """The request's messages or prompt as sent, for `record_content` only."""
+    value = msgspec.json.decode(body, type=kind)
+    raw = value.messages if isinstance(value, _Messages) else value.prompt
+    return bytes(raw).decode("utf-8", "replace")
