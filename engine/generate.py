@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -43,6 +44,8 @@ from engine.protocol import (
 )
 from engine.state import ENGINE, EngineState, RunningRequest
 from engine.telemetry import extract, record_error
+
+log = logging.getLogger(__name__)
 
 CPU_HEADER = "onehop-engine-cpu-us"
 """Output-processing CPU of the request in microseconds (JSON responses)."""
@@ -281,7 +284,10 @@ async def _stream(
         except EngineHTTPError as exc:
             await response.write(b"data: " + error_body(exc) + b"\n\n")
         except Exception as exc:  # after the first byte, errors travel in-band
-            await response.write(b"data: " + error_body(as_http_error(exc)) + b"\n\n")
+            error = as_http_error(exc)
+            if error.status >= 500:
+                log.exception("stream failed: request %s", request.request_id)
+            await response.write(b"data: " + error_body(error) + b"\n\n")
         trailer = (
             SUMMARY_COMMENT + encode(writer.summary()) + b"\n\n"
             + CPU_COMMENT + str(round(writer.cpu_s * 1e6)).encode() + b"\n\n"

@@ -171,15 +171,27 @@ _COMPLETION_CHUNK = msgspec.json.Decoder(_CompletionChunkView)
 
 
 async def _post(session: aiohttp.ClientSession, url: str, body: bytes) -> bytes:
-    """POST JSON and return the 200 body; anything else becomes a RemoteServiceError."""
-    try:
-        async with session.post(url, data=body, headers=_HEADERS) as response:
-            data = await response.read()
-            status = response.status
-    except TimeoutError as exc:  # aiohttp's timeouts are TimeoutErrors too
-        raise RemoteUnavailable(f"no answer from {url} in time") from exc
-    except aiohttp.ClientError as exc:
-        raise RemoteUnavailable(f"cannot reach {url}: {exc}") from exc
+    """POST JSON and return the 200 body; anything else becomes a RemoteServiceError.
+
+    A connection that breaks before the answer is retried once, on a fresh
+    connection: render and derender are pure functions of the body, and a
+    pooled keep-alive connection the server has just closed (uvicorn closes
+    idle ones after 5 s) fails exactly like this.
+    """
+    for attempt in range(2):
+        try:
+            async with session.post(url, data=body, headers=_HEADERS) as response:
+                data = await response.read()
+                status = response.status
+            break
+        except TimeoutError as exc:  # aiohttp's timeouts are TimeoutErrors too
+            raise RemoteUnavailable(f"no answer from {url} in time") from exc
+        except aiohttp.ClientConnectionError as exc:
+            if attempt == 0:
+                continue
+            raise RemoteUnavailable(f"cannot reach {url}: {exc}") from exc
+        except aiohttp.ClientError as exc:
+            raise RemoteUnavailable(f"cannot reach {url}: {exc}") from exc
     if status != 200:
         raise _service_error(status, data)
     return data

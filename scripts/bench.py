@@ -196,6 +196,19 @@ VLLM_SETUPS: dict[str, Setup] = {
         {"route": "derender", "route_header": False},
         kind="onehop-vllm",
     ),
+    "D-VLLM": Setup(
+        "D-vllm",
+        "gateway → onehop engine --backend vllm, tokens route (stateful derender in the gateway)",
+        {"route": "tokens", "route_header": False},
+        kind="onehop-vllm",
+    ),
+    "E-VLLM": Setup(
+        "E-vllm",
+        "gateway with the cost policy → onehop engine --backend vllm",
+        {"route": "derender", "route_header": False, "policy": str(POLICY_FILE)},
+        policy=True,
+        kind="onehop-vllm",
+    ),
 }
 """Setups on vLLM 0.32 (CPU, tiny random model): only with a vLLM python and only when named."""
 
@@ -312,7 +325,8 @@ TOOLS = [
 class Workload:
     name: str
     description: str
-    max_tokens: int
+    lengths: tuple[int, ...]
+    """`max_tokens` of the full plan's requests, in turn (request i gets lengths[i % len])."""
     quick_max_tokens: int
     messages: Callable[[random.Random], list[dict[str, Any]]]
     extra: dict[str, Any]
@@ -357,22 +371,25 @@ def _chat(rng: random.Random) -> list[dict[str, Any]]:
     ]
 
 
+# 1k to 4k output tokens; the longest plus a story prompt fits vLLM's 4,096-token context.
+REASONING_LENGTHS = (1000, 2000, 3000, 4000)
+
 WORKLOADS: dict[str, Workload] = {
     w.name: w
     for w in (
-        Workload("reasoning", "thinking on, long outputs", 1000, 200, _story, {}, thinking=True),
+        Workload("reasoning", "thinking on, long outputs (1k-4k tokens)", REASONING_LENGTHS, 200, _story, {}, thinking=True),
         Workload(
             "tools",
             "tools + tool_choice auto, Hermes tool calls",
-            256,
+            (256,),
             128,
             _trip,
             {"tools": TOOLS, "tool_choice": "auto"},
             exact=False,
             tool_calls=True,
         ),
-        Workload("logprobs", "logprobs with top_logprobs=20", 256, 64, _chat, {"logprobs": True, "top_logprobs": 20}),
-        Workload("short", "short chats", 32, 32, _chat, {}),
+        Workload("logprobs", "logprobs with top_logprobs=20", (256,), 64, _chat, {"logprobs": True, "top_logprobs": 20}),
+        Workload("short", "short chats", (32,), 32, _chat, {}),
     )
 }
 
@@ -398,9 +415,14 @@ class Plan:
     itl_ms: float
     ttft_ms: float
     quick: bool
+    rounds: int = 1
+    """Each cell's measured requests run in this many rounds, interleaved across setups."""
+
+    def lengths(self, workload: Workload) -> tuple[int, ...]:
+        return (workload.quick_max_tokens,) if self.quick else workload.lengths
 
     def max_tokens(self, workload: Workload) -> int:
-        return workload.quick_max_tokens if self.quick else workload.max_tokens
+        return max(self.lengths(workload))
 
 
 FULL = Plan(
@@ -421,11 +443,18 @@ QUICK_PLAN = Plan(
 )
 
 
-def prompts(workload: Workload, plan: Plan, count: int) -> list[bytes]:
+@dataclass(frozen=True)
+class Prompt:
+    body: bytes
+    max_tokens: int
+
+
+def prompts(workload: Workload, plan: Plan, count: int) -> list[Prompt]:
     """The same bodies for every setup: a generator seeded by the workload's name."""
     rng = random.Random(SEED ^ zlib.crc32(workload.name.encode()))
-    tokens = plan.max_tokens(workload)
-    return [json.dumps(workload.body(rng, i, tokens)).encode() for i in range(count)]
+    lengths = plan.lengths(workload)
+    chosen = [lengths[i % len(lengths)] for i in range(count)]
+    return [Prompt(json.dumps(workload.body(rng, i, n)).encode(), n) for i, n in enumerate(chosen)]
 
 
 # ------------------------------------------------------------ client
@@ -501,8 +530,14 @@ class Cell:
     workload: str
     results: list[Result] = field(default_factory=list)
     wall_s: float = 0.0
+    """Summed over the cell's measured phases (its rounds)."""
     cpu_s: dict[str, float] = field(default_factory=dict)
-    engine_output_cores: float = 0.0
+    engine_output_cpu_s: float = 0.0
+    """The engine's own output-processing CPU over the measured phases (NaN on a vLLM server)."""
+
+    @property
+    def engine_output_cores(self) -> float:
+        return self.engine_output_cpu_s / self.wall_s if self.wall_s else math.nan
 
 
 @dataclass
@@ -550,34 +585,36 @@ async def engine_sample(session: aiohttp.ClientSession, engine_url: str) -> Any:
         return parse_sample(await resp.text(), time.monotonic())
 
 
-async def run_cell(
+async def run_round(
     session: aiohttp.ClientSession,
     servers: Servers,
     workload: Workload,
-    bodies: list[bytes],
+    cell: Cell,
+    warm: Sequence[Prompt],
+    measured: Sequence[Prompt],
     plan: Plan,
     rate: float | None,
-) -> Cell:
-    cell = Cell(servers.setup.name, workload.name)
+) -> None:
+    """One round of a cell: `warm` unmeasured (concurrently), then `measured`, added to `cell`."""
     url = servers.url + "/v1/chat/completions"
-    warm, measured = bodies[: plan.warmup], bodies[plan.warmup :]
-    tokens = plan.max_tokens(workload)
     # The random-weight model under vLLM calls no tools: the tool-call check is for the sim.
     need_tools = workload.tool_calls and not servers.setup.vllm
 
-    async def one(body: bytes) -> Result:
-        result = await stream_chat(session, url, body)
-        if workload.exact and result.output_tokens != tokens:
-            raise BenchError(f"{cell.setup}/{cell.workload}: {result.output_tokens} output tokens, not {tokens}")
+    async def one(prompt: Prompt) -> Result:
+        result = await stream_chat(session, url, prompt.body)
+        if workload.exact and result.output_tokens != prompt.max_tokens:
+            raise BenchError(
+                f"{cell.setup}/{cell.workload}: {result.output_tokens} output tokens, not {prompt.max_tokens}"
+            )
         if need_tools and not result.tool_calls:
             raise BenchError(f"{cell.setup}/{cell.workload}: a stream without tool-call deltas")
         return result
 
-    await asyncio.gather(*(one(body) for body in warm))
+    await asyncio.gather(*(one(prompt) for prompt in warm))
     progress = Progress(f"{cell.setup}/{cell.workload}", len(measured))
 
-    async def measure(body: bytes) -> None:
-        cell.results.append(await one(body))
+    async def measure(prompt: Prompt) -> None:
+        cell.results.append(await one(prompt))
         progress.tick()
 
     client_pid = os.getpid()
@@ -589,34 +626,36 @@ async def run_cell(
         queue = iter(measured)
 
         async def worker() -> None:
-            for body in queue:
-                await measure(body)
+            for prompt in queue:
+                await measure(prompt)
 
         await asyncio.gather(*(worker() for _ in range(plan.concurrency)))
     else:
         # Open loop: Poisson arrivals, seeded per workload so every setup gets the same schedule.
         arrivals = random.Random(SEED + zlib.crc32(workload.name.encode()))
         tasks = []
-        for body in measured:
-            tasks.append(asyncio.create_task(measure(body)))
+        for prompt in measured:
+            tasks.append(asyncio.create_task(measure(prompt)))
             await asyncio.sleep(arrivals.expovariate(rate))
         await asyncio.gather(*tasks)
-    cell.wall_s = time.perf_counter() - start
+    wall_s = time.perf_counter() - start
+    cell.wall_s += wall_s
     after = {tier: proc.cpu() for tier, proc in servers.tiers.items()}
     after["client"] = process_cpu(client_pid)
-    cell.cpu_s = {tier: after[tier] - before[tier] for tier in after}
+    for tier in after:
+        cell.cpu_s[tier] = cell.cpu_s.get(tier, 0.0) + after[tier] - before[tier]
     if metrics_before is not None and servers.metrics_url:
         metrics_after = await engine_sample(session, servers.metrics_url)
-        cell.engine_output_cores = load_between(metrics_before, metrics_after).output_cpu_cores
+        cell.engine_output_cpu_s += load_between(metrics_before, metrics_after).output_cpu_cores * wall_s
     else:
-        cell.engine_output_cores = math.nan
-    progress.end(f"in {cell.wall_s:.1f} s")
-    return cell
+        cell.engine_output_cpu_s = math.nan
+    progress.end(f"in {wall_s:.1f} s")
 
 
 # ------------------------------------------------------------ processes
 
-VLLM_MAX_MODEL_LEN = 2048
+VLLM_MAX_MODEL_LEN = 4096  # the tiny model's max_position_embeddings
+VLLM_SETTLE_S = 2.0
 VLLM_READY_TIMEOUT_S = 600.0
 
 
@@ -678,6 +717,7 @@ class Launcher:
         self.folder, self.plan, self.longest, self.vllm_python = folder, plan, longest, vllm_python
         self.procs: list[Proc] = []
         self._vllm_main: Proc | None = None
+        self._onehop_vllm: Proc | None = None
 
     def _proc(self, name: str, popen: subprocess.Popen[bytes], port: int) -> Proc:
         proc = Proc(name, popen, f"http://127.0.0.1:{port}", self.folder / f"{name}.log")
@@ -694,6 +734,18 @@ class Launcher:
         if self._vllm_main is None:
             self._vllm_main = self._vllm("vllm_main")
         return self._vllm_main
+
+    def onehop_vllm(self, model_dir: Path) -> Proc:
+        """`onehop engine --backend vllm`, one for C-vllm, D-vllm and E-vllm (their cells run in turn)."""
+        if self._onehop_vllm is None:
+            assert self.vllm_python is not None
+            port = free_port()
+            argv = [str(self.vllm_python), "-m", "gateway", "engine", "--backend", "vllm", "--model", str(model_dir)]
+            argv += ["--served-model-name", MODEL, "--port", str(port)]
+            argv += ["--backend-option", f"max_model_len={VLLM_MAX_MODEL_LEN}"]
+            self._onehop_vllm = spawn_vllm("engine_onehop_vllm", argv, port, self.folder)
+            self.procs.append(self._onehop_vllm)
+        return self._onehop_vllm
 
     def gateway(self, setup: Setup, tokenizer_dir: Path, engine_url: str, remote_url: str | None = None) -> Proc:
         port = free_port()
@@ -725,13 +777,7 @@ class Launcher:
             tiers = {"engine": engine, "gateway": gateway, "remote": remote, "remote_api": remote_api}
             return Servers(setup, gateway.url, tiers, None)
         if setup.kind == "onehop-vllm":
-            assert self.vllm_python is not None
-            port = free_port()
-            argv = [str(self.vllm_python), "-m", "gateway", "engine", "--backend", "vllm", "--model", str(model_dir)]
-            argv += ["--served-model-name", MODEL, "--port", str(port)]
-            argv += ["--backend-option", f"max_model_len={VLLM_MAX_MODEL_LEN}"]
-            engine = spawn_vllm(f"engine_{setup.name}", argv, port, self.folder)
-            self.procs.append(engine)
+            engine = self.onehop_vllm(model_dir)
             gateway = self.gateway(setup, model_dir, engine.url)
             return Servers(setup, gateway.url, {"engine": engine, "gateway": gateway}, engine.url)
         raise AssertionError(setup.kind)
@@ -739,6 +785,11 @@ class Launcher:
     async def wait(self, session: aiohttp.ClientSession) -> None:
         for proc in self.procs:
             await wait_up(session, proc)
+
+    def show_logs(self, tail: int = 3000) -> None:
+        for proc in self.procs:
+            text = proc.log.read_text(errors="replace") if proc.log.exists() else ""
+            print(f"--- {proc.name} ({proc.url}), last {tail} characters of its log:\n{text[-tail:]}", file=sys.stderr)
 
     def stop(self) -> None:
         for proc in reversed(self.procs):
@@ -760,10 +811,18 @@ def padded_vocab_bias() -> dict[str, float]:
     return {str(i): -100.0 for i in range(size, rows)}
 
 
-def with_logit_bias(body: bytes, bias: dict[str, float]) -> bytes:
-    data = json.loads(body)
+def with_logit_bias(prompt: Prompt, bias: dict[str, float]) -> Prompt:
+    data = json.loads(prompt.body)
     data["logit_bias"] = bias
-    return json.dumps(data).encode()
+    return dataclasses.replace(prompt, body=json.dumps(data).encode())
+
+
+def rounds(warmup: int, total: int, count: int) -> list[tuple[int, int]]:
+    """[first, last) of each round's measured prompts, after the warm-up ones, as even as they split."""
+    measured = total - warmup
+    count = max(1, min(count, measured))
+    edges = [warmup + measured * i // count for i in range(count + 1)]
+    return list(itertools.pairwise(edges))
 
 
 async def wait_up(session: aiohttp.ClientSession, proc: Proc) -> None:
@@ -805,14 +864,27 @@ async def measure_all(
                 await launcher.wait(session)
                 startup_s = time.perf_counter() - started
                 print(f"{len(launcher.procs)} servers for {len(servers)} setups ready in {startup_s:.1f} s", file=sys.stderr)
-                padded = padded_vocab_bias() if any(s.setup.vllm for s in servers) else {}
+                any_vllm = any(s.setup.vllm for s in servers)
+                padded = padded_vocab_bias() if any_vllm else {}
                 for workload in workloads:
-                    bodies = prompts(workload, plan, plan.warmup + plan.requests[workload.name])
-                    biased = [with_logit_bias(body, padded) for body in bodies] if padded else bodies
-                    for s in servers:
-                        cells.append(
-                            await run_cell(session, s, workload, biased if s.setup.vllm else bodies, plan, rate)
-                        )
+                    plain = prompts(workload, plan, plan.warmup + plan.requests[workload.name])
+                    biased = [with_logit_bias(prompt, padded) for prompt in plain] if padded else plain
+                    row = {s.setup.name: Cell(s.setup.name, workload.name) for s in servers}
+                    for index, (first, last) in enumerate(rounds(plan.warmup, len(plain), plan.rounds)):
+                        for s in servers:
+                            if any_vllm:
+                                # The vLLM engine processes just used spin on their shared-memory
+                                # queues for a second after their last read, on the core the next
+                                # setup's engine computes on: let them go idle first.
+                                await asyncio.sleep(VLLM_SETTLE_S)
+                            chosen = biased if s.setup.vllm else plain
+                            warm = chosen[: plan.warmup] if index == 0 else []
+                            cell = row[s.setup.name]
+                            await run_round(session, s, workload, cell, warm, chosen[first:last], plan, rate)
+                    cells += row.values()
+        except BenchError:
+            launcher.show_logs()  # the servers' side of the failure, before their folder goes
+            raise
         finally:
             launcher.stop()
     return cells, startup_s
@@ -868,79 +940,80 @@ def ratio_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
     setups = {r["setup"] for r in rows}
     lines = []
 
-    def versus(other: str, base: str, tier: str) -> str:
-        key = f"{tier}_cpu_s_per_1k_tokens"
-        parts = ", ".join(f"{w} {_ratio(by[(other, w)][key], by[(base, w)][key])}" for w in workloads)
-        return f"{other} {tier} CPU per 1k output tokens vs {base}: {parts}"
+    def across(value: Callable[[str, str], float], other: str, base: str) -> str:
+        return ", ".join(f"{w} {_ratio(value(other, w), value(base, w))}" for w in workloads)
 
-    for other in ("D", "E"):
-        if other in setups and "C" in setups:
-            lines += [versus(other, "C", "gateway"), versus(other, "C", "engine")]
+    def column(key: str) -> Callable[[str, str], float]:
+        return lambda setup, workload: by[(setup, workload)][key]
 
-    def latency(other: str, base: str, key: str, note: str = "") -> str:
-        parts = ", ".join(f"{w} {_ratio(by[(other, w)][key], by[(base, w)][key])}" for w in workloads)
-        return f"{other} {key.split('_')[0].upper()} p50 vs {base}{note}: {parts}"
+    for suffix in ("", "-vllm"):
+        base = f"C{suffix}"
+        for other in (f"D{suffix}", f"E{suffix}"):
+            if other in setups and base in setups:
+                for tier in ("gateway", "engine"):
+                    parts = across(column(f"{tier}_cpu_s_per_1k_tokens"), other, base)
+                    lines.append(f"{other} {tier} CPU per 1k output tokens vs {base}: {parts}")
 
     if "A" in setups:
-        for other, note in (
-            ("C", " (C on the sim engine, A on vLLM)"),
-            ("C-vllm", " (both on vLLM)"),
-            ("B", " (both on vLLM)"),
+        for other, note, e2e_note in (
+            ("C-vllm", "both on vLLM", "; target ≤ ×1.03"),
+            ("D-vllm", "both on vLLM", ""),
+            ("E-vllm", "both on vLLM", ""),
+            ("B", "both on vLLM", "; upstream's gap on long outputs is about ×1.15 on GPUs"),
+            ("C", "C on the sim engine, A on vLLM: not like for like", ""),
         ):
             if other in setups:
-                lines += [latency(other, "A", "e2e_p50_ms", note), latency(other, "A", "ttft_p50_ms", note)]
+                for key, label, extra in (("e2e_p50_ms", "E2E", e2e_note), ("ttft_p50_ms", "TTFT", "")):
+                    lines.append(f"{other} {label} p50 vs A ({note}{extra}): {across(column(key), other, 'A')}")
         if "B" in setups:
-            total = {
-                s: {w: sum(v for t, v in by[(s, w)]["cpu_s"].items() if t != "remote_api") for w in workloads}
-                for s in ("A", "B")
-            }
+
+            def all_tiers(setup: str, workload: str) -> float:
+                row = by[(setup, workload)]
+                return _per_1k(sum(v for t, v in row["cpu_s"].items() if t != "remote_api"), row["output_tokens"])
+
+            parts = across(all_tiers, "B", "A")
+            lines.append(f"B all-tier CPU (engine + gateway + remote + client) per 1k output tokens vs A: {parts}")
+    # The derender tier: B's vLLM render/derender server against onehop's gateway on the tokens route,
+    # on the same vLLM token streams when D-vllm ran (like for like), else D on the sim engine.
+    stateful = "D-vllm" if "D-vllm" in setups else "D"
+    if "B" in setups and stateful in setups:
+        for remote, what in (
+            ("remote", "vLLM render + stateless derender server, whole process group"),
+            ("remote_api", "that server's API process alone, no engine core"),
+        ):
             parts = ", ".join(
-                f"{w} {_ratio(_per_1k(total['B'][w], by[('B', w)]['output_tokens']), _per_1k(total['A'][w], by[('A', w)]['output_tokens']))}"
+                f"{w} {_ratio(by[('B', w)][f'{remote}_cpu_s_per_1k_tokens'], by[(stateful, w)]['gateway_cpu_s_per_1k_tokens'])}"
+                f" ({by[('B', w)][f'{remote}_cpu_s_per_1k_tokens']:.4f} vs"
+                f" {by[(stateful, w)]['gateway_cpu_s_per_1k_tokens']:.4f} s)"
                 for w in workloads
             )
-            lines.append(f"B all-tier CPU (engine + gateway + remote + client) per 1k output tokens vs A: {parts}")
-    if "B" in setups and "D" in setups:
-        parts = ", ".join(
-            f"{w} {_ratio(by[('B', w)]['remote_cpu_s_per_1k_tokens'], by[('D', w)]['gateway_cpu_s_per_1k_tokens'])}"
-            f" ({by[('B', w)]['remote_cpu_s_per_1k_tokens']:.4f} vs {by[('D', w)]['gateway_cpu_s_per_1k_tokens']:.4f} s)"
-            for w in workloads
-        )
-        lines.append(
-            "B derender tier (vLLM render + stateless derender server, whole process group) CPU per 1k output"
-            f" tokens vs D derender tier (gateway, stateful derender): {parts}"
-        )
-        parts = ", ".join(
-            f"{w} {_ratio(by[('B', w)]['remote_api_cpu_s_per_1k_tokens'], by[('D', w)]['gateway_cpu_s_per_1k_tokens'])}"
-            f" ({by[('B', w)]['remote_api_cpu_s_per_1k_tokens']:.4f} vs {by[('D', w)]['gateway_cpu_s_per_1k_tokens']:.4f} s)"
-            for w in workloads
-        )
-        lines.append(
-            "B derender tier, its API server process alone (no engine core) CPU per 1k output tokens"
-            f" vs D gateway: {parts}"
-        )
-        parts = ", ".join(
-            f"{w} {_ratio(by[('B', w)]['remote_cpu_s_per_1k_tokens'] + by[('B', w)]['gateway_cpu_s_per_1k_tokens'], by[('D', w)]['gateway_cpu_s_per_1k_tokens'])}"
-            for w in workloads
-        )
-        lines.append(f"B gateway + remote CPU per 1k output tokens vs D gateway: {parts}")
-    if "E" in setups:
-        budget = load_policy(POLICY_FILE).cost.engine_budget_cores
-        peak = max(by[("E", w)]["engine_output_cores"] for w in workloads)
-        process = max(by[("E", w)]["cpu_s"]["engine"] / by[("E", w)]["wall_s"] for w in workloads)
-        verdict = "within" if peak <= budget else "over"
-        routes = "; ".join(
-            f"{w} " + ", ".join(f"{route} {n}" for route, n in sorted(by[("E", w)]["routes"].items()))
-            for w in workloads
-        )
-        lines += [
-            (
-                f"E engine output-processing CPU (onehop_engine_output_cpu_seconds_total): {peak:.3f} cores in its"
-                f" busiest cell (mean over the cell), {verdict} the policy's engine_budget_cores {budget:g}"
-                f" (whole engine process: {process:.3f} cores in its busiest cell)"
-            ),
-            f"E routes picked by the policy (requests): {routes}",
-        ]
+            lines.append(
+                f"B derender tier ({what}) CPU per 1k output tokens vs {stateful} derender tier (gateway,"
+                f" stateful derender; target ≥ ×9): {parts}"
+            )
+    for name in ("E", "E-vllm"):
+        if name in setups:
+            lines += _policy_lines(by, workloads, name)
     return lines
+
+
+def _policy_lines(by: dict[tuple[str, str], dict[str, Any]], workloads: Sequence[str], name: str) -> list[str]:
+    """What a cost-policy setup's engine spent on output against the policy's budget, and where it routed."""
+    budget = load_policy(POLICY_FILE).cost.engine_budget_cores
+    peak = max(by[(name, w)]["engine_output_cores"] for w in workloads)
+    process = max(by[(name, w)]["cpu_s"]["engine"] / by[(name, w)]["wall_s"] for w in workloads)
+    verdict = "within" if peak <= budget else "over"
+    routes = "; ".join(
+        f"{w} " + ", ".join(f"{route} {n}" for route, n in sorted(by[(name, w)]["routes"].items())) for w in workloads
+    )
+    return [
+        (
+            f"{name} engine output-processing CPU (onehop_engine_output_cpu_seconds_total): {peak:.3f} cores in its"
+            f" busiest cell (mean over the cell), {verdict} the policy's engine_budget_cores {budget:g}"
+            f" (whole engine process: {process:.3f} cores in its busiest cell)"
+        ),
+        f"{name} routes picked by the policy (requests): {routes}",
+    ]
 
 
 def _cell(value: Any, metric: str) -> str:
@@ -1048,6 +1121,23 @@ def plot(cells: Sequence[Cell], rows: Sequence[dict[str, Any]], folder: Path) ->
     return written
 
 
+def parse_requests(text: str, default: dict[str, int]) -> dict[str, int]:
+    """`N` (every workload) or `name=N,...` (those named; the others keep the plan's) → requests per workload."""
+    if "=" not in text:
+        pairs = [(name, text) for name in default]
+    else:
+        pairs = [tuple(part.split("=", 1)) for part in text.split(",") if part.strip()]  # type: ignore[misc]
+    requests = dict(default)
+    for name, count in pairs:
+        name = name.strip()
+        if name not in default:
+            raise ValueError(f"unknown workload {name!r}; available: {','.join(default)}")
+        if not count.strip().isdigit() or int(count) < 1:
+            raise ValueError(f"{name}: {count.strip()!r} is not a count of at least 1")
+        requests[name] = int(count)
+    return requests
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="few requests, short outputs (CI)")
@@ -1067,7 +1157,14 @@ def main(argv: list[str] | None = None) -> int:
     load.add_argument("--concurrency", type=int, default=None, help="closed loop: this many streams back to back")
     load.add_argument("--rate", type=float, default=None, help="open loop: Poisson arrivals, requests per second")
     parser.add_argument(
-        "--requests", type=int, default=None, help="measured requests per cell (default: the plan's, per workload)"
+        "--requests",
+        default=None,
+        help="measured requests per cell: N for every workload, or per workload as reasoning=8,short=64"
+        " (default: the plan's, per workload)",
+    )
+    parser.add_argument("--warmup", type=int, default=None, help="unmeasured requests per cell (default: the plan's)")
+    parser.add_argument(
+        "--rounds", type=int, default=None, help="split each cell into this many rounds, interleaved across setups"
     )
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--markdown", type=Path, default=None, help="write the markdown report here")
@@ -1092,9 +1189,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.rate is not None and args.rate <= 0:
         parser.error("--rate must be positive")
     if args.requests is not None:
-        if args.requests < 1:
-            parser.error("--requests must be at least 1")
-        plan = dataclasses.replace(plan, requests=dict.fromkeys(plan.requests, args.requests))
+        try:
+            plan = dataclasses.replace(plan, requests=parse_requests(args.requests, plan.requests))
+        except ValueError as exc:
+            parser.error(f"--requests: {exc}")
+    if args.warmup is not None:
+        if args.warmup < 0:
+            parser.error("--warmup must be at least 0")
+        plan = dataclasses.replace(plan, warmup=args.warmup)
+    if args.rounds is not None:
+        if args.rounds < 1:
+            parser.error("--rounds must be at least 1")
+        plan = dataclasses.replace(plan, rounds=args.rounds)
 
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
         cells, startup_s = runner.run(measure_all(setups, workloads, plan, args.rate, vllm_path))
@@ -1115,7 +1221,7 @@ def main(argv: list[str] | None = None) -> int:
         "setups": {s.name: {"description": s.description, "gateway": s.gateway} for s in setups},
         "planned_setups": PLANNED_SETUPS,
         "workloads": {
-            w.name: {"description": w.description, "max_tokens": plan.max_tokens(w), "requests": plan.requests[w.name]}
+            w.name: {"description": w.description, "max_tokens": list(plan.lengths(w)), "requests": plan.requests[w.name]}
             for w in workloads
         },
         "metrics": list(METRICS),

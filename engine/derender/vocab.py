@@ -101,7 +101,11 @@ class TokenVocab:
         cache = self._pieces
         hit = cache.get(token_id)
         if hit is None:
-            raw = self.piece_bytes(token_id)
+            # A top-logprob candidate may be an id the tokenizer has no entry
+            # for (Qwen3 pads its embeddings past the vocabulary): it shows as
+            # "" with no bytes, as a tokenizer decodes it. Sampled ids are
+            # refused earlier, by `check_ids`.
+            raw = self.piece_bytes(token_id) if 0 <= token_id < self.size else b""
             hit = (raw.decode("utf-8", "replace"), list(raw))
             cache[token_id] = hit
         return hit
