@@ -42,6 +42,8 @@ CAPABILITIES_PATH = "/inference/v1/capabilities"
 PROBE_TIMEOUT_S = 5.0
 ABORT_PATH = "/inference/v1/abort_requests"
 ABORT_TIMEOUT_S = 5.0
+# Below uvicorn's default keep-alive (5 s, vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE) and aiohttp servers' (75 s).
+KEEPALIVE_S = 4.0
 
 
 class _ErrorView(msgspec.Struct):
@@ -102,7 +104,11 @@ class EngineClient:
         timeouts = self._timeouts
         self._stream_timeout = aiohttp.ClientTimeout(total=None, connect=timeouts.connect_s, sock_read=timeouts.idle_s)
         self._json_timeout = aiohttp.ClientTimeout(total=timeouts.request_s, connect=timeouts.connect_s)
-        self._session = aiohttp.ClientSession(timeout=self._stream_timeout, connector=aiohttp.TCPConnector(limit=0))
+        # Idle connections are dropped before the server drops them (vLLM's uvicorn
+        # closes them after 5 s): reusing one the server is closing fails the request
+        # before it is sent, most often when the gateway's loop is busy.
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
+        self._session = aiohttp.ClientSession(timeout=self._stream_timeout, connector=connector)
 
     async def close(self) -> None:
         if self._session is not None:
@@ -187,6 +193,8 @@ class EngineClient:
                         headers=headers,
                         timeout=self._stream_timeout if stream else self._json_timeout,
                     )
+            except aiohttp.ConnectionTimeoutError as exc:  # a TimeoutError too: caught first
+                raise EngineUnavailable(f"cannot connect to the engine within {self._timeouts.connect_s} s") from exc
             except TimeoutError as exc:
                 raise EngineUnavailable(f"the engine did not answer within {limit} s") from exc
             except aiohttp.ClientError as exc:

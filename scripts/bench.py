@@ -2,7 +2,8 @@
 
 Every setup runs in this one invocation, on the same prompts (fixed seeds),
 one cell per setup × workload, cells interleaved (for each workload, every
-setup in turn) so drift on a shared machine hits them alike:
+setup in turn, in `--rounds` rounds) so drift on a shared machine hits them
+alike:
 
 - C: gateway → engine on the `derender` route (the engine sends OpenAI chunks);
 - D: gateway → engine on the `tokens` route (the engine sends ids, the
@@ -28,20 +29,28 @@ else the last line of `bash scripts/setup_vllm.sh`); refused otherwise:
   derender, tier "remote"), `engines` the vLLM server of A (its
   /inference/v1/generate);
 - C-vllm: gateway → `onehop engine --backend vllm` (run with vLLM's python,
-  PYTHONPATH the checkout) on the `derender` route.
+  PYTHONPATH the checkout) on the `derender` route;
+- D-vllm: the same engine, the `tokens` route;
+- E-vllm: the same engine, the cost policy.
 
 vLLM processes are counted as their whole process group (the API server and
-its engine-core child). vLLM on CPU is slow: run these on few, short requests
-(`--quick --workloads short,reasoning --concurrency 4 --requests 8`). The
-random model calls no tools, so the `tools` workload's tool-call check is off
-for them; and it samples its padding ids (embedding rows past the tokenizer's
-vocabulary), which onehop's derender refuses, so every vLLM setup's requests
-carry `logit_bias` -100 on those ids (the sim setups' do not).
+its engine-core children). vLLM on CPU is slow: run these on few requests
+(`--requests reasoning=8,tools=32,logprobs=32,short=64 --warmup 2
+--concurrency 4`). The random model calls no tools, so the `tools` workload's
+tool-call check is off for them; and it samples its padding ids (embedding
+rows past the tokenizer's vocabulary), which onehop's derender refuses, so
+every vLLM setup's requests carry `logit_bias` -100 on those ids (the sim
+setups' do not). vLLM's engine processes busy-poll their shared-memory queues
+for a second after their last message, on the core the next vLLM engine
+computes on; with a vLLM setup in the run every round starts after a
+`VLLM_SETTLE_S` pause, so one server's spinning does not slow the next one's
+steps.
 
 Workloads (`--workloads`, default all), streamed chat with
 `stream_options.include_usage`:
 
-- reasoning: thinking on, long outputs (`max_tokens` 1000, `ignore_eos`);
+- reasoning: thinking on, long outputs (`max_tokens` 1000, 2000, 3000, 4000 in
+  turn; 200 in the quick plan; `ignore_eos`);
 - tools: two tools with `tool_choice: auto`, the sim answers with a Hermes
   tool call (every stream must carry tool-call deltas);
 - logprobs: `logprobs` with `top_logprobs: 20` (policy E sends these to the
@@ -50,7 +59,8 @@ Workloads (`--workloads`, default all), streamed chat with
 
 Load: closed loop (`--concurrency N` workers back to back) or open loop
 (`--rate R`: Poisson arrivals at R requests/s, seeded). Each cell first sends
-`warmup` unmeasured requests, then the measured ones. Per request: TTFT (to
+`warmup` unmeasured requests (in its first round), then the measured ones.
+Per request: TTFT (to
 the first SSE event carrying content, reasoning or tool-call deltas), ITL
 (between consecutive such events), E2E (to the end of the stream), output
 tokens from the usage chunk. Per cell: utime + stime from /proc/PID/stat of
@@ -65,9 +75,10 @@ per tier per setup); without matplotlib the plots are skipped with a note.
 The client shares the machine's cores with the servers: compare rows of one
 run, not runs.
 
-    .venv/bin/python scripts/bench.py [--quick] [--setups C,D,E[,A,B,C-vllm]] [--vllm-python PATH]
-        [--workloads reasoning,tools,logprobs,short]
-        [--concurrency 16 | --rate 40] [--json out.json] [--markdown out.md] [--plots docs]
+    .venv/bin/python scripts/bench.py [--quick] [--setups C,D,E[,A,B,C-vllm,D-vllm,E-vllm]] [--vllm-python PATH]
+        [--workloads reasoning,tools,logprobs,short] [--requests N | --requests reasoning=8,short=64]
+        [--warmup N] [--rounds N] [--concurrency 16 | --rate 40]
+        [--json out.json] [--markdown out.md] [--plots docs]
 """
 
 from __future__ import annotations
@@ -159,7 +170,7 @@ class Setup:
     """Gateway config keys on top of the common ones (model, tokenizer, engines, host, port)."""
     policy: bool = False
     kind: str = "sim"
-    """sim: onehop sim engine; vllm-coupled (A), vllm-three-stage (B), onehop-vllm (C-vllm)."""
+    """sim: onehop sim engine; vllm-coupled (A), vllm-three-stage (B), onehop-vllm (C-vllm, D-vllm, E-vllm)."""
 
     @property
     def vllm(self) -> bool:
@@ -1150,7 +1161,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--vllm-python",
         default=None,
-        help="vLLM's venv python for A, B, C-vllm (default: $ONEHOP_VLLM_PYTHON, else `bash scripts/setup_vllm.sh`)",
+        help="vLLM's venv python for A, B, C-vllm, D-vllm, E-vllm (default: $ONEHOP_VLLM_PYTHON, else `bash scripts/setup_vllm.sh`)",
     )
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of: {', '.join(WORKLOADS)}")
     load = parser.add_mutually_exclusive_group()

@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "bench.py"
 TIMEOUT_S = 120
@@ -95,3 +97,33 @@ def test_unknown_setups_and_vllm_setups_without_vllm_are_refused(tmp_path: Path)
         )
         assert done.returncode != 0 and message in done.stderr, (setups, done.stderr[-1000:])
         assert "available: C,D,E" in done.stderr
+
+
+def test_rounds_split_the_measured_prompts_evenly_after_the_warmup() -> None:
+    bench = load_bench()
+    assert bench.rounds(2, 12, 2) == [(2, 7), (7, 12)]
+    assert bench.rounds(0, 7, 3) == [(0, 2), (2, 4), (4, 7)]
+    assert bench.rounds(1, 3, 5) == [(1, 2), (2, 3)]  # never an empty round
+    spans = bench.rounds(8, 1032, 4)
+    assert spans[0][0] == 8 and spans[-1][1] == 1032
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
+
+
+def test_requests_per_workload_are_parsed_strictly() -> None:
+    bench = load_bench()
+    default = dict(bench.FULL.requests)
+    assert bench.parse_requests("5", default) == dict.fromkeys(default, 5)
+    assert bench.parse_requests("reasoning=8,short=64", default) == {**default, "reasoning": 8, "short": 64}
+    for text, message in (("reasonin=8", "unknown workload 'reasonin'"), ("short=0", "not a count"), ("short=x", "not a count")):
+        with pytest.raises(ValueError, match=message):
+            bench.parse_requests(text, default)
+
+
+def test_reasoning_prompts_cycle_through_one_to_four_thousand_tokens() -> None:
+    bench = load_bench()
+    reasoning = bench.WORKLOADS["reasoning"]
+    chosen = bench.prompts(reasoning, bench.FULL, 8)
+    assert [p.max_tokens for p in chosen] == [1000, 2000, 3000, 4000] * 2
+    assert all(json.loads(p.body)["max_tokens"] == p.max_tokens for p in chosen)
+    assert bench.prompts(reasoning, bench.FULL, 8) == chosen  # seeded: every setup gets the same bodies
+    assert {p.max_tokens for p in bench.prompts(reasoning, bench.QUICK_PLAN, 4)} == {200}
