@@ -679,6 +679,11 @@ def write_gateway_config(
         "engines": [{"url": engine_url}],
         "host": "127.0.0.1",
         "port": port,
+        # A saturated 2-core machine (B's stateless derender takes a whole core) stalls idle
+        # processes for seconds: the benchmark's gateways wait for their engines instead of
+        # opening circuits, which would turn a slow cell into failed requests.
+        "timeouts": {"connect_s": 60},
+        "health": {"check_timeout_s": 30, "failure_threshold": 100},
         **setup.gateway,
     }
     if remote_url is not None:
@@ -1222,7 +1227,7 @@ def main(argv: list[str] | None = None) -> int:
         if vllm_path is None
         else (
             f"{', '.join(s.name for s in setups if not s.vllm) or 'none'} on the sim engine;"
-            f" {', '.join(s.name for s in setups if s.vllm)} on {VLLM_NOTE} ({vllm_path})"
+            f" {', '.join(s.name for s in setups if s.vllm)} on {VLLM_NOTE}"
         ),
         "cpus": os.cpu_count(),
         "plan": dataclasses.asdict(plan),
