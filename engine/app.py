@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 from engine.backends import make_backend
 from engine.backends.base import Backend
 from engine.config import EngineConfig
-from engine.derender.parser import REASONING_PARSERS, TOOL_PARSERS, UnknownParser
+from engine.derender.parsers import reasoning_factory, tool_factory
 from engine.derender.vocab import TokenVocab, vocab_for
 from engine.errors import error_middleware
 from engine.generate import GENERATE_PATH, handle_abort, handle_generate
@@ -66,10 +66,11 @@ def load_vocab(model: str) -> TokenVocab:
 
 
 def _check_parsers(config: EngineConfig) -> None:
-    if config.reasoning_parser is not None and config.reasoning_parser not in REASONING_PARSERS:
-        raise UnknownParser(f"unknown reasoning parser {config.reasoning_parser!r}; known: {sorted(REASONING_PARSERS)}")
-    if config.tool_parser is not None and config.tool_parser not in TOOL_PARSERS:
-        raise UnknownParser(f"unknown tool parser {config.tool_parser!r}; known: {sorted(TOOL_PARSERS)}")
+    """An unknown parser name fails at start with the known names, never per request."""
+    if config.reasoning_parser is not None:
+        reasoning_factory(config.reasoning_parser)
+    if config.tool_parser is not None:
+        tool_factory(config.tool_parser)
 
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:

@@ -23,7 +23,7 @@ from aiohttp import web
 
 from engine.backends.base import BackendError, BackendRequestError
 from engine.derender.errors import DerenderError
-from engine.derender.parser import UnknownParser
+from engine.derender.parsers import UnknownParser
 from engine.openai_schema import ErrorInfo, ErrorResponse
 from engine.protocol import ProtocolError, encode
 

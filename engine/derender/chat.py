@@ -28,17 +28,16 @@ from typing import Any, Literal
 from engine.derender.detokenizer import make_detokenizer
 from engine.derender.logprobs import chat_logprobs
 from engine.derender.markers import MarkerSplitter
-from engine.derender.parser import (
-    REASONING_PARSERS,
+from engine.derender.parsers import (
     TOOL_PARSERS,
-    MarkerIds,
-    OutputParser,
+    ChoiceParser,
+    ParseOptions,
     ToolDelta,
-    UnknownParser,
+    ToolSchema,
+    bind_parsers,
     new_tool_call_id,
-    resolve_markers,
-    starts_in_reasoning,
 )
+from engine.derender.stop import Piece
 from engine.derender.text import TextParams, TextPipeline
 from engine.derender.usage import usage_of
 from engine.derender.vocab import TokenVocab
@@ -72,6 +71,8 @@ class ChatOptions:
     tool_parser: str | None = None
     tools_enabled: bool = False
     """Tools were offered and `tool_choice` is not `none`."""
+    tools: tuple[ToolSchema, ...] = ()
+    """The offered tools' names and parameter schemas (formats that type values by schema)."""
     enable_thinking: bool = True
     include_reasoning: bool = True
     parallel_tool_calls: bool = True
@@ -110,6 +111,7 @@ class ChatOptions:
             reasoning_parser=reasoning_parser,
             tool_parser=tool_parser,
             tools_enabled=bool(request.tools) and request.effective_tool_choice() != "none",
+            tools=tuple(ToolSchema(t.function.name, t.function.parameters) for t in request.tools or ()),
             enable_thinking=bool(kwargs.get("enable_thinking", True)),
             include_reasoning=request.include_reasoning,
             parallel_tool_calls=request.parallel_tool_calls is not False,
@@ -129,28 +131,17 @@ def forced_tool_prefix(request: ChatCompletionRequest, tool_parser: str | None) 
     request primes its parser with the same text, so the call's header comes
     out first and its arguments are what the model writes.
     """
-    if not request.tools or tool_parser is None or tool_parser not in TOOL_PARSERS:
+    factory = TOOL_PARSERS.get(tool_parser) if tool_parser is not None else None
+    if not request.tools or factory is None or factory.forced_prefix is None:
         return None
     choice = request.effective_tool_choice()
     if choice == "required":
         if len(request.tools) == 1:
-            return TOOL_PARSERS[tool_parser].forced_prefix(request.tools[0].function.name)
-        return TOOL_PARSERS[tool_parser].forced_prefix(None)
+            return factory.forced_prefix(request.tools[0].function.name)
+        return factory.forced_prefix(None)
     if choice is None or isinstance(choice, str):
         return None
-    return TOOL_PARSERS[tool_parser].forced_prefix(choice.function.name)
-
-
-def chat_markers(vocab: TokenVocab, options: ChatOptions) -> MarkerIds | None:
-    """The parser markers in this vocabulary, or None when no parser is configured."""
-    if options.reasoning_parser is None and options.tool_parser is None:
-        return None
-    try:
-        reasoning = REASONING_PARSERS[options.reasoning_parser] if options.reasoning_parser else None
-        tools = TOOL_PARSERS[options.tool_parser] if options.tool_parser else None
-    except KeyError as exc:
-        raise UnknownParser(f"unknown parser {exc.args[0]!r}") from exc
-    return resolve_markers(vocab, reasoning, tools)
+    return factory.forced_prefix(choice.function.name)
 
 
 @dataclass(slots=True)
@@ -168,10 +159,9 @@ class ChatChoiceState:
         "_vocab",
         "_options",
         "_text",
-        "_markers",
+        "_parsers",
         "_splitter",
         "_parser",
-        "_counter",
         "_reasoning",
         "_content",
         "_calls",
@@ -194,28 +184,24 @@ class ChatChoiceState:
         self.index = index
         self._vocab = vocab
         self._options = options
-        markers = chat_markers(vocab, options)
-        self._markers = markers
+        parsers = bind_parsers(vocab, options.reasoning_parser, options.tool_parser)
+        self._parsers = parsers
         self._splitter: MarkerSplitter | None = None  # made on the first text-route step
-        atomic = markers.ids if markers is not None else frozenset()
+        atomic = parsers.atomic_ids if parsers is not None else frozenset()
         self._text = TextPipeline(vocab, options.text, atomic_ids=atomic, prompt_token_ids=prompt_token_ids)
-        self._parser: OutputParser | None = None
-        self._counter: _ReasoningCounter | None = None
-        if markers is not None:
-            reasoning = (
-                options.forced_prefix is None
-                and options.reasoning_parser is not None
-                and starts_in_reasoning(prompt_token_ids, markers, enable_thinking=options.enable_thinking)
+        self._parser: ChoiceParser | None = None
+        if parsers is not None:
+            self._parser = parsers.new(
+                ParseOptions(
+                    tools_enabled=options.tools_enabled,
+                    tools=options.tools,
+                    parallel_tool_calls=options.parallel_tool_calls,
+                    enable_thinking=options.enable_thinking,
+                    new_id=new_tool_call_id,
+                ),
+                prompt_token_ids,
+                forced=options.forced_prefix is not None,
             )
-            self._parser = OutputParser(
-                markers,
-                reasoning=reasoning,
-                tools=options.tools_enabled and options.tool_parser is not None,
-                parallel_tool_calls=options.parallel_tool_calls,
-                new_id=new_tool_call_id,
-            )
-            if options.reasoning_parser is not None:
-                self._counter = _ReasoningCounter(markers, reasoning, tools=options.tools_enabled)
             if options.forced_prefix is not None:
                 self._prime(vocab, options.forced_prefix)
         self._reasoning: list[str] = []
@@ -262,14 +248,16 @@ class ChatChoiceState:
         stop_reason: int | str | None = None,
     ) -> ChatCompletionChunkChoice | None:
         """Take one step of an engine's `text` output (stop strings and EOS already applied there)."""
-        if self._splitter is None:
-            self._splitter = MarkerSplitter(self._markers) if self._markers is not None else None
-        if self._splitter is None:
-            pieces = [(text, -1)] if text else []
+        parsers = self._parsers
+        if parsers is None:
+            pieces: list[Piece] = [(text, -1)] if text else []
         else:
+            if self._splitter is None:
+                self._splitter = MarkerSplitter(parsers.marker_ids)
             pieces = self._splitter.feed(text) if text else []
             if finish_reason is not None:
                 pieces += self._splitter.finish()
+            pieces = _with_token_ids(pieces, token_ids)
         if logprobs is not None and self._options.logprobs:
             top = self._options.top_logprobs
             for entry in logprobs:  # text mode sends every candidate; the client asked for `top`
@@ -289,8 +277,6 @@ class ChatChoiceState:
         stop_reason: int | str | None,
     ) -> ChatCompletionChunkChoice | None:
         self.token_ids.extend(kept)
-        if self._counter is not None:
-            self.reasoning_tokens = self._counter.feed(kept)
         reasoning, content, tool_deltas = self._parse(pieces, finish_reason is not None)
         self._reasoning.append(reasoning)
         self._content.append(content)
@@ -309,6 +295,7 @@ class ChatChoiceState:
         parser.feed(pieces)
         if finishing:
             parser.finish()
+        self.reasoning_tokens = parser.reasoning_tokens
         return parser.drain()
 
     def _collect_calls(self, deltas: list[ToolDelta]) -> None:
@@ -425,27 +412,23 @@ def _merge_tool_deltas(deltas: list[ToolDelta]) -> list[DeltaToolCall]:
     return merged
 
 
-class _ReasoningCounter:
-    """Counts output tokens inside reasoning, markers excluded, from ids alone."""
-
-    __slots__ = ("_start", "_end", "_tool", "_inside", "count")
-
-    def __init__(self, markers: MarkerIds, inside: bool, *, tools: bool) -> None:
-        self._start = markers.think_start
-        self._end = markers.think_end
-        self._tool = markers.tool_start if tools else -1
-        self._inside = inside
-        self.count = 0
-
-    def feed(self, token_ids: Sequence[int]) -> int:
-        for token_id in token_ids:
-            if token_id == self._start:
-                self._inside = True
-            elif token_id == self._end or token_id == self._tool:
-                self._inside = False
-            elif self._inside:
-                self.count += 1
-        return self.count
+def _with_token_ids(pieces: list[Piece], token_ids: Sequence[int]) -> list[Piece]:
+    """Text-route pieces carry no token ids: add each of the step's ids that no marker
+    piece owns as an empty piece after the text it belongs to (ids before a marker's
+    id precede that marker), so the reasoning stage counts tokens as on the token route."""
+    if not token_ids:
+        return pieces
+    out: list[Piece] = []
+    position = 0
+    for piece in pieces:
+        if piece[1] >= 0:
+            while position < len(token_ids) and token_ids[position] != piece[1]:
+                out.append(("", token_ids[position]))
+                position += 1
+            position += 1
+        out.append(piece)
+    out.extend(("", token_id) for token_id in token_ids[position:])
+    return out
 
 
 class ChatDerender:

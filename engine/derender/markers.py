@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import re
 
-from engine.derender.parser import MarkerIds
+from collections.abc import Mapping
+
 from engine.derender.stop import Piece
 
 
 class MarkerSplitter:
     __slots__ = ("_ids", "_pattern", "_prefixes", "_longest", "_held")
 
-    def __init__(self, markers: MarkerIds) -> None:
-        self._ids = {text: token_id for token_id, (_, text) in markers.by_id.items()}
+    def __init__(self, marker_ids: Mapping[str, int]) -> None:
+        self._ids = dict(marker_ids)
         ordered = sorted(self._ids, key=len, reverse=True)
         self._pattern = re.compile("|".join(re.escape(text) for text in ordered)) if ordered else None
         self._prefixes = frozenset(text[:size] for text in ordered for size in range(1, len(text)))

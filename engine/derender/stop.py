@@ -168,7 +168,11 @@ class StopStrings:
         offset = 0
         for piece_text, token_id in self._pending[: n_old + kept_new]:
             if offset >= keep_to:
-                break
+                # The stop string's own tokens stay as empty pieces: no text, but the
+                # parsers still see the ids (reasoning-token counts include them).
+                if token_id >= 0:
+                    out.append(("", token_id))
+                continue
             piece_end = offset + len(piece_text)
             if piece_end > keep_to:
                 piece_text = piece_text[: keep_to - offset]

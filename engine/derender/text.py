@@ -94,9 +94,11 @@ class TextPipeline:
             raise OutputFinished("tokens arrived after the choice finished")
         self._vocab.check_ids(token_ids)
         decoded = token_ids
+        silent: int | None = None  # the EOS / stop token: its id is kept, its text is not
         if finish_reason is not None and token_ids and not self._include_stop:
             if ends_on_stop_token(finish_reason, stop_reason):
                 decoded = token_ids[:-1]
+                silent = token_ids[-1]
         step = self._detok.step
         pieces: list[Piece] = [(step(token_id), token_id) for token_id in decoded]
         if finish_reason is not None:
@@ -112,6 +114,8 @@ class TextPipeline:
                 finish_reason, stop_reason = "stop", hit.stop
             elif finish_reason is not None:
                 pieces += stop.finish()
+        if silent is not None and kept == len(token_ids):
+            pieces.append(("", silent))
         if finish_reason is not None:
             self.finished = True
         return TextStep(pieces=pieces, kept=kept, finish_reason=finish_reason, stop_reason=stop_reason)

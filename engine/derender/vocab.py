@@ -48,7 +48,7 @@ class TokenVocab:
     content; `special_ids` are the ones `skip_special_tokens` removes.
     """
 
-    __slots__ = ("backend", "byte_level", "token_bytes", "added_text", "special_ids", "size", "_pieces")
+    __slots__ = ("backend", "byte_level", "token_bytes", "added_text", "special_ids", "size", "parsers", "_pieces")
 
     def __init__(
         self,
@@ -66,6 +66,8 @@ class TokenVocab:
         self.added_text = added_text
         self.special_ids = special_ids
         self.size = size
+        self.parsers: dict[tuple[str | None, str | None], object] = {}
+        """Parser families bound to this vocabulary, by (reasoning, tool) name (`bind_parsers`)."""
         self._pieces: dict[int, tuple[str, list[int]]] = {}
 
     def __repr__(self) -> str:

@@ -1,0 +1,131 @@
+"""One choice's parsing: the reasoning stage, then the tool-call stage, as one object.
+
+`ParserSet` is a parser configuration bound to a vocabulary, built once per
+(vocabulary, reasoning name, tool name) and cached on the vocabulary; each
+choice gets a `ChoiceParser` from it. Every decision depends on the text order
+only, never on how it was chunked, so any chunking yields the same joined
+output (the master test).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from engine.derender.parsers.base import (
+    BoundReasoning,
+    BoundTools,
+    ParseOptions,
+    ReasoningParser,
+    ToolDelta,
+    ToolParser,
+)
+from engine.derender.parsers.registry import reasoning_factory, tool_factory
+from engine.derender.stop import Piece
+from engine.derender.vocab import TokenVocab
+
+
+class ParserSet:
+    """Reasoning and tool families bound to one vocabulary."""
+
+    __slots__ = ("reasoning", "tools", "marker_ids", "atomic_ids")
+
+    def __init__(self, reasoning: BoundReasoning | None, tools: BoundTools | None) -> None:
+        self.reasoning = reasoning
+        self.tools = tools
+        marker_ids: dict[str, int] = {}
+        for bound in (reasoning, tools):
+            if bound is not None:
+                marker_ids.update(bound.markers.by_text)
+        self.marker_ids = marker_ids
+        """Every marker's text → id: what the text route looks for in text."""
+        self.atomic_ids = frozenset(marker_ids.values())
+        """Ids whose text stop strings must never split from the id."""
+
+    def new(self, options: ParseOptions, prompt_token_ids: Sequence[int], *, forced: bool) -> ChoiceParser:
+        """A choice's parser. `forced`: the prompt ends inside a forced tool call (no reasoning)."""
+        tools_on = options.tools_enabled and self.tools is not None
+        strays = self.reasoning.strays if self.reasoning is not None else {}
+        tools = self.tools.new(options, strays=strays) if tools_on and self.tools is not None else None
+        reasoning: ReasoningParser | None = None
+        if self.reasoning is not None:
+            in_reasoning = not forced and self.reasoning.starts_in_reasoning(prompt_token_ids, options)
+            starts: Mapping[int, str] = self.tools.starts if tools is not None and self.tools is not None else {}
+            reasoning = self.reasoning.new(options, in_reasoning=in_reasoning, tool_starts=starts)
+        return ChoiceParser(reasoning, tools, strays)
+
+
+def bind_parsers(vocab: TokenVocab, reasoning: str | None, tools: str | None) -> ParserSet | None:
+    """The bound families for these names, or None when no parser is configured."""
+    if reasoning is None and tools is None:
+        return None
+    key = (reasoning, tools)
+    cached = vocab.parsers.get(key)
+    if cached is None:
+        cached = ParserSet(
+            reasoning_factory(reasoning).bind(vocab) if reasoning is not None else None,
+            tool_factory(tools).bind(vocab) if tools is not None else None,
+        )
+        vocab.parsers[key] = cached
+    assert isinstance(cached, ParserSet)
+    return cached
+
+
+class ChoiceParser:
+    """Reasoning + tool-call parsing of one choice. Feed pieces, drain deltas."""
+
+    __slots__ = ("_reasoning", "_tools", "_strays", "_reasoning_out", "_content_out")
+
+    def __init__(
+        self, reasoning: ReasoningParser | None, tools: ToolParser | None, strays: Mapping[int, str]
+    ) -> None:
+        self._reasoning = reasoning
+        self._tools = tools
+        self._strays = strays
+        self._reasoning_out: list[str] = []
+        self._content_out: list[str] = []
+
+    @property
+    def reasoning_tokens(self) -> int:
+        return self._reasoning.reasoning_tokens if self._reasoning is not None else 0
+
+    @property
+    def calls(self) -> int:
+        return self._tools.calls if self._tools is not None else 0
+
+    def feed(self, pieces: Sequence[Piece]) -> None:
+        if self._reasoning is not None:
+            pieces = self._reasoning.feed(pieces, self._reasoning_out)
+        if pieces:
+            self._content(pieces)
+
+    def finish(self) -> None:
+        """The output ended: flush the reasoning stage into content, close an open call."""
+        if self._reasoning is not None:
+            rest = self._reasoning.finish(self._reasoning_out)
+            if rest:
+                self._content(rest)
+        if self._tools is not None:
+            self._tools.finish()
+
+    def drain(self) -> tuple[str, str, list[ToolDelta]]:
+        """(reasoning, content, tool deltas) produced since the last drain."""
+        reasoning = "".join(self._reasoning_out) if self._reasoning_out else ""
+        self._reasoning_out = []
+        if self._tools is not None:
+            content, deltas = self._tools.drain()
+            return reasoning, content, deltas
+        content = "".join(self._content_out) if self._content_out else ""
+        self._content_out = []
+        return reasoning, content, []
+
+    def _content(self, pieces: Sequence[Piece]) -> None:
+        if self._tools is not None:
+            self._tools.feed(pieces)
+            return
+        strays, out = self._strays, self._content_out
+        for text, token_id in pieces:
+            marker = strays.get(token_id)
+            if marker is not None and text.endswith(marker):
+                text = text[: len(text) - len(marker)]
+            if text:
+                out.append(text)

@@ -1,0 +1,101 @@
+"""Reasoning between a start and an end marker (`<think>` … `</think>`): Qwen3 and kin.
+
+States of one choice:
+
+    REASONING --end-------> DONE   (the end marker is dropped)
+    REASONING --start-----> REASONING  (a start marker is absorbed)
+    REASONING --tool start-> DONE  (implicit end; the marker goes on to the tool parser)
+    DONE: every piece is content; a duplicate end marker is dropped outside calls.
+
+Whether a choice starts in REASONING comes from the rendered prompt: the
+generation turn is scanned back to its opening token (DERENDER_CASES 12).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from engine.derender.parsers.base import BoundReasoning, Markers, ParseOptions, ReasoningParser
+from engine.derender.stop import Piece
+from engine.derender.vocab import TokenVocab
+
+
+@dataclass(frozen=True, slots=True)
+class ThinkSyntax:
+    start: str
+    end: str
+    turn_start: str
+    """Token that opens a chat turn; the prompt is scanned back to it for markers."""
+    tool_ends_reasoning: bool = True
+    """A tool-call opening inside reasoning ends it (Qwen3's grammar does this)."""
+
+
+class BoundThink(BoundReasoning):
+    def __init__(self, vocab: TokenVocab, syntax: ThinkSyntax) -> None:
+        self.syntax = syntax
+        self.markers = Markers(vocab, (syntax.start, syntax.end))
+        self._start = self.markers.id(syntax.start)
+        self._end = self.markers.id(syntax.end)
+        self.strays = {self._end: syntax.end}
+        turn = vocab.token_id(syntax.turn_start)
+        self._turn = -1 if turn is None else turn
+
+    def starts_in_reasoning(self, prompt_token_ids: Sequence[int], options: ParseOptions) -> bool:
+        """A trailing `</think>` in the prompt (as `enable_thinking=false` renders) means
+        content; a trailing `<think>` (a template that pre-opens it) means reasoning.
+        With neither, reasoning is on unless thinking was disabled: Qwen3 opens
+        `<think>` itself and that marker is absorbed."""
+        for token_id in reversed(prompt_token_ids):
+            if token_id == self._end:
+                return False
+            if token_id == self._start:
+                return True
+            if token_id == self._turn:
+                break
+        return options.enable_thinking
+
+    def new(self, options: ParseOptions, *, in_reasoning: bool, tool_starts: Mapping[int, str]) -> ReasoningParser:
+        return ThinkReasoning(
+            self, in_reasoning=in_reasoning, tool_starts=tool_starts if self.syntax.tool_ends_reasoning else {}
+        )
+
+
+_START, _END, _TOOL = range(3)
+
+
+class ThinkReasoning(ReasoningParser):
+    __slots__ = ("_by_id", "_done", "reasoning_tokens")
+
+    def __init__(self, bound: BoundThink, *, in_reasoning: bool, tool_starts: Mapping[int, str]) -> None:
+        by_id: dict[int, tuple[int, str]] = {token_id: (_TOOL, text) for token_id, text in tool_starts.items()}
+        by_id[bound.markers.id(bound.syntax.start)] = (_START, bound.syntax.start)
+        by_id[bound.markers.id(bound.syntax.end)] = (_END, bound.syntax.end)
+        self._by_id = by_id
+        self._done = not in_reasoning
+        self.reasoning_tokens = 0
+
+    def feed(self, pieces: Sequence[Piece], reasoning: list[str]) -> Sequence[Piece]:
+        if self._done:
+            return pieces
+        by_id = self._by_id
+        for i, (text, token_id) in enumerate(pieces):  # hot loop while reasoning
+            marker = by_id.get(token_id)
+            if marker is None or not text.endswith(marker[1]):
+                if text:
+                    reasoning.append(text)
+                if token_id >= 0:
+                    self.reasoning_tokens += 1
+                continue
+            head = text[: len(text) - len(marker[1])]
+            if head:
+                reasoning.append(head)
+            kind = marker[0]
+            if kind == _START:
+                continue
+            self._done = True
+            rest = pieces[i + 1 :]
+            if kind == _TOOL:
+                return [(marker[1], token_id), *rest]
+            return rest
+        return ()
