@@ -57,6 +57,14 @@ class ToolSchema:
 
 
 @dataclass(frozen=True, slots=True)
+class ToolCallText:
+    """A call to write in a family's format: the name and its arguments as a JSON object."""
+
+    name: str
+    arguments: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
 class ParseOptions:
     """The request's say in parsing, resolved once per request."""
 
@@ -177,6 +185,9 @@ class ReasoningFactory:
 
     name: str
     bind: Callable[[TokenVocab], BoundReasoning]
+    format_reasoning: Callable[[str], str] | None = None
+    """The text a model of this family writes for a reasoning block (the sim backend and
+    test vectors use it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +196,8 @@ class ToolFactory:
 
     name: str
     bind: Callable[[TokenVocab], BoundTools]
+    format_calls: Callable[[Sequence[ToolCallText]], str] | None = None
+    """The text a model of this family writes for these calls (sim backend, test vectors)."""
     forced_prefix: Callable[[str | None], str] | None = None
     """Text that opens a call, appended to the prompt to force `tool_choice` (onehop
     has no guided decoding): a function name, or None for "required" with several

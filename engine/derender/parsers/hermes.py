@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 
-from engine.derender.parsers.base import BoundTools, Markers, ParseOptions, ToolDelta, ToolParser
+from engine.derender.parsers.base import BoundTools, Markers, ParseOptions, ToolCallText, ToolDelta, ToolParser
 from engine.derender.parsers.content import ContentText
 from engine.derender.stop import Piece
 from engine.derender.toolcall import ToolCallBody
@@ -34,6 +34,15 @@ class BoundHermes(BoundTools):
 
     def new(self, options: ParseOptions, *, strays: Mapping[int, str]) -> ToolParser:
         return HermesParser(self.markers, options, strays=strays)
+
+
+def format_calls(calls: Sequence[ToolCallText]) -> str:
+    """How Qwen3 writes calls: one `<tool_call>` block per call, JSON as `json.dumps` spaces it."""
+    return "\n".join(
+        f'{START}\n{{"name": {json.dumps(c.name, ensure_ascii=False)}, '
+        f'"arguments": {json.dumps(dict(c.arguments), ensure_ascii=False)}}}\n{END}'
+        for c in calls
+    )
 
 
 def forced_prefix(name: str | None) -> str:

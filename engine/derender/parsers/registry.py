@@ -6,9 +6,11 @@ line here. Aliases are the same factory under a second name, as in vLLM.
 
 from __future__ import annotations
 
+import functools
+
 from engine.derender.parsers.base import ReasoningFactory, ToolFactory, UnknownParser
 from engine.derender.parsers import hermes
-from engine.derender.parsers.think import BoundThink, ThinkSyntax
+from engine.derender.parsers.think import BoundThink, ThinkSyntax, format_think
 from engine.derender.vocab import TokenVocab
 
 QWEN3_THINK = ThinkSyntax(start="<think>", end="</think>", turn_start="<|im_start|>")
@@ -19,10 +21,10 @@ def _qwen3(vocab: TokenVocab) -> BoundThink:
 
 
 REASONING_PARSERS: dict[str, ReasoningFactory] = {
-    "qwen3": ReasoningFactory("qwen3", _qwen3),
+    "qwen3": ReasoningFactory("qwen3", _qwen3, functools.partial(format_think, QWEN3_THINK)),
 }
 TOOL_PARSERS: dict[str, ToolFactory] = {
-    "hermes": ToolFactory("hermes", hermes.BoundHermes, hermes.forced_prefix),
+    "hermes": ToolFactory("hermes", hermes.BoundHermes, hermes.format_calls, hermes.forced_prefix),
 }
 
 

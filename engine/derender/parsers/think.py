@@ -31,6 +31,11 @@ class ThinkSyntax:
     """A tool-call opening inside reasoning ends it (Qwen3's grammar does this)."""
 
 
+def format_think(syntax: ThinkSyntax, text: str) -> str:
+    """A reasoning block as Qwen3 writes it: the markers on their own lines, a blank line after."""
+    return f"{syntax.start}\n{text}\n{syntax.end}\n\n"
+
+
 class BoundThink(BoundReasoning):
     def __init__(self, vocab: TokenVocab, syntax: ThinkSyntax) -> None:
         self.syntax = syntax
