@@ -21,7 +21,8 @@ from tokenizers import Tokenizer
 from engine.backends import make_backend
 from engine.backends.base import Backend
 from engine.config import EngineConfig
-from engine.derender.parsers import reasoning_factory, tool_factory
+from engine.derender.parsers import REASONING_PARSERS, TOOL_PARSERS, UnknownParser
+from engine.derender.parsers.detect import resolve
 from engine.derender.vocab import TokenVocab, vocab_for
 from engine.errors import error_middleware
 from engine.generate import GENERATE_PATH, handle_abort, handle_generate
@@ -48,6 +49,10 @@ class Capabilities(msgspec.Struct, kw_only=True):
     reasoning_parser: str | None
     tool_parser: str | None
     reasoning_field: str
+    parsers: dict[str, str] = {}
+    """Each configured parser name → who parses it: `onehop` (natively) or `vllm` (in-process)."""
+    parser_choice: str = ""
+    """How the parser names were chosen: `configured`, or what `auto` detection saw."""
 
 
 @functools.lru_cache(maxsize=4)
@@ -65,12 +70,20 @@ def load_vocab(model: str) -> TokenVocab:
     return vocab_for(AutoTokenizer.from_pretrained(model))
 
 
-def _check_parsers(config: EngineConfig) -> None:
-    """An unknown parser name fails at start with the known names, never per request."""
-    if config.reasoning_parser is not None:
-        reasoning_factory(config.reasoning_parser)
-    if config.tool_parser is not None:
-        tool_factory(config.tool_parser)
+def resolve_parsers(config: EngineConfig) -> tuple[EngineConfig, str]:
+    """Settle `auto` from the model folder and check every name: an unknown parser fails
+    at start with the known names, never per request. Returns the config and how."""
+    if config.tokens_only:
+        return msgspec.structs.replace(config, reasoning_parser=None, tool_parser=None), "tokens only"
+    found = resolve(config.model, config.reasoning_parser, config.tool_parser)
+    for name, known, kind in (
+        (found.reasoning, REASONING_PARSERS, "reasoning"),
+        (found.tool, TOOL_PARSERS, "tool"),
+    ):
+        if name is not None and name not in known:
+            raise UnknownParser(f"unknown {kind} parser {name!r} ({found.why}); known: {', '.join(sorted(known))}")
+    log.info("engine parsers: reasoning %s, tool %s (%s)", found.reasoning, found.tool, found.why)
+    return msgspec.structs.replace(config, reasoning_parser=found.reasoning, tool_parser=found.tool), found.why
 
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
@@ -86,10 +99,11 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
 
 
 def create_app(config: EngineConfig, *, backend: Backend | None = None) -> web.Application:
-    _check_parsers(config)
+    config, parser_choice = resolve_parsers(config)
     app = web.Application(middlewares=[error_middleware], client_max_size=config.max_body_bytes)
     app[ENGINE] = EngineState(
         config=config,
+        parser_choice=parser_choice,
         backend=backend if backend is not None else make_backend(config),
         tracing=Tracing(config.tracing, "onehop-engine"),
     )
@@ -139,6 +153,8 @@ async def handle_capabilities(http: web.Request) -> web.Response:
             reasoning_parser=state.config.reasoning_parser if has_text else None,
             tool_parser=state.config.tool_parser if has_text else None,
             reasoning_field=state.config.reasoning_field,
+            parsers=state.parsers() if has_text else {},
+            parser_choice=state.parser_choice,
         )
     )
 

@@ -29,8 +29,10 @@ class EngineConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     port: Annotated[int, Meta(ge=0, le=65535)] = DEFAULT_PORT
     tokens_only: bool = False
     """No tokenizer: only `output_mode: "tokens"` without stop strings is served, like vLLM's flag."""
-    reasoning_parser: str | None = "qwen3"
-    tool_parser: str | None = "hermes"
+    reasoning_parser: str | None = "auto"
+    """vLLM's `--reasoning-parser` name; `auto` reads the family from the model folder."""
+    tool_parser: str | None = "auto"
+    """vLLM's `--tool-call-parser` name; `auto` reads the family from the model folder."""
     reasoning_field: ReasoningField = "reasoning"
     max_body_bytes: Annotated[int, Meta(ge=1024)] = DEFAULT_MAX_BODY_BYTES
     tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)

@@ -32,6 +32,13 @@ class EngineState:
     """None until the tokenizer is loaded, and always None with `tokens_only`."""
     running: dict[str, RunningRequest] = field(default_factory=dict)
     ready: bool = False
+    parser_choice: str = "configured"
+    """How the parser names were settled (`configured`, or what `auto` detection saw)."""
+
+    def parsers(self) -> dict[str, str]:
+        """The parsers this engine serves, by name, and who runs them."""
+        names = (self.config.reasoning_parser, self.config.tool_parser)
+        return {name: "onehop" for name in names if name is not None}
 
     @property
     def model(self) -> str:

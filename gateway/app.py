@@ -18,6 +18,8 @@ from aiohttp import web
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from engine.app import load_vocab, new_event_loop
+from engine.derender.parsers import REASONING_PARSERS, TOOL_PARSERS
+from engine.derender.parsers.detect import resolve
 from engine.openai_schema import ModelCard, ModelList
 from engine.telemetry import Tracing, extract
 from gateway.admission import Gate
@@ -174,7 +176,25 @@ async def _route_header(request: web.Request, response: web.StreamResponse) -> N
         response.headers[POLICY_RESPONSE_HEADER] = reason
 
 
+def resolve_parsers(config: GatewayConfig) -> tuple[GatewayConfig, bool]:
+    """Settle `auto` from the tokenizer folder; also whether the gateway can parse these
+    families itself (if not, chat only takes routes where the engine parses)."""
+    found = resolve(config.tokenizer, config.reasoning_parser, config.tool_parser)
+    local = (found.reasoning is None or found.reasoning in REASONING_PARSERS) and (
+        found.tool is None or found.tool in TOOL_PARSERS
+    )
+    log.info(
+        "gateway parsers: reasoning %s, tool %s (%s)%s",
+        found.reasoning,
+        found.tool,
+        found.why,
+        "" if local else "; onehop lacks one of them, so chat takes only engine-parsed routes",
+    )
+    return msgspec.structs.replace(config, reasoning_parser=found.reasoning, tool_parser=found.tool), local
+
+
 def create_app(config: GatewayConfig, *, renderer: LocalRenderer | None = None) -> web.Application:
+    config, parses_locally = resolve_parsers(config)
     # Outermost first: every answer (401 and 429 included) is observed and in OpenAI's shape.
     middlewares = [observe_middleware, gateway_error_middleware, auth_middleware, admission_middleware]
     app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
@@ -192,7 +212,12 @@ def create_app(config: GatewayConfig, *, renderer: LocalRenderer | None = None) 
         )
 
     app[GATEWAY] = GatewayState(
-        config=config, engines=client(config.engines), renderer=renderer, tracing=tracing, metrics=metrics
+        config=config,
+        engines=client(config.engines),
+        renderer=renderer,
+        tracing=tracing,
+        metrics=metrics,
+        parses_locally=parses_locally,
     )
     app[GATEWAY].pools = {name: client(members) for name, members in config.pools.items()}
     if config.prefill_engines:

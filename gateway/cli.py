@@ -72,8 +72,8 @@ def _add_engine(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     engine.add_argument("--host", default="127.0.0.1")
     engine.add_argument("--port", type=int, default=8100)
     engine.add_argument("--tokens-only", action="store_true", help="load no tokenizer: tokens mode only")
-    engine.add_argument("--reasoning-parser", default="qwen3", help="reasoning parser, or 'none'")
-    engine.add_argument("--tool-parser", default="hermes", help="tool-call parser, or 'none'")
+    engine.add_argument("--reasoning-parser", default="auto", help="vLLM reasoning parser name, auto (from the model folder) or none")
+    engine.add_argument("--tool-parser", default="auto", help="vLLM tool-call parser name, auto (from the model folder) or none")
     engine.add_argument(
         "--reasoning-field", choices=["reasoning", "reasoning_content", "both"], default="reasoning"
     )

@@ -130,8 +130,11 @@ class GatewayConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     render: Literal["local", "remote"] = "local"
     remote_url: str | None = None
     """vLLM server for remote render and the tokens-remote route."""
-    reasoning_parser: str | None = "qwen3"
-    tool_parser: str | None = "hermes"
+    reasoning_parser: str | None = "auto"
+    """vLLM's `--reasoning-parser` name for the text and tokens routes; `auto` reads the
+    family from the tokenizer folder. A name onehop lacks leaves chat on the derender route."""
+    tool_parser: str | None = "auto"
+    """vLLM's `--tool-call-parser` name; `auto` as for `reasoning_parser`."""
     reasoning_field: Literal["reasoning", "reasoning_content", "both"] = "reasoning"
     timeouts: Timeouts = msgspec.field(default_factory=Timeouts)
     max_body_bytes: Annotated[int, Meta(ge=1024)] = MAX_BODY_BYTES

@@ -50,6 +50,8 @@ from gateway.state import GATEWAY, GatewayState
 from gateway.validate import check_chat, check_chat_limits, check_completion, check_completion_limits
 
 ROUTE_HEADER = "onehop-route"
+GATEWAY_PARSED = frozenset({"text", "tokens"})
+"""Routes on which the gateway itself parses reasoning and tool calls."""
 """Request header that picks the route (when the config allows it); the response names the route taken."""
 ROUTE_KEY = web.RequestKey("onehop_route", str)
 REASON_KEY = web.RequestKey("onehop_policy_reason", str)
@@ -93,6 +95,8 @@ async def _decide(
     """The override header if allowed, else the policy's decision; with its basis (rule name,
     `cost`, `default` or `header`), a bounded label for metrics, and the rule's pool."""
     available = await engines.routes(url)
+    if features.endpoint == "chat" and not state.parses_locally:
+        available = available - GATEWAY_PARSED  # a capability fallback: the engine must parse
     wanted = http.headers.get(ROUTE_HEADER)
     if wanted and state.config.route_header:
         if wanted not in ROUTES:

@@ -39,6 +39,8 @@ class GatewayState:
     """The prefill pool's client when serving is disaggregated."""
     key_file: WatchedFile[Keys] | None = None
     env_keys: Keys = field(default_factory=dict)
+    parses_locally: bool = True
+    """onehop implements the configured parsers, so the text and tokens routes can parse chat."""
     background: set[asyncio.Task[None]] = field(default_factory=set)
     """Aborts sent after a client left; kept referenced until done."""
 
