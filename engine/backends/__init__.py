@@ -10,12 +10,26 @@ from engine.backends.base import Backend
 from engine.config import EngineConfig, convert_backend_config
 
 
+def _sim_formats(config: EngineConfig) -> dict[str, str]:
+    """The simulator writes in the engine's parser families, where it knows how to."""
+    from engine.derender.parsers import REASONING_PARSERS, TOOL_PARSERS
+
+    formats: dict[str, str] = {}
+    reasoning = REASONING_PARSERS.get(config.reasoning_parser or "")
+    if reasoning is not None and reasoning.format_reasoning is not None:
+        formats["reasoning_format"] = reasoning.name
+    tools = TOOL_PARSERS.get(config.tool_parser or "")
+    if tools is not None and tools.format_calls is not None:
+        formats["tool_format"] = tools.name
+    return formats
+
+
 def make_backend(config: EngineConfig) -> Backend:
     name = config.served_model_name
     if config.backend == "sim":
         from engine.backends.sim import SimBackend, SimBackendConfig
 
-        base = {"tokenizer": config.model, **({"served_model_name": name} if name else {})}
+        base = {"tokenizer": config.model, **({"served_model_name": name} if name else {}), **_sim_formats(config)}
         return SimBackend(convert_backend_config(config, SimBackendConfig, base))
     if config.backend == "hf":
         from engine.backends.hf import HFBackend, HFBackendConfig

@@ -2,8 +2,9 @@
 
 For load tests and benchmarks of everything above the backend (engine server,
 derender, gateway): the simulator answers `/inference/v1/generate` at a
-configured pace with output that the Qwen3 reasoning and Hermes tool parsers
-accept, without a GPU or model weights.
+configured pace with output in the format of the engine's reasoning and tool
+parser families (Qwen3 `<think>` and Hermes calls unless told otherwise),
+without a GPU or model weights.
 
 Configuration (`SimBackendConfig`, decoded strictly: unknown keys are errors)::
 
@@ -17,6 +18,8 @@ Configuration (`SimBackendConfig`, decoded strictly: unknown keys are errors)::
     max_model_len       prompt + output limit (32768)
     reasoning           auto mode thinks when the prompt leaves thinking open (true)
     output_tokens       auto mode content length in tokens; null: 16-64 words
+    reasoning_format    the reasoning family written ("qwen3"; the engine's parser)
+    tool_format         the tool-call family written ("hermes"; the engine's parser)
 
 What each mode plans before the token rules below apply:
 
@@ -37,8 +40,8 @@ What each mode plans before the token rules below apply:
      as Qwen3 writes it when told not to think, so parsers still see content.
   2. A tool call, when the system turn holds a ``<tools>`` block (one JSON
      tool per line, as the Qwen3 chat template renders them): one of the
-     tools, chosen by the seed, called in Hermes format
-     ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``. The
+     tools, chosen by the seed, called in ``tool_format``'s format (Hermes:
+     ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``). The
      arguments follow the tool's JSON-schema ``parameters``: every required
      property and about half of the optional ones; ``const``/``enum`` give
      their (first) value, ``anyOf``/``oneOf`` their first option, strings
@@ -48,7 +51,8 @@ What each mode plans before the token rules below apply:
   A prompt that ends inside an opened ``<tool_call>`` (how the gateway
      forces ``tool_choice`` "required" or a named function) is continued
      instead: the rest of the call for the named tool (or one chosen by the
-     seed), then ``</tool_call>`` and EOS, with no reasoning.
+     seed), then EOS, with no reasoning. (Families whose calls open with
+     another marker are not continued this way.)
   3. Otherwise content: sentences of plain words with a few multi-byte ones
      (``世界``, ``🫠``, ``𓀀``, ``café``) so detokenizers meet split
      characters; ``output_tokens`` tokens exactly, or 16-64 words.
@@ -132,6 +136,8 @@ from engine.backends.base import (
     BackendRequestError,
     FinishReason,
 )
+from engine.derender.parsers import REASONING_PARSERS, TOOL_PARSERS
+from engine.derender.parsers.base import ToolCallText
 from engine.protocol import GenerateLogProb, GenerateLogProbsContent
 
 __all__ = ["MAX_LOGPROBS", "SimBackend", "SimBackendConfig", "SimConfigError"]
@@ -162,6 +168,7 @@ _TOOLS_OPEN = "<tools>\n"
 _TOOL_CALL_START = "<tool_call>"
 _TOOL_CALL_END = "</tool_call>"
 _OPEN_CALL_WINDOW = 64
+_SLOT = "\x00"  # stands for the reasoning text when a family's reasoning block is split in two
 _TOOLS_CLOSE = "\n</tools>"
 
 
@@ -182,6 +189,8 @@ class SimBackendConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     max_model_len: Annotated[int, Meta(ge=1)] = 32768
     reasoning: bool = True
     output_tokens: Annotated[int, Meta(ge=0)] | None = None
+    reasoning_format: str = "qwen3"
+    tool_format: str = "hermes"
 
     def __post_init__(self) -> None:
         # Constructing directly skips the Meta checks; a zero step would never end one.
@@ -189,6 +198,12 @@ class SimBackendConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
             raise SimConfigError(f"tokens_per_step must be at least 1, got {self.tokens_per_step}")
         if self.mode == "script" and not self.script:
             raise SimConfigError("mode 'script' needs at least one text in script")
+        reasoning = REASONING_PARSERS.get(self.reasoning_format)
+        if reasoning is None or reasoning.format_reasoning is None:
+            raise SimConfigError(f"the simulator cannot write reasoning as {self.reasoning_format!r}")
+        tools = TOOL_PARSERS.get(self.tool_format)
+        if tools is None or tools.format_calls is None:
+            raise SimConfigError(f"the simulator cannot write tool calls as {self.tool_format!r}")
 
 
 # ------------------------------------------------------------ tokenizer side
@@ -628,8 +643,15 @@ class SimBackend:
             vocab_size=_vocab_size(tokenizer),
             eos_token_ids=frozenset(self._eos),
         )
-        self._think_open = self._encode("<think>\n")
-        self._think_close = self._encode("\n</think>\n\n")
+        write_reasoning = REASONING_PARSERS[config.reasoning_format].format_reasoning
+        assert write_reasoning is not None  # checked by the config
+        think_open, _, think_close = write_reasoning(_SLOT).partition(_SLOT)
+        self._think_open = self._encode(think_open)
+        self._think_close = self._encode(think_close)
+        self._empty_reasoning = self._encode(write_reasoning(""))
+        write_calls = TOOL_PARSERS[config.tool_format].format_calls
+        assert write_calls is not None
+        self._write_calls = write_calls
         self._script = [self._encode(text) for text in config.script]
         self._script_turn = 0
         self._live: dict[str, _Live] = {}
@@ -816,23 +838,26 @@ class SimBackend:
 
     def _reasoning(self, rng: random.Random) -> list[int]:
         if not self._config.reasoning:
-            return self._encode("<think>\n\n</think>\n\n")
+            return self._empty_reasoning
         words = self._words.sentences(rng, rng.randint(*_REASONING_WORDS), start=True)
         return self._think_open + [i for piece in words for i in piece] + self._think_close
 
     def _tool_call(self, tools: tuple[dict[str, Any], ...], rng: random.Random) -> list[int]:
         tool = tools[rng.randrange(len(tools))]
-        call = {"name": tool["name"], "arguments": _fake_arguments(tool.get("parameters"), rng)}
-        return self._encode(f"<tool_call>\n{json.dumps(call, ensure_ascii=False)}\n</tool_call>")
+        return self._encode(self._write_calls([self._fake_call(tool, rng)]))
 
     def _finish_call(self, opened: str, tools: tuple[dict[str, Any], ...], rng: random.Random) -> list[int]:
-        """Continue a call the prompt opened: the named tool if the name is there, else one of them."""
-        named = [tool for tool in tools if opened.startswith(f'\n{{"name": {json.dumps(tool["name"])}')]
-        tool = named[0] if named else tools[rng.randrange(len(tools))]
-        call = {"name": tool["name"], "arguments": _fake_arguments(tool.get("parameters"), rng)}
-        whole = f"\n{json.dumps(call, ensure_ascii=False)}\n{_TOOL_CALL_END}"
-        rest = whole.removeprefix(opened)
-        return self._encode(rest)
+        """Continue a call the prompt opened: the named tool if only it fits the opening, else one of them."""
+        opening = _TOOL_CALL_START + opened
+        calls = [self._write_calls([self._fake_call(tool, rng)]) for tool in tools]
+        fitting = [text for text in calls if text.startswith(opening)]
+        if len(fitting) != 1:
+            fitting = [calls[rng.randrange(len(calls))]]
+        return self._encode(fitting[0].removeprefix(opening))
+
+    @staticmethod
+    def _fake_call(tool: dict[str, Any], rng: random.Random) -> ToolCallText:
+        return ToolCallText(tool["name"], _fake_arguments(tool.get("parameters"), rng))
 
     def _content(self, rng: random.Random) -> list[int]:
         if self._config.output_tokens is not None:
