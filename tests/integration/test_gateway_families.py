@@ -1,0 +1,124 @@
+"""Each parser family end to end: a sim engine writing the family's format, a separate
+gateway parsing it, the `openai` SDK as the client, on every route, streamed and not."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from engine.derender.parsers import TOOL_PARSERS
+from tests.support.engine import engine_server
+from tests.support.gateway import gateway_server
+
+ROUTES = ["derender", "text", "tokens"]
+TYPED_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "book_table",
+            "description": "Book a table.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "restaurant": {"type": "string"},
+                    "guests": {"type": "integer", "minimum": 1, "maximum": 12},
+                    "budget": {"type": "number"},
+                    "terrace": {"type": "boolean"},
+                    "tags": {"type": "array", "items": {"type": "string"}},
+                },
+                "required": ["restaurant", "guests", "budget", "terrace", "tags"],
+            },
+        },
+    }
+]
+MESSAGES = [{"role": "user", "content": "A table for four, please."}]
+SCHEMA_TYPES = {"restaurant": str, "guests": int, "budget": (int, float), "terrace": bool, "tags": list}
+
+# Families the sim can write and the Qwen3 tokenizer can carry (their markers are Qwen3 tokens).
+QWEN3_TOKENIZER_FAMILIES = ["hermes", "qwen3_coder"]
+
+
+@pytest.fixture(params=QWEN3_TOKENIZER_FAMILIES)
+async def family_client(request: Any, qwen3_tokenizer_dir: Path) -> AsyncIterator[tuple[str, openai.AsyncOpenAI]]:
+    tool_parser = request.param
+    if tool_parser not in TOOL_PARSERS:
+        pytest.fail(f"tool parser {tool_parser} is not registered")
+    async with engine_server(
+        qwen3_tokenizer_dir, tool_parser=tool_parser, reasoning_parser="qwen3", backend_options={"seed": 11}
+    ) as (engine_url, engine_state):
+        assert engine_state.backend._config.tool_format == tool_parser  # type: ignore[attr-defined]
+        async with gateway_server(
+            qwen3_tokenizer_dir, engine_url, tool_parser=tool_parser, reasoning_parser="qwen3"
+        ) as (base_url, _):
+            client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
+            try:
+                yield tool_parser, client
+            finally:
+                await client.close()
+
+
+def _route(name: str) -> dict[str, Any]:
+    return {"extra_headers": {"onehop-route": name}}
+
+
+async def _full(client: openai.AsyncOpenAI, route: str) -> dict[str, Any]:
+    completion = await client.chat.completions.create(
+        model="sim", messages=MESSAGES, tools=TYPED_TOOLS, seed=4, **_route(route)  # type: ignore[arg-type]
+    )
+    message = completion.choices[0].message
+    return {
+        "content": message.content,
+        "reasoning": getattr(message, "reasoning", None),
+        "calls": [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []],
+        "finish": completion.choices[0].finish_reason,
+    }
+
+
+async def _streamed(client: openai.AsyncOpenAI, route: str) -> dict[str, Any]:
+    stream = await client.chat.completions.create(
+        model="sim", messages=MESSAGES, tools=TYPED_TOOLS, seed=4, stream=True, **_route(route)  # type: ignore[arg-type]
+    )
+    content, reasoning, finish = "", "", None
+    calls: dict[int, dict[str, str]] = {}
+    headers: dict[int, int] = {}
+    async for chunk in stream:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            reasoning += getattr(choice.delta, "reasoning", None) or ""
+            for call in choice.delta.tool_calls or []:
+                slot = calls.setdefault(call.index, {"name": "", "arguments": ""})
+                if call.function and call.function.name:
+                    slot["name"] = call.function.name
+                    headers[call.index] = headers.get(call.index, 0) + 1
+                slot["arguments"] += (call.function.arguments or "") if call.function else ""
+            finish = choice.finish_reason or finish
+    assert all(count == 1 for count in headers.values()), headers
+    return {
+        "content": content or None,
+        "reasoning": reasoning or None,
+        "calls": [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())],
+        "finish": finish,
+    }
+
+
+async def test_same_tool_calls_on_every_route_streamed_and_not(family_client: tuple[str, openai.AsyncOpenAI]) -> None:
+    family, client = family_client
+    answers = {}
+    for route in ROUTES:
+        answers[f"{route} full"] = await _full(client, route)
+        answers[f"{route} stream"] = await _streamed(client, route)
+    reference = answers["derender full"]
+    for name, answer in answers.items():
+        assert answer == reference, f"{family}: {name} differs from derender full"
+    assert reference["finish"] == "tool_calls" and reference["reasoning"]
+    assert reference["content"] is None
+    [(name, arguments)] = reference["calls"]
+    assert name == "book_table"
+    for key, kind in SCHEMA_TYPES.items():
+        assert isinstance(arguments[key], kind), f"{family}: {key}={arguments[key]!r} is not {kind}"
+    assert not isinstance(arguments["guests"], bool)
