@@ -20,6 +20,7 @@ from tokenizers import Tokenizer
 
 from engine.backends import make_backend
 from engine.backends.base import Backend
+from engine.backends.vllm_parsers import ParserKind, owners, vllm_parser_names
 from engine.config import EngineConfig
 from engine.derender.parsers import REASONING_PARSERS, TOOL_PARSERS, UnknownParser
 from engine.derender.parsers.detect import resolve
@@ -72,30 +73,59 @@ def load_vocab(model: str) -> TokenVocab:
 
 def resolve_parsers(config: EngineConfig) -> tuple[EngineConfig, str]:
     """Settle `auto` from the model folder and check every name: an unknown parser fails
-    at start with the known names, never per request. Returns the config and how."""
+    at start with the known names, never per request. On the vllm backend a name only
+    vLLM knows is vLLM's to parse (`engine.backends.vllm_parsers`). Returns the config and how."""
     if config.tokens_only:
         return msgspec.structs.replace(config, reasoning_parser=None, tool_parser=None), "tokens only"
     found = resolve(config.model, config.reasoning_parser, config.tool_parser)
-    for name, known, kind in (
-        (found.reasoning, REASONING_PARSERS, "reasoning"),
-        (found.tool, TOOL_PARSERS, "tool"),
-    ):
-        if name is not None and name not in known:
-            raise UnknownParser(f"unknown {kind} parser {name!r} ({found.why}); known: {', '.join(sorted(known))}")
-    log.info("engine parsers: reasoning %s, tool %s (%s)", found.reasoning, found.tool, found.why)
+    if found.reasoning is not None:
+        _check_parser(found.reasoning, "reasoning", config.backend, found.why)
+    if found.tool is not None:
+        _check_parser(found.tool, "tool", config.backend, found.why)
+    who = owners(found.reasoning, found.tool)
+    log.info("engine parsers: reasoning %s, tool %s (%s); parsed by %s", found.reasoning, found.tool, found.why, who)
     return msgspec.structs.replace(config, reasoning_parser=found.reasoning, tool_parser=found.tool), found.why
+
+
+def _check_parser(name: str, kind: ParserKind, backend: str, why: str) -> None:
+    native = REASONING_PARSERS if kind == "reasoning" else TOOL_PARSERS
+    if name in native:
+        return
+    known = ", ".join(sorted(native))
+    if backend == "vllm":  # vLLM is there: the backend runs on it
+        theirs = vllm_parser_names(kind)
+        if name in theirs:
+            return
+        known += f"; vLLM's: {', '.join(sorted(theirs - native.keys()))}"
+    raise UnknownParser(f"unknown {kind} parser {name!r} ({why}); known: {known}")
 
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     state = app[ENGINE]
     await state.backend.start()
     if not state.config.tokens_only:
-        state.vocab = await asyncio.to_thread(load_vocab, state.config.model)
+        try:
+            state.vocab = await asyncio.to_thread(load_vocab, state.config.model)
+            if "vllm" in state.parsers().values():
+                _bind_vllm_parsers(state, state.vocab)
+        except BaseException:
+            await state.backend.close()  # a started vLLM engine core must not outlive a failed start
+            raise
     state.ready = True
     yield
     state.ready = False
     await state.backend.close()
     await state.tracing.shutdown()
+
+
+def _bind_vllm_parsers(state: EngineState, vocab: TokenVocab) -> None:
+    """Names only vLLM parses: the vllm backend binds its parsers where `bind_parsers` looks."""
+    from engine.backends.vllm import VLLMBackend
+
+    if not isinstance(state.backend, VLLMBackend):
+        raise UnknownParser(f"parsers {state.parsers()} need vLLM's, which only the vllm backend has")
+    state.backend.bind_parsers(vocab, state.config.reasoning_parser, state.config.tool_parser)
+    log.info("engine parsers bound to vLLM's in-process parsers: %s", state.parsers())
 
 
 def create_app(config: EngineConfig, *, backend: Backend | None = None) -> web.Application:

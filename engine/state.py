@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from engine.backends.base import Backend
+from engine.backends.vllm_parsers import owners
 from engine.config import EngineConfig
 from engine.derender.vocab import TokenVocab
 from engine.metrics import EngineMetrics
@@ -36,9 +37,8 @@ class EngineState:
     """How the parser names were settled (`configured`, or what `auto` detection saw)."""
 
     def parsers(self) -> dict[str, str]:
-        """The parsers this engine serves, by name, and who runs them."""
-        names = (self.config.reasoning_parser, self.config.tool_parser)
-        return {name: "onehop" for name in names if name is not None}
+        """The parsers this engine serves, by name, and who runs them (`onehop` or `vllm`)."""
+        return dict(owners(self.config.reasoning_parser, self.config.tool_parser))
 
     @property
     def model(self) -> str:

@@ -14,12 +14,14 @@ import asyncio
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import msgspec
 from aiohttp import web
 from opentelemetry import trace
 
 from engine.derender.chat import ChatDerender, ChatOptions, forced_tool_prefix
+from engine.derender.parsers import bind_parsers
 from engine.openai_schema import (
     CHAT_COMPLETION_REQUEST_DECODER,
     COMPLETION_REQUEST_DECODER,
@@ -120,6 +122,19 @@ async def _decide(
     return decision.route, basis, pool
 
 
+def _text_route_sampling(state: GatewayState, sampling: dict[str, Any]) -> dict[str, Any]:
+    """On the text route the gateway finds markers in text: families whose markers are
+    special tokens (Kimi, Harmony, DeepSeek) need the engine to keep special tokens' text,
+    as vLLM's renderer asks its engine for those parsers."""
+    vocab = state.vocab
+    parsers = bind_parsers(vocab, state.config.reasoning_parser, state.config.tool_parser) if vocab else None
+    if parsers is None or sampling.get("skip_special_tokens") is False or vocab is None:
+        return sampling
+    if any(token_id in vocab.special_ids for token_id in parsers.atomic_ids):
+        return {**sampling, "skip_special_tokens": False}
+    return sampling
+
+
 def chat_features(request: ChatCompletionRequest, prompt_tokens: int, http: web.Request) -> RequestFeatures:
     kwargs = request.chat_template_kwargs or {}
     return RequestFeatures(
@@ -216,7 +231,7 @@ async def handle_chat(http: web.Request) -> web.StreamResponse:
             request_id=request_id,
             model=None,
             prompt_ids=prompt,
-            sampling=sampling,
+            sampling=_text_route_sampling(state, sampling) if route == "text" else sampling,
             route=route,
             stream=stream,
             include_usage=bool(options and options.include_usage),

@@ -47,6 +47,8 @@ from engine.protocol import GenerateLogProb, GenerateLogProbsContent, SamplingPa
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from engine.derender.vocab import TokenVocab
+
 BACKEND_NAME = "vllm"
 # Bounded wait for the engine-core process to stop in close().
 SHUTDOWN_TIMEOUT_S = 30.0
@@ -152,6 +154,13 @@ class VLLMBackend:
         finally:
             self._running.discard(rid)
             await stream.aclose()
+
+    def bind_parsers(self, vocab: TokenVocab, reasoning: str | None, tool: str | None) -> None:
+        """vLLM's own parsers for the names onehop lacks, bound into `vocab` (see `vllm_parsers`)."""
+        from engine.backends.vllm_parsers import bind_vllm_parsers
+
+        llm = self._started()
+        bind_vllm_parsers(vocab, llm.tokenizer, reasoning, tool, model_config=llm.model_config)
 
     def _started(self) -> AsyncLLM:
         if self._llm is None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -30,13 +30,13 @@ from engine.derender.logprobs import chat_logprobs
 from engine.derender.markers import MarkerSplitter
 from engine.derender.parsers import (
     TOOL_PARSERS,
-    ChoiceParser,
     ParseOptions,
     ToolDelta,
     ToolSchema,
     bind_parsers,
     new_tool_call_id,
 )
+from engine.derender.parsers.choice import ChoiceParsing
 from engine.derender.stop import Piece
 from engine.derender.text import TextParams, TextPipeline
 from engine.derender.usage import usage_of
@@ -74,6 +74,8 @@ class ChatOptions:
     tools: tuple[ToolSchema, ...] = ()
     """The offered tools' names and parameter schemas (formats that type values by schema)."""
     enable_thinking: bool = True
+    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """The template kwargs as sent (vLLM's parsers read more than `enable_thinking`)."""
     include_reasoning: bool = True
     parallel_tool_calls: bool = True
     logprobs: bool = False
@@ -113,6 +115,7 @@ class ChatOptions:
             tools_enabled=bool(request.tools) and request.effective_tool_choice() != "none",
             tools=tuple(ToolSchema(t.function.name, t.function.parameters) for t in request.tools or ()),
             enable_thinking=bool(kwargs.get("enable_thinking", True)),
+            chat_template_kwargs=kwargs,
             include_reasoning=request.include_reasoning,
             parallel_tool_calls=request.parallel_tool_calls is not False,
             logprobs=bool(request.logprobs),
@@ -189,7 +192,7 @@ class ChatChoiceState:
         self._splitter: MarkerSplitter | None = None  # made on the first text-route step
         atomic = parsers.atomic_ids if parsers is not None else frozenset()
         self._text = TextPipeline(vocab, options.text, atomic_ids=atomic, prompt_token_ids=prompt_token_ids)
-        self._parser: ChoiceParser | None = None
+        self._parser: ChoiceParsing | None = None
         if parsers is not None:
             self._parser = parsers.new(
                 ParseOptions(
@@ -198,6 +201,7 @@ class ChatChoiceState:
                     parallel_tool_calls=options.parallel_tool_calls,
                     enable_thinking=options.enable_thinking,
                     new_id=new_tool_call_id,
+                    chat_template_kwargs=options.chat_template_kwargs,
                 ),
                 prompt_token_ids,
                 forced=options.forced_prefix is not None,

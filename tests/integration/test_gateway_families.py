@@ -12,7 +12,10 @@ import openai
 import pytest
 
 from engine.derender.parsers import TOOL_PARSERS
+from engine.qwen3.fixtures import cache_dir
+from tests.support import glm_tokenizer, harmony_tokenizer, kimi_k2
 from tests.support.engine import engine_server
+from tests.support.family_tokenizers import build_family_tokenizer
 from tests.support.gateway import gateway_server
 
 ROUTES = ["derender", "text", "tokens"]
@@ -39,22 +42,36 @@ TYPED_TOOLS = [
 MESSAGES = [{"role": "user", "content": "A table for four, please."}]
 SCHEMA_TYPES = {"restaurant": str, "guests": int, "budget": (int, float), "terrace": bool, "tags": list}
 
-# Families the sim can write and the Qwen3 tokenizer can carry (their markers are Qwen3 tokens).
-QWEN3_TOKENIZER_FAMILIES = ["hermes", "qwen3_coder"]
+# tool parser -> (reasoning parser, the family's marker tokens added to the Qwen3 tokenizer).
+# The chat template stays Qwen3's, so the sim reads the prompt the same way for every family;
+# only the output format changes, which is what the parsers see.
+FAMILIES: dict[str, tuple[str, tuple[tuple[str, bool], ...]]] = {
+    "hermes": ("qwen3", ()),
+    "qwen3_coder": ("qwen3", ()),
+    "glm47": ("glm45", glm_tokenizer.ADDED),
+    "kimi_k2": ("kimi_k2", tuple((text, True) for text in kimi_k2.SPECIALS)),
+    "openai": ("openai_gptoss", tuple((text, True) for text in harmony_tokenizer.MARKERS)),
+}
 
 
-@pytest.fixture(params=QWEN3_TOKENIZER_FAMILIES)
+def _tokenizer_dir(tool_parser: str, qwen3_tokenizer_dir: Path) -> Path:
+    added = FAMILIES[tool_parser][1]
+    if not added:
+        return qwen3_tokenizer_dir
+    return build_family_tokenizer(cache_dir(), f"e2e-{tool_parser}", list(added))
+
+
+@pytest.fixture(params=list(FAMILIES))
 async def family_client(request: Any, qwen3_tokenizer_dir: Path) -> AsyncIterator[tuple[str, openai.AsyncOpenAI]]:
     tool_parser = request.param
+    reasoning_parser = FAMILIES[tool_parser][0]
     if tool_parser not in TOOL_PARSERS:
         pytest.fail(f"tool parser {tool_parser} is not registered")
-    async with engine_server(
-        qwen3_tokenizer_dir, tool_parser=tool_parser, reasoning_parser="qwen3", backend_options={"seed": 11}
-    ) as (engine_url, engine_state):
+    folder = _tokenizer_dir(tool_parser, qwen3_tokenizer_dir)
+    parsers = {"tool_parser": tool_parser, "reasoning_parser": reasoning_parser}
+    async with engine_server(folder, backend_options={"seed": 11}, **parsers) as (engine_url, engine_state):
         assert engine_state.backend._config.tool_format == tool_parser  # type: ignore[attr-defined]
-        async with gateway_server(
-            qwen3_tokenizer_dir, engine_url, tool_parser=tool_parser, reasoning_parser="qwen3"
-        ) as (base_url, _):
+        async with gateway_server(folder, engine_url, **parsers) as (base_url, _):
             client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
             try:
                 yield tool_parser, client

@@ -74,6 +74,9 @@ class ParseOptions:
     parallel_tool_calls: bool = True
     enable_thinking: bool = True
     new_id: Callable[[], str] = field(default=new_tool_call_id)
+    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """The request's template kwargs as sent: vLLM's parsers read more than `enable_thinking`
+    (`thinking`, `reasoning_effort`, ...) and their own defaults when one is absent."""
 
     def schema_of(self, name: str) -> Mapping[str, Any] | None:
         for tool in self.tools:

@@ -10,6 +10,7 @@ output (the master test).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Protocol, runtime_checkable
 
 from engine.derender.parsers.base import (
     BoundReasoning,
@@ -22,6 +23,36 @@ from engine.derender.parsers.base import (
 from engine.derender.parsers.registry import reasoning_factory, tool_factory
 from engine.derender.stop import Piece
 from engine.derender.vocab import TokenVocab
+
+
+class ChoiceParsing(Protocol):
+    """What a chat choice drives: `ChoiceParser`, or an adapter over another engine's parser."""
+
+    @property
+    def reasoning_tokens(self) -> int: ...
+
+    @property
+    def calls(self) -> int: ...
+
+    def feed(self, pieces: Sequence[Piece]) -> None: ...
+
+    def finish(self) -> None: ...
+
+    def drain(self) -> tuple[str, str, list[ToolDelta]]: ...
+
+
+@runtime_checkable
+class BoundParsers(Protocol):
+    """What `bind_parsers` finds in `vocab.parsers`: `ParserSet`, or one a backend pre-bound
+    there (the vllm backend's, for names only vLLM parses)."""
+
+    @property
+    def marker_ids(self) -> Mapping[str, int]: ...
+
+    @property
+    def atomic_ids(self) -> frozenset[int]: ...
+
+    def new(self, options: ParseOptions, prompt_token_ids: Sequence[int], *, forced: bool) -> ChoiceParsing: ...
 
 
 class ParserSet:
@@ -54,7 +85,7 @@ class ParserSet:
         return ChoiceParser(reasoning, tools, strays)
 
 
-def bind_parsers(vocab: TokenVocab, reasoning: str | None, tools: str | None) -> ParserSet | None:
+def bind_parsers(vocab: TokenVocab, reasoning: str | None, tools: str | None) -> BoundParsers | None:
     """The bound families for these names, or None when no parser is configured."""
     if reasoning is None and tools is None:
         return None
@@ -66,7 +97,7 @@ def bind_parsers(vocab: TokenVocab, reasoning: str | None, tools: str | None) ->
             tool_factory(tools).bind(vocab) if tools is not None else None,
         )
         vocab.parsers[key] = cached
-    assert isinstance(cached, ParserSet)
+    assert isinstance(cached, BoundParsers)
     return cached
 
 

@@ -9,7 +9,12 @@ from __future__ import annotations
 import functools
 
 from engine.derender.parsers.base import ReasoningFactory, ToolFactory, UnknownParser
+from engine.derender.parsers import deepseek
+from engine.derender.parsers import glm
+from engine.derender.parsers import harmony
 from engine.derender.parsers import hermes
+from engine.derender.parsers import qwen3_coder
+from engine.derender.parsers import kimi_k2
 from engine.derender.parsers.think import BoundThink, ThinkSyntax, format_think
 from engine.derender.vocab import TokenVocab
 
@@ -22,9 +27,23 @@ def _qwen3(vocab: TokenVocab) -> BoundThink:
 
 REASONING_PARSERS: dict[str, ReasoningFactory] = {
     "qwen3": ReasoningFactory("qwen3", _qwen3, functools.partial(format_think, QWEN3_THINK)),
+    "glm45": glm.REASONING_45,
+    "glm47": glm.REASONING_47,
+    "kimi_k2": ReasoningFactory("kimi_k2", kimi_k2.BoundKimiReasoning, kimi_k2.format_reasoning),
+    "openai_gptoss": harmony.REASONING,
+    "deepseek_r1": deepseek.REASONING_R1,
+    "deepseek_v3": deepseek.REASONING_V3,
 }
 TOOL_PARSERS: dict[str, ToolFactory] = {
     "hermes": ToolFactory("hermes", hermes.BoundHermes, hermes.format_calls, hermes.forced_prefix),
+    "glm45": glm.TOOLS_45,
+    "glm47": glm.TOOLS_47,
+    "qwen3_coder": qwen3_coder.FACTORY,
+    "qwen3_xml": qwen3_coder.FACTORY,
+    "kimi_k2": ToolFactory("kimi_k2", kimi_k2.BoundKimiTools, kimi_k2.format_calls, kimi_k2.forced_prefix),
+    "openai": harmony.TOOLS,
+    "deepseek_v3": deepseek.TOOLS_V3,
+    "deepseek_v31": deepseek.TOOLS_V31,
 }
 
 

@@ -29,6 +29,11 @@ class ThinkSyntax:
     """Token that opens a chat turn; the prompt is scanned back to it for markers."""
     tool_ends_reasoning: bool = True
     """A tool-call opening inside reasoning ends it (Qwen3's grammar does this)."""
+    default_reasoning: bool | None = None
+    """The start state when the generation turn has no marker: None follows
+    `enable_thinking` (Qwen3); a family that ignores it fixes it here."""
+    drop_stray_end: bool = True
+    """A second end marker is dropped from content (Qwen3); False keeps its text."""
 
 
 def format_think(syntax: ThinkSyntax, text: str) -> str:
@@ -42,7 +47,7 @@ class BoundThink(BoundReasoning):
         self.markers = Markers(vocab, (syntax.start, syntax.end))
         self._start = self.markers.id(syntax.start)
         self._end = self.markers.id(syntax.end)
-        self.strays = {self._end: syntax.end}
+        self.strays = {self._end: syntax.end} if syntax.drop_stray_end else {}
         turn = vocab.token_id(syntax.turn_start)
         self._turn = -1 if turn is None else turn
 
@@ -58,7 +63,8 @@ class BoundThink(BoundReasoning):
                 return True
             if token_id == self._turn:
                 break
-        return options.enable_thinking
+        default = self.syntax.default_reasoning
+        return options.enable_thinking if default is None else default
 
     def new(self, options: ParseOptions, *, in_reasoning: bool, tool_starts: Mapping[int, str]) -> ReasoningParser:
         return ThinkReasoning(
