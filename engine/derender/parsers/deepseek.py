@@ -12,11 +12,15 @@ Reasoning is `ThinkReasoning` with DeepSeek's rules (vLLM's
   starts in reasoning whatever `enable_thinking` says (vLLM ignores it) and
   `deepseek_v3` in content (vLLM's V3 parser is the identity parser unless
   the `thinking` / `enable_thinking` template kwargs are set, and V3.1's
-  template writes the marker that says which).
+  template writes the marker that says which). vLLM's non-streamed answer
+  ignores the prompt (a `</think>`-closed turn comes out all reasoning);
+  onehop follows its stream, which reads the prompt.
+- `reasoning_tokens` counts the ids routed to reasoning (vLLM counts only
+  ids between an explicit `<think>` and `</think>`: 0 for R1's usual output).
 - A tool-call opening inside reasoning does not end it, and a second
   `</think>` stays in content as text: vLLM passes both through.
 
-Tool calls, one section per answer, every marker a single token:
+Tool calls sit in a section; every marker is a single token:
 
     V3:   <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜>
           (calls joined by "\\n") <｜tool▁calls▁end｜>
@@ -34,7 +38,8 @@ States of one choice:
 The header (id + name) goes out when the name ends (V3: its newline; V3.1:
 the separator), as vLLM's stream sends it; the arguments stream as the
 model's JSON text, with V3 holding back only a trailing `"\\n"` + up to three
-backticks that may open the closing fence. Arguments are JSON, so values are
+backticks that may open the closing fence (a fence cut short at the end
+is markup and dropped). Arguments are JSON, so values are
 never typed by the schema, and names are not checked against the offered
 tools: vLLM emits whatever call the model wrote, unknown names and invalid
 JSON included, and so does onehop. Where vLLM loses text, onehop keeps it:

@@ -102,5 +102,5 @@ def resolve(folder: str | Path, reasoning: str | None, tool: str | None) -> Dete
     return Detected(
         found.reasoning if reasoning == AUTO else reasoning,
         found.tool if tool == AUTO else tool,
-        f"auto: {found.why}",
+        f"auto {' and '.join(k for k, v in (('reasoning', reasoning), ('tool', tool)) if v == AUTO)}: {found.why}",
     )
