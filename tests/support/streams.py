@@ -197,3 +197,8 @@ def whole(
 
 def parsed_arguments(folded: Folded) -> list[Any]:
     return [json.loads(call["arguments"]) for call in folded.tool_calls]
+
+
+FAMILY_CHUNKINGS = [fixed(k) for k in (1, 2, 3, 5, 8)] + [random_splits(seed) for seed in range(3)]
+"""The chunkings every parser-family vector is fed in: one token per chunk, fixed widths
+that split markers and tags at different offsets, and seeded random splits."""

@@ -30,7 +30,7 @@ from engine.derender.parsers.registry import REASONING_PARSERS, TOOL_PARSERS
 from engine.derender.vocab import TokenVocab, vocab_for
 from engine.openai_schema import ChatCompletionRequest
 from tests.support.deepseek import EOS, deepseek_tokenizer_dir
-from tests.support.streams import comparable_response, counter_ids, fixed, random_splits, stream, whole
+from tests.support.streams import FAMILY_CHUNKINGS, comparable_response, counter_ids, fixed, stream, whole
 
 TOOLS = [
     {
@@ -48,7 +48,7 @@ TOOLS = [
 ]
 USER = [{"role": "user", "content": "Weather in Paris?"}]
 HISTORY = [*USER, {"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "And Rome?"}]
-CHUNKINGS = [fixed(k) for k in range(1, 9)] + [random_splits(seed) for seed in range(6)]
+CHUNKINGS = FAMILY_CHUNKINGS
 PARIS = {"city": "Paris", "days": 2}
 UTC = {"tz": "UTC"}
 NON_ASCII = {"city": "Zürich 世界 🫠", "note": "Zeile 1\nZeile 2\t\"q\""}

@@ -32,7 +32,7 @@ from engine.derender.text import TextParams
 from engine.derender.vocab import TokenVocab, vocab_for
 from engine.openai_schema import ChatCompletionRequest
 from tests.support.glm_tokenizer import glm_token_id, glm_tokenizer_dir
-from tests.support.streams import comparable_response, fixed, random_splits, stream, whole
+from tests.support.streams import FAMILY_CHUNKINGS, comparable_response, stream, whole
 
 WEATHER = {
     "type": "object",
@@ -58,7 +58,7 @@ TOOLS = [
     {"type": "function", "function": {"name": "ping"}},
 ]
 USER = [{"role": "user", "content": "hi"}]
-CHUNKINGS = [fixed(k) for k in range(1, 9)] + [random_splits(seed) for seed in range(6)]
+CHUNKINGS = FAMILY_CHUNKINGS
 
 
 def call(name: str, *pairs: tuple[str, str], newlines: bool = False) -> str:

@@ -30,7 +30,7 @@ from engine.derender.text import TextParams
 from engine.derender.vocab import TokenVocab, vocab_for
 from engine.openai_schema import ChatCompletionRequest
 from tests.support.harmony_tokenizer import harmony_tokenizer
-from tests.support.streams import comparable_response, counter_ids, fixed, random_splits, stream, whole
+from tests.support.streams import FAMILY_CHUNKINGS, comparable_response, counter_ids, stream, whole
 
 TOOLS = [
     {
@@ -50,7 +50,7 @@ TOOLS = [
     },
 ]
 USER = [{"role": "user", "content": "Weather in Paris?"}]
-CHUNKINGS = [fixed(k) for k in range(1, 9)] + [random_splits(seed) for seed in range(6)]
+CHUNKINGS = FAMILY_CHUNKINGS
 NEXT = f"{START}assistant"
 PARIS = {"city": "Paris", "days": 2}
 UTC = {"tz": "UTC"}

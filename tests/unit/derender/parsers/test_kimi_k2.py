@@ -34,7 +34,7 @@ from engine.derender.parsers.kimi_k2_arguments import ArgumentsText, coerce_text
 from engine.derender.vocab import TokenVocab, vocab_for
 from engine.openai_schema import ChatCompletionRequest
 from tests.support.kimi_k2 import OPEN_TURN, kimi_tokenizer_dir
-from tests.support.streams import comparable_response, fixed, random_splits, stream, whole
+from tests.support.streams import FAMILY_CHUNKINGS, comparable_response, fixed, stream, whole
 
 TOOLS = [
     {
@@ -60,7 +60,7 @@ TOOLS = [
 ]
 USER = [{"role": "user", "content": "Weather in Paris?"}]
 HISTORY = [*USER, {"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "And Rome?"}]
-CHUNKINGS = [fixed(k) for k in range(1, 9)] + [random_splits(seed) for seed in range(6)]
+CHUNKINGS = FAMILY_CHUNKINGS
 PARIS: dict[str, Any] = {"city": "Paris", "days": 2}
 UTC: dict[str, Any] = {"tz": "UTC"}
 

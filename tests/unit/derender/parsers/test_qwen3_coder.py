@@ -34,7 +34,7 @@ from engine.derender.text import TextParams
 from engine.derender.vocab import TokenVocab
 from engine.openai_schema import ChatCompletionRequest
 from engine.qwen3.vocab import IM_END_ID
-from tests.support.streams import comparable_response, counter_ids, fixed, fold_chunks, random_splits, stream, whole
+from tests.support.streams import FAMILY_CHUNKINGS, comparable_response, counter_ids, fixed, fold_chunks, stream, whole
 
 WEATHER = {
     "type": "object",
@@ -59,7 +59,7 @@ TOOLS = [
     },
     {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}}},
 ]
-CHUNKINGS = [fixed(k) for k in (1, 2, 3, 5, 8)] + [random_splits(seed) for seed in range(4)]
+CHUNKINGS = FAMILY_CHUNKINGS
 THINK = "<think>\nLet me see.\n</think>\n\n"
 
 
