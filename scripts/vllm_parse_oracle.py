@@ -4,6 +4,7 @@ Run it with the vLLM venv's python (``scripts/setup_vllm.sh`` prints it), never
 the project's::
 
     "$VLLM_PY" scripts/vllm_parse_oracle.py CASES.json > RESULTS.json
+    "$VLLM_PY" scripts/vllm_parse_oracle.py --serve   # a CASES list per stdin line, a RESULTS line each
 
 CASES.json is a list of cases::
 
@@ -520,12 +521,17 @@ def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print(__doc__, file=sys.stderr)
         return 2
-    cases = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
     out = sys.stdout
     # Anything vLLM or a parser prints must not land in the JSON.
     sys.stdout = sys.stderr
     try:
-        run(cases, out)
+        if argv[0] == "--serve":
+            # One batch per input line, one result line per batch: a test session pays
+            # vLLM's import once for every parity module.
+            for line in sys.stdin:
+                run(json.loads(line), out)
+        else:
+            run(json.loads(Path(argv[0]).read_text(encoding="utf-8")), out)
     finally:
         sys.stdout = out
     return 0

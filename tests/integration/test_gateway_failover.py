@@ -84,27 +84,37 @@ def _circuits(text: str) -> dict[str, float]:
 
 
 async def test_engine_killed_mid_run_then_restarted(qwen3_tokenizer_dir: Path) -> None:
-    health = Health(interval_s=0.2, check_timeout_s=0.5, failure_threshold=2, open_s=30, retries=2)
+    # A generous check timeout: on a loaded machine a live engine must never look dead; the
+    # killed one refuses connections at once, so detection does not wait for it.
+    health = Health(interval_s=0.2, check_timeout_s=2.0, failure_threshold=2, open_s=30, retries=2)
     async with _engines(qwen3_tokenizer_dir, 3) as engines:
         victim_url, victim = engines[1]
         async with gateway_server(qwen3_tokenizer_dir, [url for url, _ in engines], health=health) as (base, state):
             metrics_url = base.removesuffix("/v1") + "/metrics"
             async with openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0) as client, aiohttp.ClientSession() as session:
 
+                started = asyncio.Semaphore(0)
+
                 async def stream_one() -> str:
                     try:
                         stream = await client.chat.completions.create(
-                            model="sim", messages=MESSAGES, max_tokens=80, stream=True, extra_body={"ignore_eos": True}
+                            model="sim", messages=MESSAGES, max_tokens=160, stream=True, extra_body={"ignore_eos": True}
                         )
+                        first = True
                         async for _ in stream:
-                            pass
+                            if first:
+                                started.release()
+                                first = False
                     except openai.APIError as exc:
                         return f"error: {exc.message}"
                     return "ok"
 
-                # Streams spread over the three engines (power of two choices), then one engine dies.
+                # Streams spread over the three engines (power of two choices); once every one has
+                # its first chunk (so none can be retried elsewhere: 160 tokens at 25 ms leave ~4 s),
+                # one engine dies.
                 streams = [asyncio.ensure_future(stream_one()) for _ in range(9)]
-                await asyncio.sleep(0.8)
+                for _ in streams:
+                    await asyncio.wait_for(started.acquire(), timeout=30)
                 on_victim = state.engines.pool.endpoints[victim_url].outstanding
                 assert on_victim > 0
                 _kill(victim)

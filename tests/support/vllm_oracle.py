@@ -2,8 +2,8 @@
 
 A case is one token stream plus the request around it (the schema is in
 ``scripts/vllm_parse_oracle.py``). ``run_oracle`` answers a whole batch of
-cases in one subprocess (vLLM's import alone takes ~15 s, so batch per
-module); ``onehop_answer`` / ``onehop_full`` give onehop's answer for the same
+cases at a time from one oracle process kept for the test session (vLLM's
+import alone takes ~15 s); ``onehop_answer`` / ``onehop_full`` give onehop's answer for the same
 case in the same dict shape; ``compare`` lists what differs, so a test reads
 ``assert not compare(ours, theirs)``.
 
@@ -15,10 +15,12 @@ applies them itself, which is what is under test.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import os
 import random
+import selectors
 import subprocess
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -34,7 +36,7 @@ from engine.openai_schema import ChatCompletionRequest
 from tests.vllm.conftest import ROOT, server_env, vllm_python_path
 
 ORACLE = ROOT / "scripts" / "vllm_parse_oracle.py"
-# One vLLM import (~15 s here) plus well under a second per case and chunking.
+# One vLLM import (~15 s here) plus well under a second per case and chunking, per batch.
 ORACLE_TIMEOUT_S = 900.0
 STDERR_TAIL_CHARS = 6000
 MODEL_NAME = "onehop-oracle"
@@ -56,34 +58,85 @@ def vllm_python() -> str | None:
 
 
 def run_oracle(cases: list[dict[str, Any]], *, python: str | None = None) -> list[dict[str, Any]]:
-    """vLLM's answers for ``cases``, one result per case, in order."""
+    """vLLM's answers for ``cases``, one result per case, in order.
+
+    Every call in a test session goes to one oracle process (``--serve``), so vLLM is
+    imported once for all parity modules, not once per module.
+    """
     interpreter = python or vllm_python()
     if interpreter is None:
         raise OracleError(f"no vLLM python at {vllm_python_path()}")
-    with tempfile.TemporaryDirectory(prefix="onehop-oracle-") as tmp:
-        path = Path(tmp) / "cases.json"
-        path.write_text(json.dumps(cases, ensure_ascii=False), encoding="utf-8")
-        try:
-            done = subprocess.run(
-                [interpreter, str(ORACLE), str(path)],
-                capture_output=True,
-                text=True,
-                timeout=ORACLE_TIMEOUT_S,
-                env=server_env(),
-                cwd=ROOT,
-                check=False,
-            )
-        except subprocess.TimeoutExpired as exc:
-            raise OracleError(f"oracle ran past {ORACLE_TIMEOUT_S:.0f} s:\n{_tail(exc.stderr)}") from exc
-    if done.returncode != 0:
-        raise OracleError(f"oracle exited with {done.returncode}:\n{_tail(done.stderr)}")
-    try:
-        results = json.loads(done.stdout)
-    except json.JSONDecodeError as exc:
-        raise OracleError(f"oracle printed no JSON ({exc}):\n{_tail(done.stderr)}") from exc
+    results = _server(interpreter).ask(cases)
     if len(results) != len(cases):
         raise OracleError(f"oracle answered {len(results)} of {len(cases)} cases")
-    return list(results)
+    return results
+
+
+class _OracleServer:
+    """The oracle subprocess in ``--serve`` mode: one JSON line of cases in, one line of results out."""
+
+    def __init__(self, interpreter: str) -> None:
+        self._stderr = tempfile.TemporaryFile()
+        self._process = subprocess.Popen(
+            [interpreter, str(ORACLE), "--serve"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            env=server_env(),
+            cwd=ROOT,
+        )
+        atexit.register(self.close)
+
+    def ask(self, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        process = self._process
+        assert process.stdin is not None and process.stdout is not None
+        try:
+            process.stdin.write(json.dumps(cases, ensure_ascii=False).encode("utf-8") + b"\n")
+            process.stdin.flush()
+        except BrokenPipeError:
+            raise OracleError(f"oracle exited with {process.wait()}:\n{self._tail()}") from None
+        with selectors.DefaultSelector() as selector:
+            selector.register(process.stdout, selectors.EVENT_READ)
+            if not selector.select(ORACLE_TIMEOUT_S):
+                self.close()
+                raise OracleError(f"oracle ran past {ORACLE_TIMEOUT_S:.0f} s:\n{self._tail()}")
+        line = process.stdout.readline()
+        if not line:
+            raise OracleError(f"oracle exited with {process.wait()}:\n{self._tail()}")
+        try:
+            return list(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise OracleError(f"oracle printed no JSON ({exc}):\n{self._tail()}") from exc
+
+    def alive(self) -> bool:
+        return self._process.poll() is None
+
+    def close(self) -> None:
+        if self._process.poll() is None:
+            assert self._process.stdin is not None
+            self._process.stdin.close()
+            try:
+                self._process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+        for stream in (self._process.stdout, self._stderr):
+            if stream is not None and not stream.closed:
+                stream.close()
+
+    def _tail(self) -> str:
+        self._stderr.seek(0)
+        return _tail(self._stderr.read())
+
+
+_SERVERS: dict[str, _OracleServer] = {}
+
+
+def _server(interpreter: str) -> _OracleServer:
+    server = _SERVERS.get(interpreter)
+    if server is None or not server.alive():
+        server = _SERVERS[interpreter] = _OracleServer(interpreter)
+    return server
 
 
 def _tail(text: str | bytes | None) -> str:

@@ -18,12 +18,10 @@ changes.
 
 from __future__ import annotations
 
-import copy
 import json
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import pytest
 
@@ -37,6 +35,7 @@ from engine.derender.parsers.deepseek import (
 )
 from engine.derender.vocab import TokenVocab, vocab_for
 from tests.support.deepseek import EOS, deepseek_tokenizer_dir
+from tests.support.parity import Deviation, LOSSY, both, reconcile
 from tests.support.vllm_oracle import chunkings, compare, onehop_answer, onehop_full, run_oracle, vllm_python
 
 pytestmark = pytest.mark.vllm
@@ -138,37 +137,8 @@ SPECS: dict[str, Spec] = {
 }
 
 
-@dataclass(frozen=True)
-class Lossy:
-    """vLLM's stream text is onehop's with characters lost at chunk boundaries, on some chunkings."""
-
-
-@dataclass(frozen=True)
-class Deviation:
-    """A known difference on one path: ``field`` reads one of ``vllm`` in vLLM's answer, ``onehop`` in onehop's.
-
-    ``field`` is ``content``, ``reasoning``, ``finish_reason``, ``reasoning_tokens`` or
-    ``calls`` (the list of ``(name, arguments)``). ``vllm`` lists every value vLLM gives
-    over the chunkings, or is `Lossy`. Both sides are asserted; only then is the field
-    set equal for ``compare``.
-    """
-
-    name: str
-    path: Literal["stream", "full"]
-    field: str
-    vllm: tuple[Any, ...] | Lossy
-    onehop: Any
-
-
-LOSSY = Lossy()
-
-
 def calls(*written: ToolCallText) -> list[tuple[str, str]]:
     return [(c.name, json.dumps(dict(c.arguments), ensure_ascii=False)) for c in written]
-
-
-def both(name: str, field: str, vllm: Any, onehop: Any) -> tuple[Deviation, Deviation]:
-    return Deviation(name, "stream", field, (vllm,), onehop), Deviation(name, "full", field, (vllm,), onehop)
 
 
 def uncounted(tokens: int) -> tuple[Deviation, Deviation]:
@@ -307,48 +277,6 @@ DEVIATIONS: dict[str, tuple[Deviation, ...]] = {
 RAW_ARGUMENTS = frozenset({"v3_truncated_mid_call", "v31_truncated_mid_call", "v3_stop_string_inside_call", "v3_invalid_json"})
 
 
-def project(answer: dict[str, Any], field: str) -> Any:
-    if field == "calls":
-        return [(c["name"], c["arguments"]) for c in answer["tool_calls"]]
-    if field in ("content", "reasoning"):
-        return answer.get(field) or None
-    return answer.get(field)
-
-
-def is_lossy(theirs: Any, ours: Any) -> bool:
-    """``theirs`` is ``ours`` with characters (or whole calls' arguments) missing."""
-    if isinstance(ours, list):
-        return (
-            isinstance(theirs, list)
-            and len(theirs) == len(ours)
-            and all(t[0] == o[0] and is_lossy(t[1], o[1]) for t, o in zip(theirs, ours, strict=True))
-        )
-    remaining = iter(ours or "")
-    return all(char in remaining for char in theirs or "")
-
-
-def reconcile(
-    ours: dict[str, Any], theirs: dict[str, Any], path: str, deviations: tuple[Deviation, ...], lost: set[str]
-) -> dict[str, Any]:
-    """vLLM's answer with each known deviation checked, then set to onehop's value; `lost` collects
-    the `Lossy` deviations that did lose text on this answer."""
-    adjusted = copy.deepcopy(theirs)
-    for deviation in (d for d in deviations if d.path == path):
-        mine, other = project(ours, deviation.field), project(theirs, deviation.field)
-        assert mine == deviation.onehop, f"{deviation.name}: onehop changed: {mine!r}"
-        if isinstance(deviation.vllm, Lossy):
-            assert is_lossy(other, mine), f"{deviation.name}: vLLM changed: {other!r}"
-            if other != mine:
-                lost.add(deviation.name)
-        else:
-            assert other in deviation.vllm, f"{deviation.name}: vLLM changed: {other!r}"
-        if deviation.field == "calls":
-            adjusted["tool_calls"] = copy.deepcopy(ours["tool_calls"])
-        else:
-            adjusted[deviation.field] = ours.get(deviation.field)
-    return adjusted
-
-
 @pytest.fixture(scope="module")
 def tokenizer_dir(qwen3_tokenizer_dir: Path) -> Path:
     return deepseek_tokenizer_dir(qwen3_tokenizer_dir)
@@ -433,13 +361,13 @@ def test_matches_vllm(name: str, cases: dict[str, Any], oracle: dict[str, Any], 
     lost: set[str] = set()
     for sizes, theirs in zip(case["chunkings"], result["stream"], strict=True):
         ours = onehop_answer(vocab, case, sizes)
-        adjusted = reconcile(ours, theirs, "stream", deviations, lost)
+        adjusted = reconcile(ours, theirs, "stream", deviations, lost=lost)
         if diffs := compare(ours, adjusted, json_arguments=not raw, reasoning_tokens=True):
             failures[f"stream {sizes[:12]}"] = diffs
     ours = onehop_full(vocab, case)
-    adjusted = reconcile(ours, result["full"], "full", deviations, set())
+    adjusted = reconcile(ours, result["full"], "full", deviations)
     if diffs := compare(ours, adjusted, json_arguments=not raw, reasoning_tokens=True):
         failures["full"] = diffs
     assert not failures
-    lossy = {d.name for d in deviations if d.path == "stream" and isinstance(d.vllm, Lossy)}
+    lossy = {d.name for d in deviations if d.path == "stream" and d.vllm is LOSSY}
     assert lost == lossy, f"vLLM no longer loses text in {sorted(lossy - lost)}"

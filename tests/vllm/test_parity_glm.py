@@ -16,7 +16,6 @@ of such cases lists them.
 
 from __future__ import annotations
 
-import copy
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ import pytest
 
 from engine.derender.vocab import TokenVocab, vocab_for
 from tests.support.glm_tokenizer import STOP_TOKENS, glm_token_id, glm_tokenizer_dir
+from tests.support.parity import Deviation, both, reconcile
 from tests.support.vllm_oracle import compare, onehop_answer, onehop_full, run_oracle, vllm_python
 
 pytestmark = pytest.mark.vllm
@@ -96,7 +96,7 @@ SPECS: dict[str, Spec] = {
     "text_after_last_call": Spec((f"r \n</think>\n\n{UTC}\nDone.\n",)),
     "key_given_twice": Spec((f"r</think>{call('get_time', ('tz', 'a'), ('tz', 'b'))}",)),
     "parallel_calls_false": Spec((f"r</think>{UTC}{call('ping')}",), parallel_tool_calls=False),
-    "truncated_mid_value": Spec((f"r</think><tool_call>get_weather<arg_key>city</arg_key><arg_value>Pa",), eos=False),
+    "truncated_mid_value": Spec(("r</think><tool_call>get_weather<arg_key>city</arg_key><arg_value>Pa",), eos=False),
     "truncated_typed_value": Spec(("r</think><tool_call>get_weather<arg_key>days</arg_key><arg_value>12",), eos=False),
     "stop_string_inside_call": Spec(
         (f"r</think>{call('get_weather', ('city', 'Lyon'), ('days', '3'))}",), stop=("Lyon",)
@@ -116,27 +116,6 @@ SPECS: dict[str, Spec] = {
          "<arg_key>x</arg_key>y<arg_key>opts</arg_key> <arg_value>{\"k\": [1]}</arg_value></tool_call>",)
     ),
 }
-
-
-@dataclass(frozen=True)
-class Deviation:
-    """A known difference on one path: `field` reads one of `vllm` in vLLM's answer, `onehop` in onehop's.
-
-    `field` is `content`, `reasoning`, `finish_reason` or `calls` (the list of
-    `(name, arguments text)`). `vllm` lists every value vLLM gives over the
-    chunkings. Both sides are asserted exactly; only then is the field set equal
-    for `compare`.
-    """
-
-    name: str
-    path: Literal["stream", "full"]
-    field: str
-    vllm: tuple[Any, ...]
-    onehop: Any
-
-
-def both(name: str, field: str, vllm: tuple[Any, ...], onehop: Any) -> tuple[Deviation, Deviation]:
-    return Deviation(name, "stream", field, vllm, onehop), Deviation(name, "full", field, vllm, onehop)
 
 
 def trailing_space_streamed(vllm: tuple[Any, ...], onehop: Any) -> Deviation:
@@ -206,7 +185,7 @@ DEVIATIONS: dict[str, tuple[Deviation, ...]] = {
         Deviation("onehop_stop_string_cut_call_finishes_stop", "full", "finish_reason", ("tool_calls",), "stop"),
     ),
     # vLLM drops a call to a function that was not offered, text and all; onehop gives it back as content.
-    "unknown_function": both("vllm_drops_call_to_unknown_function", "content", ("done",), UNKNOWN + "done"),
+    "unknown_function": both("vllm_drops_call_to_unknown_function", "content", "done", UNKNOWN + "done"),
     "split_tool_call_marker": (
         # vLLM's full answer matches markers in text; its stream (and onehop) by token id, so
         # `<tool_call>` written as plain tokens is text.
@@ -243,7 +222,7 @@ DEVIATIONS: dict[str, tuple[Deviation, ...]] = {
     "thinking_disabled": (trailing_space_streamed(("Hello.<think>x</think>y\n",), "Hello.<think>x</think>y"),),
     # Without tools vLLM's glm47 parser still consumes calls and drops them; onehop parses no
     # calls and the text is content (DERENDER_CASES 11).
-    "tools_not_offered": both("vllm_drops_calls_when_tools_are_off", "content", ("ok",), "ok" + UTC),
+    "tools_not_offered": both("vllm_drops_calls_when_tools_are_off", "content", "ok", "ok" + UTC),
 }
 # vLLM's streamed reasoning_tokens counts what its reasoning engine saw as text (a stop
 # string's hold-back, a second think block seen by the tool engine are missed); onehop
@@ -253,30 +232,6 @@ STREAM_REASONING_TOKENS: dict[tuple[str, int | None], tuple[int, int]] = {
     ("stop_string_inside_call", 0): (0, 1),
     ("think_again_after_content", None): (3, 5),
 }
-
-
-def project(answer: dict[str, Any], field: str) -> Any:
-    if field == "calls":
-        return [(c["name"], c["arguments"]) for c in answer["tool_calls"]]
-    if field in ("content", "reasoning"):
-        return answer.get(field) or None
-    return answer.get(field)
-
-
-def reconcile(
-    ours: dict[str, Any], theirs: dict[str, Any], path: str, deviations: tuple[Deviation, ...]
-) -> dict[str, Any]:
-    """vLLM's answer with each known deviation checked exactly, then set to onehop's value."""
-    adjusted = copy.deepcopy(theirs)
-    for deviation in (d for d in deviations if d.path == path):
-        theirs_now, ours_now = project(theirs, deviation.field), project(ours, deviation.field)
-        assert theirs_now in deviation.vllm, f"{deviation.name}: vLLM changed: {theirs_now!r}"
-        assert ours_now == deviation.onehop, f"{deviation.name}: onehop changed: {ours_now!r}"
-        if deviation.field == "calls":
-            adjusted["tool_calls"] = copy.deepcopy(ours["tool_calls"])
-        else:
-            adjusted[deviation.field] = ours.get(deviation.field)
-    return adjusted
 
 
 @dataclass(frozen=True)

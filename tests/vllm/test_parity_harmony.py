@@ -18,16 +18,16 @@ fails if either side changes, so nothing is papered over.
 
 from __future__ import annotations
 
-import copy
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import pytest
 
 from engine.derender.vocab import TokenVocab, vocab_for
 from tests.support.harmony_tokenizer import o200k_harmony_tokenizer
+from tests.support.parity import Deviation, both, parsed_calls, parsed_json, reconcile
 from tests.support.vllm_oracle import chunkings, compare, onehop_answer, onehop_full, run_oracle, vllm_python
 
 pytestmark = pytest.mark.vllm
@@ -183,33 +183,9 @@ SPECS: dict[str, Spec] = {
 }
 
 
-@dataclass(frozen=True)
-class Deviation:
-    """A known difference on one path: ``field`` reads one of ``vllm`` in vLLM's answer, ``onehop`` in onehop's.
-
-    ``field`` is ``content``, ``reasoning``, ``finish_reason`` or ``calls`` (the
-    list of ``(name, arguments)``). ``vllm`` lists every value vLLM gives over
-    the chunkings. Both sides are asserted exactly; only then is the field set
-    equal for ``compare``.
-    """
-
-    name: str
-    path: Literal["stream", "full"]
-    field: str
-    vllm: tuple[Any, ...]
-    onehop: Any
-
-
 # vLLM's full path rewrites any finish to "tool_calls" once calls were parsed, `length`
 # included; its stream (and onehop) keep `length`: the output was cut, the call may be too.
 LENGTH_KEPT = Deviation("vllm_full_turns_length_into_tool_calls", "full", "finish_reason", ("tool_calls",), "length")
-
-
-def both(name: str, field_name: str, vllm: Any, onehop: Any) -> tuple[Deviation, Deviation]:
-    return (
-        Deviation(name, "stream", field_name, (vllm,), onehop),
-        Deviation(name, "full", field_name, (vllm,), onehop),
-    )
 
 
 CALL_DROPPED_STREAM = (
@@ -264,44 +240,6 @@ DEVIATIONS: dict[str, tuple[Deviation, ...]] = {
 # The tool-only configuration has no reasoning parser: vLLM reports no reasoning_tokens on the
 # wire then (the oracle's full answer still counts them), nor does onehop.
 NO_REASONING_COUNT = frozenset(name for name, spec in SPECS.items() if spec.reasoning_parser is None)
-
-
-def project(answer: dict[str, Any], field_name: str) -> Any:
-    if field_name == "calls":
-        return [(c["name"], c["arguments"]) for c in answer["tool_calls"]]
-    if field_name in ("content", "reasoning"):
-        return answer.get(field_name) or None
-    return answer.get(field_name)
-
-
-def reconcile(
-    ours: dict[str, Any], theirs: dict[str, Any], path: str, deviations: tuple[Deviation, ...]
-) -> dict[str, Any]:
-    """vLLM's answer with each known deviation checked exactly, then set to onehop's value."""
-    adjusted = copy.deepcopy(theirs)
-    for deviation in (d for d in deviations if d.path == path):
-        got = project(theirs, deviation.field)
-        if deviation.field == "calls":
-            got = [(name, _normal(arguments)) for name, arguments in got]
-            assert got in [[(n, _normal(a)) for n, a in v] for v in deviation.vllm], (
-                f"{deviation.name}: vLLM changed: {got}"
-            )
-        else:
-            assert got in deviation.vllm, f"{deviation.name}: vLLM changed: {got!r}"
-        assert project(ours, deviation.field) == deviation.onehop, f"{deviation.name}: onehop changed"
-        if deviation.field == "calls":
-            adjusted["tool_calls"] = copy.deepcopy(ours["tool_calls"])
-        else:
-            adjusted[deviation.field] = ours.get(deviation.field)
-    return adjusted
-
-
-def _normal(arguments: str) -> Any:
-    """vLLM's full path re-serialises JSON arguments (`json.dumps(json.loads(...))`): compare parsed."""
-    try:
-        return json.loads(arguments)
-    except json.JSONDecodeError:
-        return arguments
 
 
 @pytest.fixture(scope="module")
@@ -373,7 +311,7 @@ def test_stream_matches_vllm(name: str, cases: dict[str, Any], oracle: dict[str,
     failures = {}
     for sizes, theirs in zip(case["chunkings"], result["stream"], strict=True):
         ours = onehop_answer(vocab, case, sizes)
-        adjusted = reconcile(ours, theirs, "stream", deviations)
+        adjusted = reconcile(ours, theirs, "stream", deviations, normal_calls=parsed_calls)
         diffs = compare(
             ours,
             adjusted,
@@ -390,7 +328,7 @@ def test_stream_matches_vllm(name: str, cases: dict[str, Any], oracle: dict[str,
 def test_full_matches_vllm(name: str, cases: dict[str, Any], oracle: dict[str, Any], vocab: TokenVocab) -> None:
     spec = SPECS[name]
     ours = onehop_full(vocab, cases[name])
-    theirs = reconcile(ours, oracle[name]["full"], "full", DEVIATIONS.get(name, ()))
+    theirs = reconcile(ours, oracle[name]["full"], "full", DEVIATIONS.get(name, ()), normal_calls=parsed_calls)
     if spec.raw_arguments:
         for mine, other in zip(ours["tool_calls"], theirs["tool_calls"], strict=False):
             other["arguments"] = _raw_equal(mine["arguments"], other["arguments"])
@@ -405,5 +343,5 @@ def test_full_matches_vllm(name: str, cases: dict[str, Any], oracle: dict[str, A
 
 def _raw_equal(ours: str, theirs: str) -> str:
     """vLLM's full path gives text that is not JSON back as is, JSON re-serialised: same text either way here."""
-    assert _normal(ours) == _normal(theirs)
+    assert parsed_json(ours) == parsed_json(theirs)
     return ours

@@ -15,7 +15,6 @@ sides' exact values: the test fails if either side changes.
 
 from __future__ import annotations
 
-import copy
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +31,7 @@ from engine.derender.parsers.kimi_k2 import (
 )
 from engine.derender.vocab import TokenVocab, vocab_for
 from tests.support.kimi_k2 import OPEN_TURN, kimi_tokenizer_dir
+from tests.support.parity import Deviation, Split, both, encode, reconcile
 from tests.support.vllm_oracle import chunkings, compare, onehop_answer, onehop_full, run_oracle, vllm_python
 
 pytestmark = pytest.mark.vllm
@@ -68,13 +68,6 @@ HISTORY = [*USER, {"role": "assistant", "content": "Sunny."}, {"role": "user", "
 PARIS: dict[str, Any] = {"city": "Paris", "days": 2}
 UTC: dict[str, Any] = {"tz": "UTC"}
 NON_ASCII = {"city": "Zürich", "note": 'Grüße aus 世界 🫠\nzweite Zeile\n\tein Tab, "Zitat"'}
-
-
-@dataclass(frozen=True)
-class Split:
-    """Text whose marker spellings are ordinary tokens, not the marker tokens."""
-
-    text: str
 
 
 def call(
@@ -172,26 +165,6 @@ SPECS: dict[str, Spec] = {
 }
 
 
-@dataclass(frozen=True)
-class Deviation:
-    """A known difference on one path: `field` reads one of `vllm` in vLLM's answer, `onehop` in onehop's.
-
-    `field` is `content`, `reasoning`, `finish_reason`, `reasoning_tokens` or `calls`
-    (the list of `(name, arguments)`); `vllm` lists every value vLLM gives over the
-    chunkings. Both sides are asserted exactly; only then is the field set equal.
-    """
-
-    name: str
-    path: Literal["stream", "full"]
-    field: str
-    vllm: tuple[Any, ...]
-    onehop: Any
-
-
-def both(name: str, field: str, vllm: Any, onehop: Any) -> tuple[Deviation, Deviation]:
-    return Deviation(name, "stream", field, (vllm,), onehop), Deviation(name, "full", field, (vllm,), onehop)
-
-
 TRAILING = "\nI will report back shortly."
 LEFT_OPEN_ARGS = f'{{"city": "A"}}{CB}functions.get_time:1{AB}{{"tz": "B"}}'
 BAD_HEADER = f'{CB}functions.get_time{AB}{{"tz": "UTC"}}{CE}'
@@ -282,29 +255,6 @@ STREAM_REASONING_TOKENS: dict[tuple[str, int], int] = {
 }
 
 
-def project(answer: dict[str, Any], field: str) -> Any:
-    if field == "calls":
-        return [(c["name"], c["arguments"]) for c in answer["tool_calls"]]
-    if field in ("content", "reasoning"):
-        return answer.get(field) or None
-    return answer.get(field)
-
-
-def reconcile(
-    ours: dict[str, Any], theirs: dict[str, Any], path: str, deviations: tuple[Deviation, ...]
-) -> dict[str, Any]:
-    """vLLM's answer with each known deviation checked exactly, then set to onehop's value."""
-    adjusted = copy.deepcopy(theirs)
-    for deviation in (d for d in deviations if d.path == path):
-        assert project(theirs, deviation.field) in deviation.vllm, f"{deviation.name}: vLLM changed"
-        assert project(ours, deviation.field) == deviation.onehop, f"{deviation.name}: onehop changed"
-        if deviation.field == "calls":
-            adjusted["tool_calls"] = copy.deepcopy(ours["tool_calls"])
-        else:
-            adjusted[deviation.field] = ours.get(deviation.field)
-    return adjusted
-
-
 @pytest.fixture(scope="module")
 def kimi_dir(qwen3_tokenizer_dir: Path) -> Path:
     return kimi_tokenizer_dir(qwen3_tokenizer_dir)
@@ -320,16 +270,6 @@ def kimi_tokenizer(kimi_dir: Path) -> Any:
 @pytest.fixture(scope="module")
 def kimi_vocab(kimi_tokenizer: Any) -> TokenVocab:
     return vocab_for(kimi_tokenizer)
-
-
-def encode(tokenizer: Any, segments: tuple[str | Split, ...]) -> list[int]:
-    ids: list[int] = []
-    for segment in segments:
-        if isinstance(segment, Split):
-            ids += tokenizer.encode(segment.text, add_special_tokens=False, split_special_tokens=True)
-        else:
-            ids += tokenizer.encode(segment, add_special_tokens=False)
-    return ids
 
 
 def prompt_ids(tokenizer: Any, spec: Spec) -> list[int]:

@@ -18,7 +18,6 @@ both asserted exactly, so neither side can drift unnoticed.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -27,6 +26,7 @@ import pytest
 
 from engine.derender.vocab import TokenVocab
 from engine.qwen3.vocab import IM_END_ID
+from tests.support.parity import Deviation, reconcile
 from tests.support.vllm_oracle import chunkings, compare, onehop_answer, onehop_full, run_oracle, vllm_python
 
 pytestmark = pytest.mark.vllm
@@ -85,19 +85,9 @@ BAD_TYPES = call(
 )
 
 
-@dataclass(frozen=True)
-class Deviation:
-    """A known difference on one path: `field` reads one of `vllm` in vLLM's answers, `onehop` in onehop's.
-
-    `field` is `content`, `reasoning`, `finish_reason`, `reasoning_tokens` or
-    `calls` (the list of `(name, raw arguments)`). On the stream path every listed vLLM value must
-    occur in some chunking, so a stale entry fails too.
-    """
-
-    path: Literal["stream", "full"]
-    field: str
-    vllm: tuple[Any, ...]
-    onehop: Any
+def differs(path: Literal["stream", "full"], field: str, vllm: tuple[Any, ...], onehop: Any) -> Deviation:
+    """A case's deviation on one path and field (a case has at most one per pair, so that names it)."""
+    return Deviation(f"{path}_{field}", path, field, vllm, onehop)
 
 
 @dataclass(frozen=True)
@@ -120,13 +110,13 @@ def weather(arguments: str) -> list[tuple[str, str]]:
 
 def lost_content(onehop: str, vllm: str | None = None) -> tuple[Deviation, ...]:
     """vLLM drops this text on both paths; onehop keeps it as content."""
-    return (Deviation("stream", "content", (vllm,), onehop), Deviation("full", "content", (vllm,), onehop))
+    return (differs("stream", "content", (vllm,), onehop), differs("full", "content", (vllm,), onehop))
 
 
 def stripped_content(onehop: str, vllm_full: str) -> tuple[Deviation, ...]:
     """vLLM strips content when calls were made, non-streamed only; a stream cannot take back
     what it sent, so onehop keeps the streamed text (as vLLM streams it) in both shapes."""
-    return (Deviation("full", "content", (vllm_full,), onehop),)
+    return (differs("full", "content", (vllm_full,), onehop),)
 
 
 AFTER = "\nI will report back shortly."
@@ -162,8 +152,8 @@ SPECS: dict[str, Spec] = {
         deviations=(
             # vLLM's non-streamed answer loses text after calls; its stream drops the newline
             # when it arrives alone in a chunk.
-            Deviation("full", "content", (None,), AFTER),
-            Deviation("stream", "content", (AFTER.lstrip(), AFTER), AFTER),
+            differs("full", "content", (None,), AFTER),
+            differs("stream", "content", (AFTER.lstrip(), AFTER), AFTER),
         ),
     ),
     "parallel_tool_calls_false": Spec(f"{THINK}{UTC}\n{ROME}", overrides={"parallel_tool_calls": False}),
@@ -173,18 +163,18 @@ SPECS: dict[str, Spec] = {
         deviations=(
             # vLLM streams the cut string unclosed (invalid JSON) and its full answer drops it
             # (and says tool_calls); onehop keeps what arrived and closes it.
-            Deviation("stream", "calls", (weather('{"days": 3, "city": "Par'),), weather('{"days": 3, "city": "Par"}')),
-            Deviation("full", "calls", (weather('{"days": 3}'),), weather('{"days": 3, "city": "Par"}')),
-            Deviation("full", "finish_reason", ("tool_calls",), "length"),
+            differs("stream", "calls", (weather('{"days": 3, "city": "Par'),), weather('{"days": 3, "city": "Par"}')),
+            differs("full", "calls", (weather('{"days": 3}'),), weather('{"days": 3, "city": "Par"}')),
+            differs("full", "finish_reason", ("tool_calls",), "length"),
         ),
     ),
     "truncated_in_a_typed_value": Spec(
         THINK + TRUNCATED_TYPED,
         eos=False,
         deviations=(
-            Deviation("stream", "calls", (weather('{"city": "Rome", "days": '),), weather(ROME_1)),
-            Deviation("full", "calls", (weather('{"city": "Rome"}'),), weather(ROME_1)),
-            Deviation("full", "finish_reason", ("tool_calls",), "length"),
+            differs("stream", "calls", (weather('{"city": "Rome", "days": '),), weather(ROME_1)),
+            differs("full", "calls", (weather('{"city": "Rome"}'),), weather(ROME_1)),
+            differs("full", "finish_reason", ("tool_calls",), "length"),
         ),
     ),
     "stop_string_inside_a_call": Spec(
@@ -193,13 +183,13 @@ SPECS: dict[str, Spec] = {
         deviations=(
             # onehop: a stop string ends the output with "stop" (DESIGN); the value it cut
             # before any text arrived leaves nothing.
-            Deviation("stream", "finish_reason", ("tool_calls",), "stop"),
-            Deviation("stream", "calls", (weather('{"days": 2, "city": "'),), weather('{"days": 2}')),
+            differs("stream", "finish_reason", ("tool_calls",), "stop"),
+            differs("stream", "calls", (weather('{"days": 2, "city": "'),), weather('{"days": 2}')),
             # vLLM's stream leaks part of the `<tool_call>` marker into content.
-            Deviation("stream", "content", ("\n\n<tool_ca", "\n\n<tool_call"), None),
+            differs("stream", "content", ("\n\n<tool_ca", "\n\n<tool_call"), None),
             # ... and, in some chunkings, undercounts the reasoning tokens (4 between the markers).
-            Deviation("stream", "reasoning_tokens", (3, 4), 4),
-            Deviation("full", "finish_reason", ("tool_calls",), "stop"),
+            differs("stream", "reasoning_tokens", (3, 4), 4),
+            differs("full", "finish_reason", ("tool_calls",), "stop"),
         ),
     ),
     "tools_not_offered": Spec(
@@ -220,8 +210,8 @@ SPECS: dict[str, Spec] = {
     "unclosed_parameter_at_function_end": Spec(
         f"{THINK}<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</function>\n</tool_call>",
         deviations=(
-            Deviation("stream", "calls", (weather('{"city": "Paris'),), weather('{"city": "Paris"}')),
-            Deviation("full", "calls", ([("get_weather", "{}")],), weather('{"city": "Paris"}')),
+            differs("stream", "calls", (weather('{"city": "Paris'),), weather('{"city": "Paris"}')),
+            differs("full", "calls", ([("get_weather", "{}")],), weather('{"city": "Paris"}')),
         ),
     ),
     "missing_function_end": Spec(
@@ -239,13 +229,13 @@ SPECS: dict[str, Spec] = {
         deviations=(
             # Text that spells `<tool_call>` is not the marker token: vLLM's stream agrees
             # (content, then the bare `<function=` call); its full answer reads text alone.
-            Deviation("full", "content", (None,), "\n\n<tool_call>\n"),
+            differs("full", "content", (None,), "\n\n<tool_call>\n"),
         ),
     ),
     "spaces_around_the_function_name": Spec(
         f"{THINK}<tool_call>\n<function= get_time >\n<parameter= tz >\nUTC\n</parameter>\n</function>\n</tool_call>",
         deviations=(
-            Deviation("stream", "calls", ([(" get_time ", '{"tz ": "UTC"}')],), [("get_time", '{"tz ": "UTC"}')]),
+            differs("stream", "calls", ([(" get_time ", '{"tz ": "UTC"}')],), [("get_time", '{"tz ": "UTC"}')]),
         ),
     ),
     "repeated_parameter": Spec(
@@ -253,36 +243,11 @@ SPECS: dict[str, Spec] = {
         deviations=(
             # vLLM: first position, last value — its stream cannot retract and stops (invalid
             # JSON); onehop writes the key again, which parses to the same object.
-            Deviation("stream", "calls", (weather('{"city": "A", "days": '),), weather(TWICE)),
-            Deviation("full", "calls", (weather('{"city": "B", "days": 1}'),), weather(TWICE)),
+            differs("stream", "calls", (weather('{"city": "A", "days": '),), weather(TWICE)),
+            differs("full", "calls", (weather('{"city": "B", "days": 1}'),), weather(TWICE)),
         ),
     ),
 }
-
-
-def project(answer: dict[str, Any], name: str) -> Any:
-    if name == "calls":
-        return [(c["name"], c["arguments"]) for c in answer["tool_calls"]]
-    if name in ("content", "reasoning"):
-        return answer.get(name) or None
-    return answer.get(name)
-
-
-def reconcile(
-    ours: dict[str, Any], theirs: dict[str, Any], deviations: list[Deviation], seen: set[tuple[int, str]]
-) -> dict[str, Any]:
-    """vLLM's answer with each deviation checked exactly, then set to onehop's value."""
-    adjusted = copy.deepcopy(theirs)
-    for k, deviation in enumerate(deviations):
-        value = project(theirs, deviation.field)
-        assert value in deviation.vllm, f"{deviation.field}: vLLM changed to {value!r}"
-        assert project(ours, deviation.field) == deviation.onehop, f"{deviation.field}: onehop changed"
-        seen.add((k, repr(value)))
-        if deviation.field == "calls":
-            adjusted["tool_calls"] = [dict(c) for c in ours["tool_calls"]]
-        else:
-            adjusted[deviation.field] = ours.get(deviation.field)
-    return adjusted
 
 
 def prompt_ids(tokenizer: Any, *, enable_thinking: bool) -> list[int]:
@@ -337,14 +302,14 @@ def test_oracle_is_vllm_032(oracle: dict[str, dict[str, Any]]) -> None:
 def test_stream_matches_vllm(name: str, cases: dict[str, Any], oracle: dict[str, Any], qwen3_vocab: TokenVocab) -> None:
     case, result = cases[name], oracle[name]
     deviations = [d for d in SPECS[name].deviations if d.path == "stream"]
-    seen: set[tuple[int, str]] = set()
+    seen: set[tuple[str, str]] = set()
     failures = {}
     for sizes, theirs in zip(case["chunkings"], result["stream"], strict=True):
         ours = onehop_answer(qwen3_vocab, case, sizes)
-        if diffs := compare(ours, reconcile(ours, theirs, deviations, seen), reasoning_tokens=True):
+        if diffs := compare(ours, reconcile(ours, theirs, "stream", deviations, seen=seen), reasoning_tokens=True):
             failures[str(sizes[:12])] = diffs
     assert not failures
-    expected = {(k, repr(value)) for k, d in enumerate(deviations) for value in d.vllm}
+    expected = {(d.name, repr(value)) for d in deviations for value in d.vllm}
     assert seen == expected, "a listed vLLM value no longer occurs"
 
 
@@ -352,5 +317,5 @@ def test_stream_matches_vllm(name: str, cases: dict[str, Any], oracle: dict[str,
 def test_full_matches_vllm(name: str, cases: dict[str, Any], oracle: dict[str, Any], qwen3_vocab: TokenVocab) -> None:
     ours = onehop_full(qwen3_vocab, cases[name])
     deviations = [d for d in SPECS[name].deviations if d.path == "full"]
-    theirs = reconcile(ours, oracle[name]["full"], deviations, set())
+    theirs = reconcile(ours, oracle[name]["full"], "full", deviations)
     assert not compare(ours, theirs, reasoning_tokens=True)

@@ -13,16 +13,16 @@ fails if either side changes, so nothing is papered over.
 
 from __future__ import annotations
 
-import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import pytest
 
 from engine.derender.vocab import TokenVocab
 from engine.qwen3.vocab import IM_END_ID
+from tests.support.parity import Deviation, reconcile
 from tests.support.vllm_oracle import chunkings, compare, onehop_answer, onehop_full, run_oracle, vllm_python
 
 pytestmark = pytest.mark.vllm
@@ -97,23 +97,6 @@ SPECS: dict[str, Spec] = {
 }
 
 
-@dataclass(frozen=True)
-class Deviation:
-    """A known difference on one path: ``field`` reads one of ``vllm`` in vLLM's answer, ``onehop`` in onehop's.
-
-    ``field`` is ``content``, ``reasoning``, ``finish_reason`` or ``calls`` (the
-    list of ``(name, arguments)``). ``vllm`` lists every value vLLM gives over
-    the chunkings (more than one where vLLM depends on the chunking). Both sides
-    are asserted exactly; only then is the field set equal for ``compare``.
-    """
-
-    name: str
-    path: Literal["stream", "full"]
-    field: str
-    vllm: tuple[Any, ...]
-    onehop: Any
-
-
 def whitespace_before_call(vllm: tuple[Any, ...] = ("\n\n",)) -> Deviation:
     # DESIGN.md: vLLM streams the whitespace between </think> and <tool_call> but drops it
     # non-streamed; onehop drops it in both shapes (README "Derender behaviour").
@@ -160,29 +143,6 @@ CUT_SHORT = frozenset({"truncated_mid_call", "stop_string_inside_call"})
 # string's hold-back) moves it by chunking; onehop counts ids between the markers, vLLM's
 # non-streamed count. (case, chunking index) -> (vLLM, onehop).
 STREAM_REASONING_TOKENS: dict[tuple[str, int], tuple[int, int]] = {("stop_string_inside_call", 1): (3, 4)}
-
-
-def project(answer: dict[str, Any], field: str) -> Any:
-    if field == "calls":
-        return [(c["name"], c["arguments"]) for c in answer["tool_calls"]]
-    if field in ("content", "reasoning"):
-        return answer.get(field) or None
-    return answer.get(field)
-
-
-def reconcile(
-    ours: dict[str, Any], theirs: dict[str, Any], path: str, deviations: tuple[Deviation, ...]
-) -> dict[str, Any]:
-    """vLLM's answer with each known deviation checked exactly, then set to onehop's value."""
-    adjusted = copy.deepcopy(theirs)
-    for deviation in (d for d in deviations if d.path == path):
-        assert project(theirs, deviation.field) in deviation.vllm, f"{deviation.name}: vLLM changed"
-        assert project(ours, deviation.field) == deviation.onehop, f"{deviation.name}: onehop changed"
-        if deviation.field == "calls":
-            adjusted["tool_calls"] = copy.deepcopy(ours["tool_calls"])
-        else:
-            adjusted[deviation.field] = ours.get(deviation.field)
-    return adjusted
 
 
 def prompt_ids(tokenizer: Any, *, enable_thinking: bool) -> list[int]:

@@ -73,7 +73,7 @@ from engine.derender.parsers.base import (
     ToolParser,
 )
 from engine.derender.parsers.content import ContentText
-from engine.derender.parsers.kimi_k2_arguments import ArgumentsText
+from engine.derender.parsers.json_arguments import ArgumentsText
 from engine.derender.stop import Piece
 from engine.derender.vocab import TokenVocab
 

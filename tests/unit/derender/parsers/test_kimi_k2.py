@@ -30,7 +30,7 @@ from engine.derender.parsers.kimi_k2 import (
     SECTION_BEGIN as SB,
     SECTION_END as SE,
 )
-from engine.derender.parsers.kimi_k2_arguments import ArgumentsText, coerce_text, coerce_value
+from engine.derender.parsers.json_arguments import ArgumentsText, coerce_text, coerce_value
 from engine.derender.vocab import TokenVocab, vocab_for
 from engine.openai_schema import ChatCompletionRequest
 from tests.support.kimi_k2 import OPEN_TURN, kimi_tokenizer_dir

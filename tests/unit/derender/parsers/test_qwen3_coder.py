@@ -34,7 +34,7 @@ from engine.derender.text import TextParams
 from engine.derender.vocab import TokenVocab
 from engine.openai_schema import ChatCompletionRequest
 from engine.qwen3.vocab import IM_END_ID
-from tests.support.streams import FAMILY_CHUNKINGS, comparable_response, counter_ids, fixed, fold_chunks, stream, whole
+from tests.support.streams import FAMILY_CHUNKINGS, comparable_response, counter_ids, fold_chunks, stream, whole
 
 WEATHER = {
     "type": "object",
