@@ -2,7 +2,9 @@
 
 The family axis of `scripts/bench_derender.py`. For every delivered family the
 same token stream (a reasoning block, then two tool calls, written with the
-family's own writers and cut to each length) is fed one token per chunk:
+family's own writers and cut to each length; a family without reasoning writes
+the padding into the first call's `city` argument instead) is fed one token
+per chunk:
 
     onehop: `ChatDerender.step` per token (detokenize + stop strings + parse +
             chunk object), thread CPU around the per-token loop;
@@ -70,7 +72,7 @@ SLOT = "\x00"
 @dataclass(frozen=True)
 class Family:
     label: str
-    reasoning: str
+    reasoning: str | None
     tool: str
     tokenizer: Callable[[str | None], Path]
     model_type: str | None = None
@@ -95,8 +97,13 @@ def _harmony(vllm_python: str | None) -> Path:
     return o200k_harmony_tokenizer(vllm_python) if vllm_python else harmony_tokenizer()
 
 
+def _beside_qwen3(build: Callable[[Path], Path]) -> Callable[[str | None], Path]:
+    """A family fixture folder built next to the Qwen3 one (the tests' own builders)."""
+    return lambda _: build(ensure_tokenizer())
+
+
 def families() -> list[Family]:
-    from tests.support import deepseek, glm_tokenizer, harmony_tokenizer, kimi_k2
+    from tests.support import deepseek, glm_tokenizer, harmony_tokenizer, kimi_k2, llama3, minimax_m2, mistral
 
     out = [
         Family("qwen3 + hermes", "qwen3", "hermes", _qwen3),
@@ -106,23 +113,45 @@ def families() -> list[Family]:
         Family("openai_gptoss + openai", "openai_gptoss", "openai", _harmony, "gpt_oss"),
     ]
     del harmony_tokenizer
-    if "deepseek_v3" in TOOL_PARSERS and hasattr(deepseek, "ADDED"):
-        out.append(Family("deepseek_r1 + deepseek_v3", "deepseek_r1", "deepseek_v3", _added("deepseek", list(deepseek.ADDED))))
+    out += [
+        Family("deepseek_r1 + deepseek_v3", "deepseek_r1", "deepseek_v3", _added("deepseek", list(deepseek.ADDED))),
+        Family("minimax_m2", "minimax_m2", "minimax_m2", _beside_qwen3(minimax_m2.minimax_tokenizer_dir)),
+        Family("mistral", "mistral", "mistral", _beside_qwen3(mistral.mistral_tokenizer_dir)),
+        Family("llama3_json", None, "llama3_json", _beside_qwen3(llama3.llama3_tokenizer_dir), "llama"),
+        Family("pythonic", None, "pythonic", _qwen3),
+    ]
     return out
 
 
 def stream_ids(family: Family, tokenizer: Any, length: int) -> list[int]:
-    """`length` output ids: the family's reasoning block padded with words, its two calls, EOS."""
-    write_reasoning = REASONING_PARSERS[family.reasoning].format_reasoning
+    """About `length` output ids: the family's reasoning block padded with words, its two calls, EOS."""
     write_calls = TOOL_PARSERS[family.tool].format_calls
-    assert write_reasoning is not None and write_calls is not None
-    opening, _, closing = write_reasoning(SLOT).partition(SLOT)
+    assert write_calls is not None
     rng = random.Random(0)
-    words = " ".join(rng.choice(WORDS) for _ in range(length * 2))
-    head = tokenizer.encode(opening + words, add_special_tokens=False)
-    tail = tokenizer.encode(closing + write_calls(CALLS), add_special_tokens=False)
-    tail.append(tokenizer.convert_tokens_to_ids(tokenizer.eos_token) if tokenizer.eos_token else head[0])
+    words = [rng.choice(WORDS) for _ in range(length * 2)]
+    eos = [tokenizer.convert_tokens_to_ids(tokenizer.eos_token)] if tokenizer.eos_token else []
+    if family.reasoning is None:
+        return _padded_call(write_calls, tokenizer, words, length) + eos
+    write_reasoning = REASONING_PARSERS[family.reasoning].format_reasoning
+    assert write_reasoning is not None
+    opening, _, closing = write_reasoning(SLOT).partition(SLOT)
+    head = tokenizer.encode(opening + " ".join(words), add_special_tokens=False)
+    tail = tokenizer.encode(closing + write_calls(CALLS), add_special_tokens=False) + eos
     return head[: max(0, length - len(tail))] + tail
+
+
+def _padded_call(write_calls: Callable[..., str], tokenizer: Any, words: list[str], length: int) -> list[int]:
+    """The two calls with the first one's `city` grown by words until the text is `length` tokens."""
+
+    def encoded(n: int) -> list[int]:
+        first = ToolCallText(CALLS[0].name, {**CALLS[0].arguments, "city": " ".join(words[:n])})
+        return tokenizer.encode(write_calls([first, *CALLS[1:]]), add_special_tokens=False)
+
+    low, high = 0, len(words)
+    while low < high:  # the most words that still fit
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if len(encoded(middle)) <= length else (low, middle - 1)
+    return encoded(low)
 
 
 def onehop_cost(family: Family, vocab: Any, ids: list[int], repeats: int) -> float:

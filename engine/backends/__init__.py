@@ -14,13 +14,17 @@ def _sim_formats(config: EngineConfig) -> dict[str, str]:
     """The simulator writes in the engine's parser families, where it knows how to."""
     from engine.derender.parsers import REASONING_PARSERS, TOOL_PARSERS
 
-    formats: dict[str, str] = {}
+    formats: dict[str, str | None] = {}
     reasoning = REASONING_PARSERS.get(config.reasoning_parser or "")
     if reasoning is not None and reasoning.format_reasoning is not None:
         formats["reasoning_format"] = reasoning.name
     tools = TOOL_PARSERS.get(config.tool_parser or "")
     if tools is not None and tools.format_calls is not None:
         formats["tool_format"] = tools.name
+        if config.reasoning_parser is None:
+            # A tool parser alone (Llama's formats have no reasoning): calls open the output,
+            # where those parsers look for them.
+            formats["reasoning_format"] = None
     return formats
 
 

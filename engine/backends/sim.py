@@ -18,7 +18,8 @@ Configuration (`SimBackendConfig`, decoded strictly: unknown keys are errors)::
     max_model_len       prompt + output limit (32768)
     reasoning           auto mode thinks when the prompt leaves thinking open (true)
     output_tokens       auto mode content length in tokens; null: 16-64 words
-    reasoning_format    the reasoning family written ("qwen3"; the engine's parser)
+    reasoning_format    the reasoning family written ("qwen3"; the engine's parser;
+                        null: none, as for tool formats without reasoning)
     tool_format         the tool-call family written ("hermes"; the engine's parser)
 
 What each mode plans before the token rules below apply:
@@ -189,7 +190,7 @@ class SimBackendConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     max_model_len: Annotated[int, Meta(ge=1)] = 32768
     reasoning: bool = True
     output_tokens: Annotated[int, Meta(ge=0)] | None = None
-    reasoning_format: str = "qwen3"
+    reasoning_format: str | None = "qwen3"
     tool_format: str = "hermes"
 
     def __post_init__(self) -> None:
@@ -198,8 +199,8 @@ class SimBackendConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
             raise SimConfigError(f"tokens_per_step must be at least 1, got {self.tokens_per_step}")
         if self.mode == "script" and not self.script:
             raise SimConfigError("mode 'script' needs at least one text in script")
-        reasoning = REASONING_PARSERS.get(self.reasoning_format)
-        if reasoning is None or reasoning.format_reasoning is None:
+        reasoning = REASONING_PARSERS.get(self.reasoning_format) if self.reasoning_format is not None else None
+        if self.reasoning_format is not None and (reasoning is None or reasoning.format_reasoning is None):
             raise SimConfigError(f"the simulator cannot write reasoning as {self.reasoning_format!r}")
         tools = TOOL_PARSERS.get(self.tool_format)
         if tools is None or tools.format_calls is None:
@@ -643,12 +644,14 @@ class SimBackend:
             vocab_size=_vocab_size(tokenizer),
             eos_token_ids=frozenset(self._eos),
         )
-        write_reasoning = REASONING_PARSERS[config.reasoning_format].format_reasoning
-        assert write_reasoning is not None  # checked by the config
-        think_open, _, think_close = write_reasoning(_SLOT).partition(_SLOT)
-        self._think_open = self._encode(think_open)
-        self._think_close = self._encode(think_close)
-        self._empty_reasoning = self._encode(write_reasoning(""))
+        self._think_open: list[int] | None = None
+        if config.reasoning_format is not None:
+            write_reasoning = REASONING_PARSERS[config.reasoning_format].format_reasoning
+            assert write_reasoning is not None  # checked by the config
+            think_open, _, think_close = write_reasoning(_SLOT).partition(_SLOT)
+            self._think_open = self._encode(think_open)
+            self._think_close = self._encode(think_close)
+            self._empty_reasoning = self._encode(write_reasoning(""))
         write_calls = TOOL_PARSERS[config.tool_format].format_calls
         assert write_calls is not None
         self._write_calls = write_calls
@@ -828,7 +831,7 @@ class SimBackend:
         if prompt.open_call is not None and prompt.tools:
             return self._finish_call(prompt.open_call, prompt.tools, rng)
         plan: list[int] = []
-        if prompt.thinking_open:
+        if prompt.thinking_open and self._think_open is not None:
             plan += self._reasoning(rng)
         if prompt.tools:
             plan += self._tool_call(prompt.tools, rng)
@@ -837,6 +840,7 @@ class SimBackend:
         return plan
 
     def _reasoning(self, rng: random.Random) -> list[int]:
+        assert self._think_open is not None
         if not self._config.reasoning:
             return self._empty_reasoning
         words = self._words.sentences(rng, rng.randint(*_REASONING_WORDS), start=True)

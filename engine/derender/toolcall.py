@@ -68,7 +68,8 @@ class ToolCallBody:
         self._args_out.clear()
         return out
 
-    def feed(self, text: str) -> None:
+    def feed(self, text: str) -> int:
+        """Scan `text`; return how much of it the body took (less than all once the object closed)."""
         pos = 0
         end = len(text)
         while pos < end and not self.closed:
@@ -76,6 +77,7 @@ class ToolCallBody:
                 pos = self._feed_string(text, pos)
             else:
                 pos = self._feed_outside(text, pos)
+        return pos
 
     def _feed_string(self, text: str, pos: int) -> int:
         if self._escape:

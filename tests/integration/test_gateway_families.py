@@ -13,7 +13,7 @@ import pytest
 
 from engine.derender.parsers import TOOL_PARSERS
 from engine.qwen3.fixtures import cache_dir
-from tests.support import glm_tokenizer, harmony_tokenizer, kimi_k2
+from tests.support import glm_tokenizer, harmony_tokenizer, kimi_k2, llama3, minimax_m2, mistral
 from tests.support.engine import engine_server
 from tests.support.family_tokenizers import build_family_tokenizer
 from tests.support.gateway import gateway_server
@@ -42,15 +42,20 @@ TYPED_TOOLS = [
 MESSAGES = [{"role": "user", "content": "A table for four, please."}]
 SCHEMA_TYPES = {"restaurant": str, "guests": int, "budget": (int, float), "terrace": bool, "tags": list}
 
-# tool parser -> (reasoning parser, the family's marker tokens added to the Qwen3 tokenizer).
+# tool parser -> (reasoning parser or None, the family's marker tokens added to the Qwen3 tokenizer).
 # The chat template stays Qwen3's, so the sim reads the prompt the same way for every family;
 # only the output format changes, which is what the parsers see.
-FAMILIES: dict[str, tuple[str, tuple[tuple[str, bool], ...]]] = {
+FAMILIES: dict[str, tuple[str | None, tuple[tuple[str, bool], ...]]] = {
     "hermes": ("qwen3", ()),
     "qwen3_coder": ("qwen3", ()),
     "glm47": ("glm45", glm_tokenizer.ADDED),
     "kimi_k2": ("kimi_k2", tuple((text, True) for text in kimi_k2.SPECIALS)),
     "openai": ("openai_gptoss", tuple((text, True) for text in harmony_tokenizer.MARKERS)),
+    "minimax_m2": ("minimax_m2", minimax_m2.ADDED),
+    "mistral": ("mistral", tuple((text, True) for text in mistral.SPECIALS)),
+    # Llama's formats have no reasoning of their own.
+    "llama3_json": (None, tuple((text, True) for text in llama3.SPECIALS)),
+    "pythonic": (None, ()),
 }
 
 
@@ -132,7 +137,8 @@ async def test_same_tool_calls_on_every_route_streamed_and_not(family_client: tu
     reference = answers["derender full"]
     for name, answer in answers.items():
         assert answer == reference, f"{family}: {name} differs from derender full"
-    assert reference["finish"] == "tool_calls" and reference["reasoning"]
+    assert reference["finish"] == "tool_calls"
+    assert bool(reference["reasoning"]) == (FAMILIES[family][0] is not None)
     assert reference["content"] is None
     [(name, arguments)] = reference["calls"]
     assert name == "book_table"

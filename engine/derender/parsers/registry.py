@@ -13,8 +13,12 @@ from engine.derender.parsers import deepseek
 from engine.derender.parsers import glm
 from engine.derender.parsers import harmony
 from engine.derender.parsers import hermes
-from engine.derender.parsers import qwen3_coder
 from engine.derender.parsers import kimi_k2
+from engine.derender.parsers import llama3_json
+from engine.derender.parsers import minimax_m2
+from engine.derender.parsers import mistral
+from engine.derender.parsers import pythonic
+from engine.derender.parsers import qwen3_coder
 from engine.derender.parsers.think import BoundThink, ThinkSyntax, format_think
 from engine.derender.vocab import TokenVocab
 
@@ -31,8 +35,11 @@ REASONING_PARSERS: dict[str, ReasoningFactory] = {
     "glm47": glm.REASONING_47,
     "kimi_k2": ReasoningFactory("kimi_k2", kimi_k2.BoundKimiReasoning, kimi_k2.format_reasoning),
     "openai_gptoss": harmony.REASONING,
+    "mistral": mistral.REASONING,
     "deepseek_r1": deepseek.REASONING_R1,
     "deepseek_v3": deepseek.REASONING_V3,
+    "minimax_m2": minimax_m2.REASONING,
+    "minimax_m2_append_think": minimax_m2.APPEND_THINK,
 }
 TOOL_PARSERS: dict[str, ToolFactory] = {
     "hermes": ToolFactory("hermes", hermes.BoundHermes, hermes.format_calls, hermes.forced_prefix),
@@ -42,8 +49,14 @@ TOOL_PARSERS: dict[str, ToolFactory] = {
     "qwen3_xml": qwen3_coder.FACTORY,
     "kimi_k2": ToolFactory("kimi_k2", kimi_k2.BoundKimiTools, kimi_k2.format_calls, kimi_k2.forced_prefix),
     "openai": harmony.TOOLS,
+    "mistral": mistral.TOOLS,
     "deepseek_v3": deepseek.TOOLS_V3,
     "deepseek_v31": deepseek.TOOLS_V31,
+    "llama3_json": llama3_json.FACTORY,
+    "llama4_json": llama3_json.FACTORY,
+    "minimax_m2": minimax_m2.TOOLS,
+    "pythonic": pythonic.PYTHONIC,
+    "llama4_pythonic": pythonic.LLAMA4_PYTHONIC,
 }
 
 

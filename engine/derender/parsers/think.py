@@ -34,6 +34,12 @@ class ThinkSyntax:
     `enable_thinking` (Qwen3); a family that ignores it fixes it here."""
     drop_stray_end: bool = True
     """A second end marker is dropped from content (Qwen3); False keeps its text."""
+    strip_trailing_space: bool = False
+    """Whitespace that ends the reasoning is dropped (MiniMax M2's vLLM grammar); held
+    while reasoning goes on, so no chunking changes the text."""
+    count_specials: bool = True
+    """Special tokens inside reasoning count as reasoning tokens. False (MiniMax M2): vLLM's
+    grammar drops them uncounted, the EOS that ends an unclosed block (`("", id)` here) too."""
 
 
 def format_think(syntax: ThinkSyntax, text: str) -> str:
@@ -50,6 +56,7 @@ class BoundThink(BoundReasoning):
         self.strays = {self._end: syntax.end} if syntax.drop_stray_end else {}
         turn = vocab.token_id(syntax.turn_start)
         self._turn = -1 if turn is None else turn
+        self.uncounted: frozenset[int] = vocab.special_ids if not syntax.count_specials else frozenset()
 
     def starts_in_reasoning(self, prompt_token_ids: Sequence[int], options: ParseOptions) -> bool:
         """A trailing `</think>` in the prompt (as `enable_thinking=false` renders) means
@@ -68,7 +75,10 @@ class BoundThink(BoundReasoning):
 
     def new(self, options: ParseOptions, *, in_reasoning: bool, tool_starts: Mapping[int, str]) -> ReasoningParser:
         return ThinkReasoning(
-            self, in_reasoning=in_reasoning, tool_starts=tool_starts if self.syntax.tool_ends_reasoning else {}
+            self,
+            in_reasoning=in_reasoning,
+            tool_starts=tool_starts if self.syntax.tool_ends_reasoning else {},
+            strip_trailing_space=self.syntax.strip_trailing_space,
         )
 
 
@@ -76,37 +86,74 @@ _START, _END, _TOOL = range(3)
 
 
 class ThinkReasoning(ReasoningParser):
-    __slots__ = ("_by_id", "_done", "reasoning_tokens")
+    __slots__ = ("_by_id", "_uncounted", "_done", "_space", "reasoning_tokens")
 
-    def __init__(self, bound: BoundThink, *, in_reasoning: bool, tool_starts: Mapping[int, str]) -> None:
+    def __init__(
+        self,
+        bound: BoundThink,
+        *,
+        in_reasoning: bool,
+        tool_starts: Mapping[int, str],
+        strip_trailing_space: bool = False,
+    ) -> None:
         by_id: dict[int, tuple[int, str]] = {token_id: (_TOOL, text) for token_id, text in tool_starts.items()}
         by_id[bound.markers.id(bound.syntax.start)] = (_START, bound.syntax.start)
         by_id[bound.markers.id(bound.syntax.end)] = (_END, bound.syntax.end)
         self._by_id = by_id
+        self._uncounted = bound.uncounted
         self._done = not in_reasoning
+        self._space: list[str] | None = [] if strip_trailing_space else None
+        """The trailing whitespace run of the reasoning so far, when it is stripped."""
         self.reasoning_tokens = 0
 
     def feed(self, pieces: Sequence[Piece], reasoning: list[str]) -> Sequence[Piece]:
         if self._done:
             return pieces
-        by_id = self._by_id
+        by_id, space, uncounted = self._by_id, self._space, self._uncounted
         for i, (text, token_id) in enumerate(pieces):  # hot loop while reasoning
             marker = by_id.get(token_id)
             if marker is None or not text.endswith(marker[1]):
                 if text:
-                    reasoning.append(text)
-                if token_id >= 0:
+                    if space is None:
+                        reasoning.append(text)
+                    else:
+                        _add_held(text, reasoning, space)
+                if token_id >= 0 and token_id not in uncounted:
                     self.reasoning_tokens += 1
                 continue
             head = text[: len(text) - len(marker[1])]
             if head:
-                reasoning.append(head)
+                if space is None:
+                    reasoning.append(head)
+                else:
+                    _add_held(head, reasoning, space)
             kind = marker[0]
             if kind == _START:
                 continue
             self._done = True
+            if space:
+                space.clear()
             rest = pieces[i + 1 :]
             if kind == _TOOL:
                 return [(marker[1], token_id), *rest]
             return rest
         return ()
+
+    def finish(self, reasoning: list[str]) -> Sequence[Piece]:
+        if self._space:
+            self._space.clear()
+        return ()
+
+
+def _add_held(text: str, reasoning: list[str], space: list[str]) -> None:
+    """Reasoning text with its trailing whitespace held in `space` until more text follows."""
+    body = text.rstrip()
+    if not body:
+        space.append(text)
+        return
+    if space:
+        reasoning.extend(space)
+        space.clear()
+    reasoning.append(body)
+    if len(body) < len(text):
+        space.append(text[len(body) :])

@@ -52,20 +52,34 @@ class ArgsJson:
     Fragments go to `out`; joined they are `json.dumps` of the typed arguments
     (a repeated parameter is written again, so it parses to its last value).
     A key is written with the first character of its value, so a value cut off
-    before any text arrived leaves nothing behind.
+    before any text arrived leaves nothing behind. `trim`: one leading and one
+    trailing newline of each value are framing (Qwen3-Coder's template); False
+    keeps values verbatim (MiniMax writes them inline).
     """
 
-    __slots__ = ("out", "_properties", "_count", "_name", "_types", "_typed", "_written", "_lead", "_newline")
+    __slots__ = (
+        "out",
+        "_properties",
+        "_count",
+        "_name",
+        "_types",
+        "_typed",
+        "_written",
+        "_trim",
+        "_lead",
+        "_newline",
+    )
 
-    def __init__(self, properties: Mapping[str, Any] | None, out: list[str]) -> None:
+    def __init__(self, properties: Mapping[str, Any] | None, out: list[str], *, trim: bool = True) -> None:
         self.out = out
+        self._trim = trim
         self._properties = properties
         self._count = 0
         self._name = ""
         self._types = STRING_ONLY
         self._typed: list[str] | None = None  # raw text of a value written only once complete
         self._written = False  # the open value's key (and opening quote) went out
-        self._lead = True
+        self._lead = trim  # the value's first text is still to come (and may start with framing)
         self._newline = False  # a trailing newline held back: it may be the closing framing
 
     def open(self, name: str) -> None:
@@ -73,7 +87,7 @@ class ArgsJson:
         self._types = parameter_types(self._properties, name)
         self._typed = None if self._types == STRING_ONLY else []
         self._written = False
-        self._lead = True
+        self._lead = self._trim
         self._newline = False
 
     def value(self, text: str) -> None:
@@ -87,7 +101,7 @@ class ArgsJson:
         if self._newline:
             text = "\n" + text
             self._newline = False
-        if text[-1] == "\n":
+        if text[-1] == "\n" and self._trim:
             self._newline = True
             text = text[:-1]
             if not text:

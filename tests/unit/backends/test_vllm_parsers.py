@@ -25,7 +25,7 @@ def test_a_tool_name_onehop_lacks_is_refused_at_start_on_the_sim_backend(qwen3_t
 
 
 def test_a_reasoning_name_onehop_lacks_is_refused_at_start_on_the_hf_backend(qwen3_tokenizer_dir: Path) -> None:
-    config = EngineConfig(backend="hf", model=str(qwen3_tokenizer_dir), reasoning_parser="minimax_m2", tool_parser=None)
+    config = EngineConfig(backend="hf", model=str(qwen3_tokenizer_dir), reasoning_parser="step3", tool_parser=None)
     with pytest.raises(UnknownParser, match=f"known: {', '.join(sorted(REASONING_PARSERS))}$"):
         resolve_parsers(config)
 
@@ -48,10 +48,10 @@ def test_capabilities_name_onehop_for_native_parsers(qwen3_tokenizer_dir: Path) 
         ("qwen3", "hermes", {"qwen3": "onehop", "hermes": "onehop"}),
         # onehop's reasoning stage, vLLM's tool parser after it
         ("qwen3", "qwen3_json", {"qwen3": "onehop", "qwen3_json": "vllm"}),
-        (None, "llama3_json", {"llama3_json": "vllm"}),
+        (None, "granite", {"granite": "vllm"}),
         # vLLM's reasoning: vLLM parses the pair, onehop's tool parsers need marker ids
-        ("minimax_m2", "hermes", {"minimax_m2": "vllm", "hermes": "vllm"}),
-        ("mistral", None, {"mistral": "vllm"}),
+        ("step3", "hermes", {"step3": "vllm", "hermes": "vllm"}),
+        ("ernie45", None, {"ernie45": "vllm"}),
         (None, None, {}),
     ],
 )
