@@ -26,36 +26,12 @@ from engine.derender.parsers.llama3_json import PYTHON_TAG as TAG
 from engine.derender.vocab import TokenVocab, vocab_for
 from tests.support.llama3 import EOT, llama3_tokenizer_dir
 from tests.support.parity import LOSSY, Deviation, Split, both, encode, reconcile
+from tests.support.tools import WEATHER_TOOLS
 from tests.support.vllm_oracle import chunkings, compare, onehop_answer, onehop_full, run_oracle, vllm_python
 
 pytestmark = pytest.mark.vllm
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Weather for a city.",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "city": {"type": "string"},
-                    "days": {"type": "integer"},
-                    "note": {"type": "string"},
-                },
-                "required": ["city"],
-            },
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "get_time",
-            "description": "Local time in a time zone.",
-            "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}},
-        },
-    },
-]
+TOOLS = WEATHER_TOOLS
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 PARIS: dict[str, Any] = {"city": "Paris", "days": 2}
 UTC: dict[str, Any] = {"tz": "UTC"}

@@ -29,37 +29,12 @@ from engine.derender.parsers.pythonic import PYTHON_END as PE, PYTHON_START as P
 from engine.derender.vocab import TokenVocab, vocab_for
 from tests.support.parity import LOSSY, Deviation, Split, encode, parsed_calls, reconcile
 from tests.support.pythonic import EOT, pythonic_tokenizer_dir
+from tests.support.tools import WEATHER_TOOLS
 from tests.support.vllm_oracle import chunkings, compare, onehop_answer, onehop_full, run_oracle, vllm_python
 
 pytestmark = pytest.mark.vllm
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Weather for a city.",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "city": {"type": "string"},
-                    "days": {"type": "integer"},
-                    "metric": {"type": "boolean"},
-                    "note": {"type": "string"},
-                },
-                "required": ["city"],
-            },
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "get_time",
-            "description": "Local time in a time zone.",
-            "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}},
-        },
-    },
-]
+TOOLS = WEATHER_TOOLS
 USER = [{"role": "user", "content": "What is the weather in Paris and Rome?"}]
 UTC = '[get_time(tz="UTC")]'
 

@@ -23,32 +23,12 @@ import pytest
 from engine.derender.vocab import TokenVocab
 from engine.qwen3.vocab import IM_END_ID
 from tests.support.parity import Deviation, reconcile
+from tests.support.tools import WEATHER_TOOLS
 from tests.support.vllm_oracle import chunkings, compare, onehop_answer, onehop_full, run_oracle, vllm_python
 
 pytestmark = pytest.mark.vllm
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Weather for a city.",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}, "note": {"type": "string"}, "days": {"type": "integer"}},
-                "required": ["city"],
-            },
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "get_time",
-            "description": "Local time in a time zone.",
-            "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}},
-        },
-    },
-]
+TOOLS = WEATHER_TOOLS
 USER = [{"role": "user", "content": "What is the weather in Paris and Rome?"}]
 PARIS = {"city": "Paris", "days": 2}
 ROME = {"city": "Rome"}

