@@ -173,7 +173,12 @@ async def _route_header(request: web.Request, response: web.StreamResponse) -> N
         response.headers[ROUTE_RESPONSE_HEADER] = route
     reason = request.get(REASON_KEY)
     if reason is not None:
-        response.headers[POLICY_RESPONSE_HEADER] = reason
+        response.headers[POLICY_RESPONSE_HEADER] = ascii_header(reason)
+
+
+def ascii_header(value: str) -> str:
+    """A header value clients accept: HTTP headers are ASCII, so anything else is escaped."""
+    return value if value.isascii() else value.encode("ascii", "backslashreplace").decode("ascii")
 
 
 def resolve_parsers(config: GatewayConfig) -> tuple[GatewayConfig, bool]:

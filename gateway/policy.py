@@ -256,9 +256,9 @@ def _by_cost(cost: CostModel, engine: EngineState, est: dict[str, float]) -> tup
     now, add, budget = engine.output_cpu_cores, est["engine_cores.derender"], cost.engine_budget_cores
     if now + add <= budget:
         return "derender", (
-            f"cost: derender would add {add:.2g} cores to the engine ({now:.2f} now, budget {budget:.2f}) → derender"
+            f"cost: derender would add {add:.2g} cores to the engine ({now:.2f} now, budget {budget:.2f}) -> derender"
         )
-    return "tokens", f"cost: engine at {now:.2f} of {budget:.2f} cores, derender would add {add:.2g} → tokens"
+    return "tokens", f"cost: engine at {now:.2f} of {budget:.2f} cores, derender would add {add:.2g} -> tokens"
 
 
 def _pick(
@@ -266,11 +266,11 @@ def _pick(
 ) -> tuple[Route, Rule | None, str]:
     for rule in policy.rules:
         if rule.match.matches(f):
-            return rule.route, rule, f"rule {rule.name!r} ({rule.match.describe()}) → {rule.route}"
+            return rule.route, rule, f"rule {rule.name!r} ({rule.match.describe()}) -> {rule.route}"
     if policy.default == "cost":
         route, reason = _by_cost(policy.cost, engine, est)
         return route, None, reason
-    return policy.default, None, f"default → {policy.default}"
+    return policy.default, None, f"default -> {policy.default}"
 
 
 def decide(policy: Policy, features: RequestFeatures, engine: EngineState) -> Decision:
@@ -282,7 +282,7 @@ def decide(policy: Policy, features: RequestFeatures, engine: EngineState) -> De
         if fallback is None:
             served = ", ".join(sorted(engine.routes)) or "nothing"
             raise NoRoute(f"{reason}; {route} unavailable and no fallback is served (engine serves {served})")
-        reason = f"{reason}; {route} unavailable on this engine, fallback → {fallback}"
+        reason = f"{reason}; {route} unavailable on this engine, fallback -> {fallback}"
         route = fallback
     return Decision(route, rule.name if rule else None, reason, est, rule.pool if rule else None)
 

@@ -132,3 +132,18 @@ async def test_live_feedback_sheds_to_tokens_and_back(qwen3_tokenizer_dir: Path,
                     raise AssertionError("the route did not move back to derender after the engine cooled")
         finally:
             await server.close()
+
+
+async def test_the_policy_header_is_ascii_whatever_the_rule_is_called(qwen3_tokenizer_dir: Path, tmp_path: Path) -> None:
+    # HTTP header values are ASCII; a UTF-8 one breaks clients (httpx-based SDKs refuse it).
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("rules:\n  - name: café-规则\n    match: {}\n    route: tokens\n", encoding="utf-8")
+    async with engine_server(qwen3_tokenizer_dir) as (engine_url, _):
+        server = await _gateway(engine_url, qwen3_tokenizer_dir, policy=str(policy))
+        try:
+            async with aiohttp.ClientSession() as session:
+                status, route, reason = await _chat(session, str(server.make_url("")).rstrip("/"))
+        finally:
+            await server.close()
+    assert (status, route) == (200, "tokens")
+    assert reason == r"rule 'caf\xe9-\u89c4\u5219' (always) -> tokens"

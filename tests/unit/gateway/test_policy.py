@@ -84,7 +84,7 @@ def test_first_matching_rule_wins() -> None:
     )
     first = decide(policy, RequestFeatures(stream=True), ALL)
     assert (first.route, first.rule, first.pool) == ("text", "a", "p")
-    assert first.reason == "rule 'a' (stream=True) → text"
+    assert first.reason == "rule 'a' (stream=True) -> text"
     second = decide(policy, RequestFeatures(stream=False), ALL)
     assert (second.route, second.rule, second.pool) == ("tokens", "b", None)
 
@@ -92,13 +92,13 @@ def test_first_matching_rule_wins() -> None:
 def test_example_wide_logprobs_rule() -> None:
     decision = decide(load_policy(EXAMPLE), RequestFeatures(logprobs=True, top_logprobs=20), ALL)
     assert decision.route == "tokens" and decision.rule == "wide-logprobs"
-    assert decision.reason == "rule 'wide-logprobs' (top_logprobs>=10) → tokens"
+    assert decision.reason == "rule 'wide-logprobs' (top_logprobs>=10) -> tokens"
 
 
 @pytest.mark.parametrize("route", ["derender", "text", "tokens", "tokens-remote"])
 def test_fixed_default(route: str) -> None:
     decision = decide(policy_from_text(f"default: {route}\n"), RequestFeatures(), ALL)
-    assert (decision.route, decision.rule, decision.reason) == (route, None, f"default → {route}")
+    assert (decision.route, decision.rule, decision.reason) == (route, None, f"default -> {route}")
 
 
 COST_CASES = [
@@ -115,14 +115,14 @@ COST_CASES = [
 def test_cost_sheds_near_budget_and_returns_when_cool(cores: float, route: str) -> None:
     decision = decide(Policy(), RequestFeatures(max_tokens=500), EngineState(output_cpu_cores=cores))
     assert decision.route == route and decision.rule is None
-    assert decision.reason.startswith("cost: ") and decision.reason.endswith(f"→ {route}")
+    assert decision.reason.startswith("cost: ") and decision.reason.endswith(f"-> {route}")
 
 
 def test_cost_reason_text() -> None:
     shed = decide(Policy(), RequestFeatures(), EngineState(output_cpu_cores=0.26))
-    assert shed.reason == "cost: engine at 0.26 of 0.25 cores, derender would add 0.00016 → tokens"
+    assert shed.reason == "cost: engine at 0.26 of 0.25 cores, derender would add 0.00016 -> tokens"
     kept = decide(Policy(), RequestFeatures(), EngineState(output_cpu_cores=0.05))
-    assert kept.reason == "cost: derender would add 0.00016 cores to the engine (0.05 now, budget 0.25) → derender"
+    assert kept.reason == "cost: derender would add 0.00016 cores to the engine (0.05 now, budget 0.25) -> derender"
 
 
 def test_wide_logprobs_cost_more_and_shed_sooner() -> None:
@@ -161,7 +161,7 @@ FALLBACK_CASES = [
 def test_capability_fallback(routes: set[str], picked: str, final: str) -> None:
     decision = decide(policy_from_text(f"default: {picked}\n"), RequestFeatures(), EngineState(routes=frozenset(routes)))
     assert decision.route == final
-    assert decision.reason.endswith(f"; {picked} unavailable on this engine, fallback → {final}")
+    assert decision.reason.endswith(f"; {picked} unavailable on this engine, fallback -> {final}")
 
 
 def test_rule_route_falls_back_too() -> None:
@@ -252,7 +252,7 @@ def test_explain_rule(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 20}
     assert explain_main(EXAMPLE, write_json(tmp_path, body)) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[:3] == ["route: tokens", "rule: wide-logprobs", "reason: rule 'wide-logprobs' (top_logprobs>=10) → tokens"]
+    assert out[:3] == ["route: tokens", "rule: wide-logprobs", "reason: rule 'wide-logprobs' (top_logprobs>=10) -> tokens"]
 
 
 def test_explain_completions_cost_and_engine_keys(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -260,7 +260,7 @@ def test_explain_completions_cost_and_engine_keys(tmp_path: Path, capsys: pytest
     assert explain_main(EXAMPLE, write_json(tmp_path, body)) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "route: text" and out[1] == "rule: -"
-    assert out[2].endswith("→ derender; derender unavailable on this engine, fallback → text")
+    assert out[2].endswith("-> derender; derender unavailable on this engine, fallback -> text")
     assert "  output_tokens: 100" in out
 
 
