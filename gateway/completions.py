@@ -136,7 +136,7 @@ async def serve_completion(
                 call.url,
                 engine,
             ):
-                return await (relay_stream(http, engine, engines.first_event_timeout()) if stream else relay_json(http, engine))
+                return await (relay_stream(http, engine, engines.first_event_timeout(), call.request_id) if stream else relay_json(http, engine))
         work = None if route == "derender" else DerenderWork(http, route)
         try:
             if stream:

@@ -27,6 +27,7 @@ from gateway.pool import Endpoint, Pool
 from gateway.errors import (
     ClientGone,
     EngineFailed,
+    EngineTimeout,
     EngineUnavailable,
     GatewayError,
     InvalidRequest,
@@ -196,7 +197,7 @@ class EngineClient:
             except aiohttp.ConnectionTimeoutError as exc:  # a TimeoutError too: caught first
                 raise EngineUnavailable(f"cannot connect to the engine within {self._timeouts.connect_s} s") from exc
             except TimeoutError as exc:
-                raise EngineUnavailable(f"the engine did not answer within {limit} s") from exc
+                raise EngineTimeout(f"the engine did not answer within {limit} s") from exc
             except aiohttp.ClientError as exc:
                 raise EngineUnavailable(f"cannot reach the engine: {exc}") from exc
             span.set_attribute("http.response.status_code", response.status)

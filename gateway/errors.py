@@ -9,11 +9,13 @@
     ├── Unprocessable       422   well-formed but impossible (e.g. prompt longer than the context)
     ├── RateLimited         429
     ├── EngineUnavailable   503   no engine answered
+    │   └── EngineTimeout   504   an engine answered too slowly, or went silent
     └── EngineFailed        502   an engine answered with an error we cannot pass on as the client's
 
 `gateway_error_middleware` maps every raised exception to one of these;
 engine 4xx answers are passed on with the engine's message. After the first
-byte of a stream, errors travel in-band (an error event, then `[DONE]`).
+byte of a stream, errors travel in-band (an error event, then `[DONE]`;
+`gateway.relay.respond_stream`).
 """
 
 from __future__ import annotations
@@ -82,6 +84,13 @@ class RateLimited(GatewayError):
 class EngineUnavailable(GatewayError):
     status = 503
     type = "ServiceUnavailableError"
+
+
+class EngineTimeout(EngineUnavailable):
+    """The engine did not answer, or stopped answering, in time (a 504; retried like a 503)."""
+
+    status = 504
+    type = "GatewayTimeoutError"
 
 
 class EngineFailed(GatewayError):

@@ -245,15 +245,15 @@ async def handle_chat(http: web.Request) -> web.StreamResponse:
             engine,
         ):
             if route == "derender":
-                response = await (relay_stream(http, engine, first) if stream else relay_json(http, engine))
+                response = await (relay_stream(http, engine, first, request_id) if stream else relay_json(http, engine))
             elif route == "tokens-remote":
                 remote = _remote_derender(state, body, prompt)
-                response = await (remote_stream(http, engine, remote, first) if stream else remote_json(engine, remote))
+                response = await (remote_stream(http, engine, remote, first, request_id) if stream else remote_json(engine, remote))
             else:
                 derender = _chat_derender(state, request, prompt, request_id)
                 mode = "tokens" if route == "tokens" else "text"
                 response = await (
-                    derender_stream(http, engine, derender, mode, first) if stream else derender_json(http, engine, derender, mode)
+                    derender_stream(http, engine, derender, mode, first, request_id) if stream else derender_json(http, engine, derender, mode)
                 )
         return response
 

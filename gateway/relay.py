@@ -6,13 +6,20 @@
   derender (the engine's own `engine/derender/` code) per request turns them
   into OpenAI chunks here.
 
-Streams end with `[DONE]`. An error after the first byte goes in-band: an
-OpenAI error event, then `[DONE]`.
+Every stream goes out through one responder (`respond_stream`): the client's
+headers go out with the first frame, so a failure before it is an OpenAI error
+response with its status (502 for an engine answer that breaks the protocol,
+504 for an engine that is too slow); after it, a failure of any kind is an
+OpenAI error event, then `[DONE]`, logged once with the request id. The
+derender route checks that the engine's answer is what the protocol says (SSE
+events ending in `[DONE]`, or a JSON completion) before relaying it, and keeps
+the engine's internal comments to itself.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
@@ -20,7 +27,10 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from engine.derender.errors import DerenderError
+from engine.derender.text import OutputFinished
 from engine.protocol import (
+    SUMMARY_COMMENT,
     SUMMARY_HEADER,
     EngineError,
     EngineSummary,
@@ -28,11 +38,11 @@ from engine.protocol import (
     decode_generate_response,
     decode_generate_stream_chunk,
     decode_summary,
-    find_summary,
 )
 from gateway.errors import (
     ClientGone,
     EngineFailed,
+    EngineTimeout,
     EngineUnavailable,
     GatewayError,
     error_json,
@@ -41,6 +51,7 @@ from gateway.observe import SPAN_KEY, DerenderWork, StreamTimer, describe_outcom
 from gateway.remote import RemoteChatDerender, RemoteServiceError
 from gateway.sse import DONE, DONE_FRAME, SSEReader, frame
 
+log = logging.getLogger(__name__)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _encode = msgspec.json.Encoder().encode
 
@@ -94,13 +105,71 @@ async def open_stream(http: web.Request, route: str) -> ClientStream:
     return ClientStream(response, StreamTimer(http, route))
 
 
+async def respond_stream(
+    http: web.Request, route: str, request_id: str, frames: AsyncIterator[bytes], *, done: bool = True
+) -> web.StreamResponse:
+    """The one way a stream reaches the client: `frames` written as they come, then `[DONE]`
+    (unless `done` is False: the frames carry their own, as the engine's relayed stream does).
+
+    Nothing is sent before the first frame, so a failure before it raises (the
+    error middleware answers with its status); a failure after it, of any type,
+    ends the stream with an error event and `[DONE]` instead of breaking the
+    chunked body.
+    """
+    stream: ClientStream | None = None
+    tail = DONE_FRAME if done else b""
+    try:
+        async for data in frames:
+            if stream is None:
+                stream = await open_stream(http, route)
+            await stream.send(data)
+    except ClientGone:
+        raise
+    except Exception as exc:
+        error = stream_error(exc)
+        if stream is None:
+            raise error from exc
+        log.error("stream %s failed after its first byte: %s", request_id, error.message, exc_info=_unexpected(exc))
+        tail = frame(error_json(error)) + DONE_FRAME
+    if stream is None:
+        stream = await open_stream(http, route)
+    return await stream.close(tail)
+
+
+def stream_error(exc: Exception) -> GatewayError:
+    """What the client is told about a failure while its answer was being made."""
+    if isinstance(exc, GatewayError):
+        return exc
+    if isinstance(exc, RemoteServiceError):
+        return remote_error(exc)
+    if isinstance(exc, TimeoutError):
+        return EngineTimeout(f"the engine stream stalled: {exc}")
+    if isinstance(exc, aiohttp.ClientError):
+        return EngineFailed(f"the engine stream broke: {exc}")
+    if isinstance(exc, _ENGINE_DATA_ERRORS):  # a token id the tokenizer lacks, output after the finish
+        return EngineFailed(f"the engine's answer broke the protocol: {exc}")
+    # Anything else came from making the answer out of what the engine sent (a token id the
+    # tokenizer lacks, tokens after a finish): the engine broke the protocol, the client gets a 502.
+    return EngineFailed(f"the engine's answer could not be used: {type(exc).__name__}: {exc}")
+
+
+def _unexpected(exc: Exception) -> Exception | None:
+    """The traceback is worth logging only for errors no step of ours raised on purpose."""
+    expected = (GatewayError, RemoteServiceError, TimeoutError, aiohttp.ClientError, *_ENGINE_DATA_ERRORS)
+    return None if isinstance(exc, expected) else exc
+
+
+_ENGINE_DATA_ERRORS = (DerenderError, OutputFinished)
+"""What the derender raises for engine output that breaks the protocol."""
+
+
 async def pieces(engine: aiohttp.ClientResponse, first_timeout: float) -> AsyncIterator[bytes]:
     """Raw bytes of an engine stream; the first must come within `first_timeout` (later ones: idle_s)."""
     try:
         async with asyncio.timeout(first_timeout):
             first = await engine.content.readany()
     except TimeoutError as exc:
-        raise EngineUnavailable(f"the engine sent nothing within {first_timeout} s") from exc
+        raise EngineTimeout(f"the engine sent nothing within {first_timeout} s") from exc
     if not first:
         return
     yield first
@@ -108,24 +177,102 @@ async def pieces(engine: aiohttp.ClientResponse, first_timeout: float) -> AsyncI
         yield piece
 
 
-async def relay_stream(http: web.Request, engine: aiohttp.ClientResponse, first_timeout: float) -> web.StreamResponse:
-    """The derender route: the engine's SSE bytes, as they come."""
-    stream = await open_stream(http, "derender")
-    tail = b""
-    previous = b""
-    try:
-        async for piece in pieces(engine, first_timeout):
-            await stream.send(piece)
-            previous, tail = tail, piece
-    except ClientGone:
-        raise
-    except GatewayError as exc:
-        return await stream.close(frame(error_json(exc)) + DONE_FRAME)
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        return await stream.close(frame(error_json(EngineFailed(f"the engine stream broke: {exc}"))) + DONE_FRAME)
-    # The engine's summary comment rides just before [DONE], in the last piece or two.
-    _describe_summary(http, find_summary(previous + tail))
-    return await stream.close(b"")
+ENGINE_COMMENT = b": onehop-engine-"
+"""Comments the engine writes for the gateway (its summary, its CPU time): never the client's."""
+MAX_EVENT_BYTES = 64 * 1024 * 1024
+"""An engine event longer than this is not one: the stream is refused rather than buffered."""
+
+
+class EngineEvents:
+    """The derender route's check of the engine's SSE bytes, as they pass.
+
+    `feed` returns the whole events of what arrived (a partial one waits for its
+    end), minus the engine's internal comments. An event that breaks the protocol
+    (not SSE, not JSON: an HTML page, a stack trace) is raised at the next call,
+    after the good events before it went out: nothing valid is held back.
+    """
+
+    __slots__ = ("_buffer", "_broken", "done", "summary")
+
+    def __init__(self) -> None:
+        self._buffer = b""
+        self._broken: EngineFailed | None = None
+        self.done = False
+        self.summary: EngineSummary | None = None
+
+    def feed(self, data: bytes) -> bytes:
+        if self._broken is not None:
+            raise self._broken
+        buffer = self._buffer + data if self._buffer else data
+        end = buffer.rfind(b"\n\n")
+        if end < 0:
+            if len(buffer) > MAX_EVENT_BYTES:
+                raise EngineFailed(f"the engine sent an event over {MAX_EVENT_BYTES} bytes")
+            self._buffer = buffer
+            return b""
+        whole, self._buffer = buffer[: end + 2], buffer[end + 2 :]
+        if self.done:
+            return b""  # the client's answer is complete: whatever follows is not sent
+        events = whole.split(b"\n\n")
+        events.pop()  # the empty rest after the last separator
+        kept = []
+        for event in events:
+            try:
+                if self._passes(event):
+                    kept.append(event)
+            except EngineFailed as exc:
+                self._broken = exc
+                break
+        if len(kept) == len(events):
+            return whole  # the usual case: every event goes out as it came
+        return b"".join(event + b"\n\n" for event in kept)
+
+    def _passes(self, event: bytes) -> bool:
+        """Whether `event` goes to the client; raises for one that breaks the protocol."""
+        if self.done:
+            return False
+        if event.startswith(b"data: "):
+            self.done = event == DONE_EVENT
+            if not self.done:
+                try:
+                    _JSON_OBJECT.decode(event[6:])  # parses (and so checks) every field, keeps none
+                except msgspec.DecodeError as exc:
+                    raise EngineFailed(f"the engine sent an invalid chunk: {exc}: {event[:120]!r}") from exc
+            return True
+        if event.startswith(ENGINE_COMMENT):
+            if event.startswith(SUMMARY_COMMENT):
+                self.summary = decode_summary(event[len(SUMMARY_COMMENT) :])
+            return False
+        if event.startswith(b":"):
+            return True
+        raise EngineFailed(f"the engine's stream is not SSE: {event[:120]!r}")
+
+    def finish(self) -> None:
+        if self._broken is not None:
+            raise self._broken
+        if not self.done:
+            raise EngineFailed("the engine stream ended before [DONE]")
+
+
+DONE_EVENT = b"data: " + DONE
+_JSON_OBJECT = msgspec.json.Decoder(msgspec.Struct)
+
+
+async def _relayed(http: web.Request, engine: aiohttp.ClientResponse, first_timeout: float) -> AsyncIterator[bytes]:
+    events = EngineEvents()
+    async for piece in pieces(engine, first_timeout):
+        out = events.feed(piece)
+        if out:
+            yield out
+    events.finish()
+    _describe_summary(http, events.summary)
+
+
+async def relay_stream(
+    http: web.Request, engine: aiohttp.ClientResponse, first_timeout: float, request_id: str
+) -> web.StreamResponse:
+    """The derender route: the engine's SSE events, checked, as they come (its `[DONE]` included)."""
+    return await respond_stream(http, "derender", request_id, _relayed(http, engine, first_timeout), done=False)
 
 
 def _describe_summary(http: web.Request, summary: EngineSummary | None) -> None:
@@ -134,8 +281,30 @@ def _describe_summary(http: web.Request, summary: EngineSummary | None) -> None:
         describe_outcome(span, summary.finish_reasons, summary.prompt_tokens, summary.completion_tokens)
 
 
+class _EngineAnswer(msgspec.Struct):
+    """Just enough of a non-streamed engine answer to know it is one (the rest is relayed as is)."""
+
+    choices: list[msgspec.Raw]
+
+
+_ENGINE_ANSWER = msgspec.json.Decoder(_EngineAnswer)
+
+
+async def read_answer(engine: aiohttp.ClientResponse) -> bytes:
+    """A non-streamed engine answer's body; a stall or a broken connection is the engine's failure."""
+    try:
+        return await engine.read()
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        raise stream_error(exc) from exc
+
+
 async def relay_json(http: web.Request, engine: aiohttp.ClientResponse) -> web.Response:
-    body = await engine.read()
+    """The derender route, non-streaming: the engine's OpenAI JSON, once it is known to be JSON of one."""
+    body = await read_answer(engine)
+    try:
+        _ENGINE_ANSWER.decode(body)
+    except msgspec.DecodeError as exc:  # msgspec parses skipped fields too: the whole body is valid JSON
+        raise EngineFailed(f"the engine sent an invalid answer: {exc}: {body[:120]!r}") from exc
     header = engine.headers.get(SUMMARY_HEADER)
     if header is not None:
         _describe_summary(http, decode_summary(header))
@@ -143,6 +312,8 @@ async def relay_json(http: web.Request, engine: aiohttp.ClientResponse) -> web.R
 
 
 async def engine_payloads(engine: aiohttp.ClientResponse, first_timeout: float) -> AsyncIterator[bytes]:
+    """The `data:` payloads of an engine stream, up to its `[DONE]`; a stream that ends
+    without one was cut short (an empty or partial answer must not pass for a whole one)."""
     reader = SSEReader()
     async for piece in pieces(engine, first_timeout):
         for payload in reader.feed(piece):
@@ -150,8 +321,10 @@ async def engine_payloads(engine: aiohttp.ClientResponse, first_timeout: float) 
                 return
             yield payload
     for payload in reader.flush():
-        if payload != DONE:
-            yield payload
+        if payload == DONE:
+            return
+        yield payload
+    raise EngineFailed("the engine stream ended before [DONE]")
 
 
 def feed_chunk(derender: Derender, mode: str, payload: bytes) -> list[Any]:
@@ -188,40 +361,44 @@ def feed_choice(derender: Derender, mode: str, choice: Any) -> Any:
     )
 
 
-async def derender_stream(
-    http: web.Request, engine: aiohttp.ClientResponse, derender: Derender, mode: str, first_timeout: float
-) -> web.StreamResponse:
-    """The text and token routes, streaming: engine chunks in, OpenAI chunks out."""
-    stream = await open_stream(http, mode)
-    work = DerenderWork(http, mode)
-    tail = DONE_FRAME
+async def _derendered(
+    engine: aiohttp.ClientResponse, derender: Derender, mode: str, first_timeout: float, work: DerenderWork
+) -> AsyncIterator[bytes]:
+    started = False
     try:
-        started = False
         async for payload in engine_payloads(engine, first_timeout):
-            if not started:  # the role chunk goes with the first output, as the engine's does
+            work.begin()
+            try:
+                chunks = feed_chunk(derender, mode, payload)
+            finally:
+                work.end()
+            if not started:  # the role chunk goes with the first output (once it is known good), as the engine's does
                 started = True
                 for chunk in derender.start():
-                    await stream.send(frame(_encode(chunk)))
-            work.begin()
-            chunks = feed_chunk(derender, mode, payload)
-            work.end()
+                    yield frame(_encode(chunk))
             for chunk in chunks:
-                await stream.send(frame(_encode(chunk)))
+                yield frame(_encode(chunk))
         if not started:
             for chunk in derender.start():
-                await stream.send(frame(_encode(chunk)))
+                yield frame(_encode(chunk))
         usage = derender.usage_chunk()
         if usage is not None:
-            await stream.send(frame(_encode(usage)))
-    except ClientGone:
-        raise
-    except GatewayError as exc:
-        tail = frame(error_json(exc)) + DONE_FRAME
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        tail = frame(error_json(EngineFailed(f"the engine stream broke: {exc}"))) + DONE_FRAME
+            yield frame(_encode(usage))
     finally:
         work.finish(derender)
-    return await stream.close(tail)
+
+
+async def derender_stream(
+    http: web.Request,
+    engine: aiohttp.ClientResponse,
+    derender: Derender,
+    mode: str,
+    first_timeout: float,
+    request_id: str,
+) -> web.StreamResponse:
+    """The text and token routes, streaming: engine chunks in, OpenAI chunks out."""
+    frames = _derendered(engine, derender, mode, first_timeout, DerenderWork(http, mode))
+    return await respond_stream(http, mode, request_id, frames)
 
 
 def whole_choices(body: bytes, mode: str) -> list[Any]:
@@ -233,46 +410,44 @@ def whole_choices(body: bytes, mode: str) -> list[Any]:
 
 async def derender_json(http: web.Request, engine: aiohttp.ClientResponse, derender: Derender, mode: str) -> web.Response:
     """The text and token routes, non-streaming: all of each choice in one step."""
-    raw = await engine.read()
+    raw = await read_answer(engine)
     work = DerenderWork(http, mode)
     work.begin()
     try:
         for choice in whole_choices(raw, mode):
             feed_choice(derender, mode, choice)
         body = _encode(derender.response())
+    except GatewayError:
+        raise
+    except Exception as exc:  # what the engine sent could not be made into an answer: a 502
+        raise stream_error(exc) from exc
     finally:
         work.end()
         work.finish(derender)
     return web.Response(body=body, content_type="application/json")
 
 
+async def _remote_chunks(
+    engine: aiohttp.ClientResponse, remote: RemoteChatDerender, first_timeout: float
+) -> AsyncIterator[bytes]:
+    async for payload in engine_payloads(engine, first_timeout):
+        if payload.startswith(b'{"error"'):
+            raise EngineFailed(f"the engine failed mid-stream: {payload[:300].decode('utf-8', 'replace')}")
+        chunk = await remote.chunk(payload)
+        if chunk is not None:
+            yield frame(chunk)
+
+
 async def remote_stream(
-    http: web.Request, engine: aiohttp.ClientResponse, remote: RemoteChatDerender, first_timeout: float
+    http: web.Request, engine: aiohttp.ClientResponse, remote: RemoteChatDerender, first_timeout: float, request_id: str
 ) -> web.StreamResponse:
     """The tokens-remote route: every engine chunk goes through vLLM's stateless derender."""
-    stream = await open_stream(http, "tokens-remote")
-    tail = DONE_FRAME
-    try:
-        async for payload in engine_payloads(engine, first_timeout):
-            if payload.startswith(b'{"error"'):
-                raise EngineFailed(f"the engine failed mid-stream: {payload[:300].decode('utf-8', 'replace')}")
-            chunk = await remote.chunk(payload)
-            if chunk is not None:
-                await stream.send(frame(chunk))
-    except ClientGone:
-        raise
-    except GatewayError as exc:
-        tail = frame(error_json(exc)) + DONE_FRAME
-    except RemoteServiceError as exc:
-        tail = frame(error_json(remote_error(exc))) + DONE_FRAME
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        tail = frame(error_json(EngineFailed(f"the engine stream broke: {exc}"))) + DONE_FRAME
-    return await stream.close(tail)
+    return await respond_stream(http, "tokens-remote", request_id, _remote_chunks(engine, remote, first_timeout))
 
 
 async def remote_json(engine: aiohttp.ClientResponse, remote: RemoteChatDerender) -> web.Response:
     try:
-        body = await remote.whole(await engine.read())
+        body = await remote.whole(await read_answer(engine))
     except RemoteServiceError as exc:
         raise remote_error(exc) from exc
     return web.Response(body=body, content_type="application/json")

@@ -38,7 +38,7 @@ from engine.derender.parsers import (
 )
 from engine.derender.parsers.choice import ChoiceParsing
 from engine.derender.stop import Piece
-from engine.derender.text import TextParams, TextPipeline
+from engine.derender.text import OutputFinished, TextParams, TextPipeline
 from engine.derender.usage import usage_of
 from engine.derender.vocab import TokenVocab
 from engine.openai_schema import (
@@ -252,6 +252,9 @@ class ChatChoiceState:
         stop_reason: int | str | None = None,
     ) -> ChatCompletionChunkChoice | None:
         """Take one step of an engine's `text` output (stop strings and EOS already applied there)."""
+        if self.finished:
+            raise OutputFinished("text arrived after the choice finished")
+        self._vocab.check_ids(token_ids)  # the ids count and carry markers: each must be the tokenizer's
         parsers = self._parsers
         if parsers is None:
             pieces: list[Piece] = [(text, -1)] if text else []

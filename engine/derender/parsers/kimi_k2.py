@@ -72,8 +72,19 @@ from engine.derender.parsers.base import (
     ToolDelta,
     ToolParser,
 )
-from engine.derender.parsers.content import ContentText
-from engine.derender.parsers.json_arguments import ArgumentsText
+from engine.derender.parsers.marker_tokens import (
+    CONTENT,
+    DROP,
+    FIRST_KIND,
+    TEXT,
+    Kinds,
+    MarkerToolParser,
+    add_held,
+    add_specials,
+    optional_id,
+    split_marker,
+    with_kinds,
+)
 from engine.derender.stop import Piece
 from engine.derender.vocab import TokenVocab
 
@@ -89,10 +100,8 @@ TOOL_MARKERS = (SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARGUMENT_BEGIN, CALL_END
 
 _HEADER = re.compile(r"(.+:\d+)")
 
-# Marker kinds, shared by both machines' id tables.
+# Marker kinds, shared by both machines' id tables (DROP and TEXT: marker_tokens).
 (
-    _DROP,
-    _TEXT,
     _THINK_START,
     _THINK_END,
     _SECTION_BEGIN,
@@ -100,7 +109,7 @@ _HEADER = re.compile(r"(.+:\d+)")
     _CALL_BEGIN,
     _ARGUMENT_BEGIN,
     _CALL_END,
-) = range(9)
+) = range(FIRST_KIND, FIRST_KIND + 7)
 _TOOL_KINDS = {
     SECTION_BEGIN: _SECTION_BEGIN,
     SECTION_END: _SECTION_END,
@@ -109,61 +118,27 @@ _TOOL_KINDS = {
     CALL_END: _CALL_END,
 }
 
-Kinds = Mapping[int, tuple[int, str]]
-
-
-def _specials(vocab: TokenVocab, kinds: dict[int, tuple[int, str]]) -> None:
-    """Other special tokens are dropped wherever they appear (vLLM's parser drops them)."""
-    for token_id in vocab.special_ids:
-        if token_id not in kinds:
-            kinds[token_id] = (_DROP, vocab.added_text.get(token_id, ""))
-
-
-def _optional(vocab: TokenVocab, text: str) -> int:
-    found = vocab.token_id(text)
-    return -1 if found is None else found
-
-
-def _with(kinds: Kinds, cache: dict[tuple[tuple[int, str], ...], Kinds], extra: Mapping[int, str], kind: int) -> Kinds:
-    """`kinds` with the other family's markers (`extra`) as `kind`, built once per set."""
-    if not extra:
-        return kinds
-    key = tuple(sorted(extra.items()))
-    found = cache.get(key)
-    if found is None:
-        merged = dict(kinds)
-        merged.update((token_id, (kind, text)) for token_id, text in extra.items())
-        found = cache[key] = merged
-    return found
-
-
-def _split(text: str, marker: str) -> str | None:
-    """The text before a marker piece's marker, or None when the piece is only text."""
-    if text.endswith(marker):
-        return text[: len(text) - len(marker)]
-    return "" if not text else None
-
 
 # -- reasoning ------------------------------------------------------------------
 
 
 class BoundKimiReasoning(BoundReasoning):
     def __init__(self, vocab: TokenVocab) -> None:
-        section = _optional(vocab, SECTION_BEGIN)
+        section = optional_id(vocab, SECTION_BEGIN)
         self.markers = Markers(vocab, (THINK_START, THINK_END) + ((SECTION_BEGIN,) if section >= 0 else ()))
         self._start = self.markers.id(THINK_START)
         self._end = self.markers.id(THINK_END)
-        self._turn = _optional(vocab, TURN_START)
+        self._turn = optional_id(vocab, TURN_START)
         self.strays = {self._end: THINK_END}
         kinds: dict[int, tuple[int, str]] = {
             self._start: (_THINK_START, THINK_START),
             self._end: (_THINK_END, THINK_END),
         }
         for text in TOOL_MARKERS:
-            token_id = _optional(vocab, text)
+            token_id = optional_id(vocab, text)
             if token_id >= 0:
-                kinds[token_id] = (_SECTION_BEGIN if text == SECTION_BEGIN else _TEXT, text)
-        _specials(vocab, kinds)
+                kinds[token_id] = (_SECTION_BEGIN if text == SECTION_BEGIN else TEXT, text)
+        add_specials(vocab, kinds)
         self.kinds: Kinds = kinds
         self._extra: dict[tuple[tuple[int, str], ...], Kinds] = {}
 
@@ -180,7 +155,7 @@ class BoundKimiReasoning(BoundReasoning):
         return True
 
     def new(self, options: ParseOptions, *, in_reasoning: bool, tool_starts: Mapping[int, str]) -> ReasoningParser:
-        kinds = _with(self.kinds, self._extra, tool_starts, _SECTION_BEGIN)
+        kinds = with_kinds(self.kinds, self._extra, tool_starts, _SECTION_BEGIN)
         return KimiReasoning(kinds, in_reasoning=in_reasoning, tools_on=bool(tool_starts))
 
 
@@ -200,17 +175,17 @@ class KimiReasoning(ReasoningParser):
         kinds = self._kinds
         for i, (text, token_id) in enumerate(pieces):  # hot loop while reasoning
             kind = kinds.get(token_id)
-            head = None if kind is None else _split(text, kind[1])
+            head = None if kind is None else split_marker(text, kind[1])
             if kind is None or head is None:
                 if text:
-                    self._add(text, reasoning)
+                    add_held(text, reasoning, self._space)
                 if token_id >= 0:
                     self.reasoning_tokens += 1
                 continue
             if head:
-                self._add(head, reasoning)
-            if kind[0] == _TEXT:
-                self._add(kind[1], reasoning)
+                add_held(head, reasoning, self._space)
+            if kind[0] == TEXT:
+                add_held(kind[1], reasoning, self._space)
             if kind[0] not in (_THINK_END, _SECTION_BEGIN):
                 continue
             self._done = True
@@ -225,18 +200,6 @@ class KimiReasoning(ReasoningParser):
         self._space.clear()
         return ()
 
-    def _add(self, text: str, reasoning: list[str]) -> None:
-        body = text.rstrip()
-        if not body:
-            self._space.append(text)
-            return
-        if self._space:
-            reasoning.extend(self._space)
-            self._space.clear()
-        reasoning.append(body)
-        if len(body) < len(text):
-            self._space.append(text[len(body) :])
-
     def _content(self, pieces: Sequence[Piece]) -> list[Piece]:
         """Content when no tool parser follows: skipped markers get their text back
         (vLLM shows them), other special tokens are dropped."""
@@ -244,10 +207,10 @@ class KimiReasoning(ReasoningParser):
         kinds = self._kinds
         for piece in pieces:  # hot loop for content while tools are off
             kind = kinds.get(piece[1])
-            head = None if kind is None else _split(piece[0], kind[1])
+            head = None if kind is None else split_marker(piece[0], kind[1])
             if kind is None or head is None:
                 out.append(piece)
-            elif kind[0] != _DROP:
+            elif kind[0] != DROP:
                 out.append((head + kind[1], piece[1]))
             elif head:
                 out.append((head, -1))
@@ -271,7 +234,7 @@ def format_reasoning(text: str) -> str:
 
 # -- tool calls -----------------------------------------------------------------
 
-_CONTENT, _SECTION, _NAME, _ARGS, _RAW = range(5)
+_SECTION, _NAME, _ARGS, _RAW = range(1, 5)  # after CONTENT (marker_tokens)
 
 
 class BoundKimiTools(BoundTools):
@@ -280,15 +243,15 @@ class BoundKimiTools(BoundTools):
         self.starts = {self.markers.id(SECTION_BEGIN): SECTION_BEGIN}
         kinds: dict[int, tuple[int, str]] = {self.markers.id(text): (kind, text) for text, kind in _TOOL_KINDS.items()}
         for text in (THINK_START, THINK_END):
-            token_id = _optional(vocab, text)
+            token_id = optional_id(vocab, text)
             if token_id >= 0:
-                kinds[token_id] = (_TEXT, text)
-        _specials(vocab, kinds)
+                kinds[token_id] = (TEXT, text)
+        add_specials(vocab, kinds)
         self.kinds: Kinds = kinds
         self._extra: dict[tuple[tuple[int, str], ...], Kinds] = {}
 
     def new(self, options: ParseOptions, *, strays: Mapping[int, str]) -> ToolParser:
-        return KimiToolParser(_with(self.kinds, self._extra, strays, _THINK_END), options)
+        return KimiToolParser(with_kinds(self.kinds, self._extra, strays, _THINK_END), options)
 
 
 def call_header(header: str) -> tuple[str, str] | None:
@@ -301,47 +264,14 @@ def call_header(header: str) -> tuple[str, str] | None:
     return (call_id, name) if name else None
 
 
-class KimiToolParser(ToolParser):
-    __slots__ = (
-        "_kinds",
-        "_options",
-        "_content",
-        "_deltas",
-        "_state",
-        "_header",
-        "_args",
-        "_index",
-        "_space",
-        "_gap",
-        "calls",
-    )
+class KimiToolParser(MarkerToolParser):
+    __slots__ = ("_header", "_gap")
 
     def __init__(self, kinds: Kinds, options: ParseOptions) -> None:
-        self._kinds = kinds
-        self._options = options
-        self._content = ContentText()
-        self._deltas: list[ToolDelta] = []
-        self._state = _CONTENT
+        super().__init__(kinds, options)
         self._header: list[str] = []
-        self._args: ArgumentsText | None = None
-        self._index = -1  # the open call's index, -1 when it is not streamed
-        self._space: list[str] = []  # whitespace held before the section, dropped once a call is made
         self._gap: list[str] = []  # trailing whitespace between calls
-        self.calls = 0
-
-    def feed(self, pieces: Sequence[Piece]) -> None:
-        kinds = self._kinds
-        for text, token_id in pieces:  # hot loop: one iteration per content token
-            kind = kinds.get(token_id)
-            head = None if kind is None else _split(text, kind[1])
-            if kind is None or head is None:
-                if text:
-                    self._text(text)
-                continue
-            if head:
-                self._text(head)
-            if kind[0] != _DROP:
-                self._marker(kind[0], kind[1])
+        # `_space` holds the whitespace before the section, dropped once a call is made.
 
     def finish(self) -> None:
         state = self._state
@@ -353,11 +283,6 @@ class KimiToolParser(ToolParser):
         if self._space and not self.calls:
             self._content.add("".join(self._space), calls=0)
         self._content.finish(calls=self.calls)
-
-    def drain(self) -> tuple[str, list[ToolDelta]]:
-        deltas = self._deltas
-        self._deltas = []
-        return self._content.drain(), deltas
 
     # -- dispatch -----------------------------------------------------------
 
@@ -374,7 +299,7 @@ class KimiToolParser(ToolParser):
 
     def _marker(self, kind: int, text: str) -> None:
         state = self._state
-        if state == _CONTENT:
+        if state == CONTENT:
             if kind == _SECTION_BEGIN:
                 self._space = self._content.take_held()
                 self._state = _SECTION
@@ -428,15 +353,8 @@ class KimiToolParser(ToolParser):
 
     def _send_header(self, call_id: str, name: str) -> None:
         self._space = []
-        schema = self._options.schema_of(name)
-        properties = schema.get("properties") if isinstance(schema, Mapping) else None
-        self._args = ArgumentsText(properties if isinstance(properties, Mapping) else None)
-        if self.calls and not self._options.parallel_tool_calls:
-            self._index = -1  # parallel_tool_calls=false keeps the first call only
-            return
-        self._index = self.calls
-        self.calls += 1
-        self._deltas.append(ToolDelta(index=self._index, id=call_id, name=name))
+        if self._open_args(name):
+            self._deltas.append(ToolDelta(index=self._index, id=call_id, name=name))
 
     def _args_text(self, text: str) -> None:
         args = self._args
@@ -445,18 +363,8 @@ class KimiToolParser(ToolParser):
         self._emit_args()
 
     def _close_call(self) -> None:
-        args = self._args
-        assert args is not None
-        args.finish()
-        self._emit_args()
-        self._args = None
+        self._finish_args()
         self._state = _SECTION
-
-    def _emit_args(self) -> None:
-        assert self._args is not None
-        out = self._args.take()
-        if out and self._index >= 0:
-            self._deltas.append(ToolDelta(index=self._index, arguments=out))
 
     # -- content inside the section ---------------------------------------------
 

@@ -70,25 +70,29 @@ With `parallel_tool_calls=false` only the first call is kept.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
 
 from engine.derender.parsers.base import (
     BoundReasoning,
-    BoundTools,
     Markers,
     ParseOptions,
     ReasoningFactory,
     ReasoningParser,
     ToolCallText,
-    ToolDelta,
     ToolFactory,
-    ToolParser,
 )
-from engine.derender.parsers.content import ContentText
 from engine.derender.parsers.think import BoundThink, ThinkSyntax
-from engine.derender.parsers.xml_args import NO, PARTIAL, WS, ArgsJson, match_tag
+from engine.derender.parsers.xml_args import NO, PARTIAL, WS, match_tag
+from engine.derender.parsers.xml_calls import (
+    ARGS,
+    BETWEEN,
+    CONTENT,
+    NAME,
+    PREAMBLE,
+    BoundXmlCalls,
+    XmlCallParser,
+    written_value,
+)
 from engine.derender.stop import Piece
 from engine.derender.vocab import TokenVocab
 
@@ -111,7 +115,7 @@ THINK = ThinkSyntax(
     count_specials=False,
 )
 
-_CONTENT, _PREAMBLE, _NAME, _ARGS, _BETWEEN, _SKIP = range(6)
+_SKIP = BETWEEN + 1  # the one state MiniMax adds to the shared ones (xml_calls)
 _QUOTES = "\"'"
 # vLLM's `<\s*/\s*parameter\s*>`, and `<\s*parameter\s+name\s*=\s*` split at its `\s+`.
 _CLOSE_TAG = ("<", WS, "/", WS, "parameter", WS, ">")
@@ -163,15 +167,6 @@ class AppendThink(ReasoningParser):
 # -- tool calls ----------------------------------------------------------------------
 
 
-class BoundMinimaxTools(BoundTools):
-    def __init__(self, vocab: TokenVocab) -> None:
-        self.markers = Markers(vocab, (START, END))
-        self.starts = {self.markers.id(START): START}
-
-    def new(self, options: ParseOptions, *, strays: Mapping[int, str]) -> ToolParser:
-        return MinimaxToolParser(self.markers, options, strays=strays)
-
-
 def format_calls(calls: Sequence[ToolCallText]) -> str:
     """How MiniMax writes calls: one block, one invoke per call, strings raw, other values as JSON."""
     invokes = "".join(_format_invoke(call) for call in calls)
@@ -180,13 +175,9 @@ def format_calls(calls: Sequence[ToolCallText]) -> str:
 
 def _format_invoke(call: ToolCallText) -> str:
     params = "".join(
-        f'<parameter name="{key}">{_value_text(value)}{PARAM_END}\n' for key, value in call.arguments.items()
+        f'<parameter name="{key}">{written_value(value)}{PARAM_END}\n' for key, value in call.arguments.items()
     )
     return f'{INVOKE}"{call.name}">\n{params}{INVOKE_END}\n'
-
-
-def _value_text(value: Any) -> str:
-    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
 def forced_prefix(name: str | None) -> str:
@@ -197,142 +188,45 @@ def forced_prefix(name: str | None) -> str:
     return f'{START}\n{INVOKE}"{name}">\n'
 
 
-class MinimaxToolParser(ToolParser):
-    __slots__ = (
-        "_start",
-        "_end",
-        "_stray",
-        "_options",
-        "_offered",
-        "_content",
-        "_deltas",
-        "_state",
-        "_hold",
-        "_final",
-        "_bare",
-        "_after_bare",
-        "_raw",
-        "_invoke",
-        "_name",
-        "_in_value",
-        "_named",
-        "_args",
-        "_args_out",
-        "calls",
-    )
+class MinimaxToolParser(XmlCallParser):
+    __slots__ = ("_offered", "_invoke", "_named")
+
+    _START = START
+    _END = END
+    _TRIM = False  # MiniMax writes values inline: no newline framing
 
     def __init__(self, markers: Markers, options: ParseOptions, *, strays: Mapping[int, str]) -> None:
-        self._start = markers.id(START)
-        self._end = markers.id(END)
-        self._stray = strays
-        self._options = options
+        super().__init__(markers, options, strays=strays)
         self._offered = frozenset(tool.name for tool in options.tools)
-        self._content = ContentText()
-        self._deltas: list[ToolDelta] = []
-        self._state = _CONTENT
-        self._hold = ""  # text that may still be a partial tag, re-read with the next text
-        self._final = False  # the output ended: nothing is partial any more
-        self._bare = False  # the call was opened by `<invoke name=` without the wrapper
-        self._after_bare = False  # only whitespace since a bare call ended
-        self._raw: list[str] | None = None  # the block's text while it has no call (given back if never one)
         self._invoke: list[str] | None = None  # the invoke's text while its name is not accepted
-        self._name: list[str] = []
-        self._in_value = False
         self._named = False  # the open value has a name (vLLM drops one without)
-        self._args: ArgsJson | None = None
-        self._args_out: list[str] = []  # argument fragments of the last emitted call, not yet drained
-        self.calls = 0
 
-    # -- the ToolParser interface ----------------------------------------------
-
-    def feed(self, pieces: Sequence[Piece]) -> None:
-        start, end, stray = self._start, self._end, self._stray
-        for text, token_id in pieces:  # hot loop: one iteration per content token
-            if token_id == start and text.endswith(START):
-                self._on_marker(text[: len(text) - len(START)], START)
-            elif token_id == end and text.endswith(END):
-                self._on_marker(text[: len(text) - len(END)], END)
-            elif token_id in stray and self._state == _CONTENT and text.endswith(stray[token_id]):
-                self._text(text[: len(text) - len(stray[token_id])])
-                self._flush_hold()
-            elif text:
-                self._text(text)
-
-    def finish(self) -> None:
-        self._flush_hold()
-        if self._state == _NAME:
-            self._name_done()
-        if self._state in (_ARGS, _SKIP):
-            self._end_call()
-        self._end_block()
-        self._content.finish(calls=self.calls)
-
-    def drain(self) -> tuple[str, list[ToolDelta]]:
-        self._flush_args()
-        deltas = self._deltas
-        self._deltas = []
-        return self._content.drain(), deltas
-
-    # -- text and markers ----------------------------------------------------------
-
-    def _text(self, text: str) -> None:
-        if self._hold:
-            text = self._hold + text
-            self._hold = ""
-        pos, end = 0, len(text)
-        handlers = _HANDLERS
-        while pos < end and not self._hold:
-            pos = handlers[self._state](self, text, pos)
-
-    def _flush_hold(self) -> None:
-        """Read the held text as final: a marker or the end cut any partial tag short."""
-        if self._hold:
-            self._final = True
-            self._text("")
-            self._final = False
-
-    def _on_marker(self, head: str, marker: str) -> None:
-        if self._state == _ARGS and self._in_value:
-            self._text(head + marker)  # inside a value a marker is text, as in vLLM
-            return
-        if head:
-            self._text(head)
-        self._flush_hold()
-        state = self._state
-        if marker == END and state == _CONTENT:
+    def _take_marker(self, marker: str) -> None:
+        if marker == END and self._state == CONTENT:
             if self._after_bare:
                 self._after_bare = False  # it closes a bare call: the whitespace before it was framing
                 self._content.take_held()
             return  # a stray end marker is dropped, as in vLLM
         self._record(marker)
-        if state == _NAME:
-            self._name_done()
-        if self._state in (_ARGS, _SKIP):
-            self._end_call()
-        if marker == START and self._state in (_PREAMBLE, _BETWEEN):
+        self._close_call()
+        if marker == START and self._state in (PREAMBLE, BETWEEN):
             return  # a second opening inside a block is framing, as in vLLM
         self._after_bare = False
         self._end_block()
         if marker == START:
             self._begin_block()
 
+    def _close_call(self) -> None:
+        if self._state == NAME:
+            self._name_done()
+        if self._state in (ARGS, _SKIP):
+            self._end_call()
+
     def _record(self, text: str) -> None:
         if self._raw is not None:
             self._raw.append(text)
         if self._invoke is not None:
             self._invoke.append(text)
-
-    def _give_back(self) -> None:
-        raw = self._raw
-        self._raw = None
-        if raw:
-            self._add_content("".join(raw))
-
-    def _add_content(self, text: str) -> None:
-        if text:
-            self._content.add(text, calls=self.calls)
-            if self._after_bare and not text.isspace():
-                self._after_bare = False
 
     # -- state handlers: each reads text from `pos`, returns where it stopped --------
 
@@ -376,18 +270,11 @@ class MinimaxToolParser(ToolParser):
         return len(text), -1
 
     def _on_name(self, text: str, pos: int) -> int:
-        close = text.find(">", pos)
+        close = self._read_name(text, pos)
         if close < 0:
-            self._record(text[pos:])
-            self._name.append(text[pos:])
             return len(text)
-        self._record(text[pos : close + 1])
-        self._name.append(text[pos:close])
         self._name_done()
         return close + 1
-
-    def _on_args(self, text: str, pos: int) -> int:
-        return self._on_value(text, pos) if self._in_value else self._on_outside(text, pos)
 
     def _on_outside(self, text: str, pos: int) -> int:
         """Between parameters: wait for a parameter's opening tag or `</invoke>`; other text is dropped."""
@@ -444,16 +331,10 @@ class MinimaxToolParser(ToolParser):
 
     # -- calls -----------------------------------------------------------------------
 
-    def _begin_block(self) -> None:
-        self._raw = [*self._content.take_held(), START]
-        self._bare = False
-        self._after_bare = False
-        self._state = _PREAMBLE
-
     def _begin_invoke(self, opening: str) -> None:
         self._record(opening)
         self._invoke = [opening]
-        self._state = _NAME
+        self._state = NAME
         self._name.clear()
         self._args = None
         self._in_value = False
@@ -468,21 +349,9 @@ class MinimaxToolParser(ToolParser):
         if name and (name in self._offered or not self._offered):
             self._invoke = None
             self._send_header(name)
-            self._state = _ARGS
+            self._state = ARGS
         else:
             self._state = _SKIP
-
-    def _send_header(self, name: str) -> None:
-        self._raw = None  # a call after all: the held text was framing
-        self._flush_args()
-        if self.calls and not self._options.parallel_tool_calls:
-            self._args = ArgsJson(None, [], trim=False)  # parallel_tool_calls=false keeps the first call only
-            return
-        self.calls += 1
-        self._deltas.append(ToolDelta(index=self.calls - 1, id=self._options.new_id(), name=name))
-        schema = self._options.schema_of(name)
-        properties = schema.get("properties") if isinstance(schema, Mapping) else None
-        self._args = ArgsJson(properties if isinstance(properties, Mapping) else None, self._args_out, trim=False)
 
     def _open_value(self, name: str) -> None:
         """A value opens; one without a name is read to its end and dropped, as vLLM does."""
@@ -503,31 +372,18 @@ class MinimaxToolParser(ToolParser):
     def _end_call(self) -> None:
         """`</invoke>` (or what stands for it): close the JSON; an invoke that made no call
         gives its text back now if bare or after an earlier call, else at the end of its block."""
-        if self._in_value:
-            self._close_value(complete=False)
-        if self._args is not None:
-            self._args.finish()
-            self._args = None
+        self._finish_args()
         invoke = self._invoke
         self._invoke = None
         if invoke and self._raw is None:
             self._add_content("".join(invoke))
-        if self._bare:
-            self._state = _CONTENT
-            self._give_back()
-            self._after_bare = True
-        else:
-            self._state = _BETWEEN
+        self._leave_call()
 
-    def _end_block(self) -> None:
-        self._state = _CONTENT
-        self._give_back()
+    _HANDLERS = (_on_content, _on_framing, _on_name, XmlCallParser._on_args, _on_framing, _on_skip)
 
-    def _flush_args(self) -> None:
-        out = self._args_out
-        if out:
-            self._deltas.append(ToolDelta(index=self.calls - 1, arguments="".join(out)))
-            out.clear()
+
+class BoundMinimaxTools(BoundXmlCalls):
+    _parser = MinimaxToolParser
 
 
 def _open_head(text: str, at: int) -> int:
@@ -577,15 +433,6 @@ def _partial_suffix(text: str, pos: int, tag: str) -> int:
         return at
     return len(text)
 
-
-_HANDLERS: tuple[Callable[[MinimaxToolParser, str, int], int], ...] = (
-    MinimaxToolParser._on_content,
-    MinimaxToolParser._on_framing,
-    MinimaxToolParser._on_name,
-    MinimaxToolParser._on_args,
-    MinimaxToolParser._on_framing,
-    MinimaxToolParser._on_skip,
-)
 
 REASONING = ReasoningFactory("minimax_m2", bind_reasoning, format_reasoning)
 APPEND_THINK = ReasoningFactory("minimax_m2_append_think", BoundAppendThink, None)

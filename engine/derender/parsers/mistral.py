@@ -66,8 +66,19 @@ from engine.derender.parsers.base import (
     ToolFactory,
     ToolParser,
 )
-from engine.derender.parsers.content import ContentText
-from engine.derender.parsers.json_arguments import ArgumentsText
+from engine.derender.parsers.marker_tokens import (
+    CONTENT,
+    DROP,
+    FIRST_KIND,
+    TEXT,
+    Kinds,
+    MarkerToolParser,
+    add_held,
+    add_specials,
+    optional_id,
+    split_marker,
+    with_kinds,
+)
 from engine.derender.stop import Piece
 from engine.derender.toolcall import ToolCallBody
 from engine.derender.vocab import TokenVocab
@@ -80,35 +91,14 @@ ARGS = "[ARGS]"
 CALL_ID_CHARS = string.ascii_letters + string.digits
 CALL_ID_LENGTH = 9
 
-# Marker kinds, shared by both machines' id tables.
-_DROP, _TEXT, _THINK_START, _THINK_END, _CALLS, _ARGS = range(6)
-
-Kinds = Mapping[int, tuple[int, str]]
-
-
-def _optional(vocab: TokenVocab, text: str) -> int:
-    found = vocab.token_id(text)
-    return -1 if found is None else found
+# Marker kinds, shared by both machines' id tables (DROP and TEXT: marker_tokens).
+_THINK_START, _THINK_END, _CALLS, _ARGS = range(FIRST_KIND, FIRST_KIND + 4)
 
 
 def _add_kind(vocab: TokenVocab, kinds: dict[int, tuple[int, str]], text: str, kind: int) -> None:
-    token_id = _optional(vocab, text)
+    token_id = optional_id(vocab, text)
     if token_id >= 0:
         kinds[token_id] = (kind, text)
-
-
-def _specials(vocab: TokenVocab, kinds: dict[int, tuple[int, str]]) -> None:
-    """Other special tokens are dropped wherever they appear (vLLM shows none of them)."""
-    for token_id in vocab.special_ids:
-        if token_id not in kinds:
-            kinds[token_id] = (_DROP, vocab.added_text.get(token_id, ""))
-
-
-def _split(text: str, marker: str) -> str | None:
-    """The text before a marker piece's marker, or None when the piece is only text."""
-    if text.endswith(marker):
-        return text[: len(text) - len(marker)]
-    return "" if not text else None
 
 
 # -- reasoning ------------------------------------------------------------------
@@ -116,7 +106,7 @@ def _split(text: str, marker: str) -> str | None:
 
 class BoundMistralReasoning(BoundReasoning):
     def __init__(self, vocab: TokenVocab) -> None:
-        optional = tuple(text for text in (TOOL_CALLS, ARGS) if _optional(vocab, text) >= 0)
+        optional = tuple(text for text in (TOOL_CALLS, ARGS) if optional_id(vocab, text) >= 0)
         self.markers = Markers(vocab, (THINK_START, THINK_END) + optional)
         self.strays = {}  # a stray `[/THINK]` is dropped here, not by the tool stage
         kinds: dict[int, tuple[int, str]] = {
@@ -124,8 +114,8 @@ class BoundMistralReasoning(BoundReasoning):
             self.markers.id(THINK_END): (_THINK_END, THINK_END),
         }
         for text in optional:
-            kinds[self.markers.id(text)] = (_TEXT, text)
-        _specials(vocab, kinds)
+            kinds[self.markers.id(text)] = (TEXT, text)
+        add_specials(vocab, kinds)
         self.kinds: Kinds = kinds
         self._with_tools: dict[tuple[tuple[int, str], ...], Kinds] = {}
 
@@ -137,15 +127,7 @@ class BoundMistralReasoning(BoundReasoning):
 
     def _kinds_with(self, tool_starts: Mapping[int, str]) -> Kinds:
         """The id table with the tool family's call openers ending reasoning, built once per set."""
-        if not tool_starts:
-            return self.kinds
-        key = tuple(sorted(tool_starts.items()))
-        found = self._with_tools.get(key)
-        if found is None:
-            merged = dict(self.kinds)
-            merged.update((token_id, (_CALLS, text)) for token_id, text in tool_starts.items())
-            found = self._with_tools[key] = merged
-        return found
+        return with_kinds(self.kinds, self._with_tools, tool_starts, _CALLS)
 
 
 class MistralReasoning(ReasoningParser):
@@ -162,13 +144,13 @@ class MistralReasoning(ReasoningParser):
         out: list[Piece] = []
         for text, token_id in pieces:  # hot loop: one iteration per output token
             kind = kinds.get(token_id)
-            head = None if kind is None else _split(text, kind[1])
+            head = None if kind is None else split_marker(text, kind[1])
             if kind is None or head is None:
                 if not self._reasoning:
                     out.append((text, token_id))
                     continue
                 if text:
-                    self._add(text, reasoning)
+                    add_held(text, reasoning, self._space)
                 if token_id >= 0:
                     self.reasoning_tokens += 1
                 continue
@@ -183,7 +165,7 @@ class MistralReasoning(ReasoningParser):
 
     def _text(self, text: str, out: list[Piece], reasoning: list[str]) -> None:
         if self._reasoning:
-            self._add(text, reasoning)
+            add_held(text, reasoning, self._space)
         else:
             out.append((text, -1))
 
@@ -196,28 +178,16 @@ class MistralReasoning(ReasoningParser):
         elif which == _CALLS and self._reasoning:
             self._end()
             out.append((text, token_id))
-        elif which in (_TEXT, _CALLS):
+        elif which in (TEXT, _CALLS):
             # The marker's text is given back: the tool stage reads it by id, content shows it.
             if self._reasoning:
-                self._add(text, reasoning)
+                add_held(text, reasoning, self._space)
             else:
                 out.append((text, token_id))
 
     def _end(self) -> None:
         self._reasoning = False
         self._space.clear()
-
-    def _add(self, text: str, reasoning: list[str]) -> None:
-        body = text.rstrip()
-        if not body:
-            self._space.append(text)
-            return
-        if self._space:
-            reasoning.extend(self._space)
-            self._space.clear()
-        reasoning.append(body)
-        if len(body) < len(text):
-            self._space.append(text[len(body) :])
 
 
 def format_reasoning(text: str) -> str:
@@ -299,27 +269,27 @@ class JsonValueEnd:
 
 # -- tool calls -----------------------------------------------------------------
 
-_CONTENT, _NAME, _IN_ARGS, _AFTER = range(4)
+_NAME, _IN_ARGS, _AFTER = range(1, 4)  # after CONTENT (marker_tokens)
 
 
 class BoundMistralTools(BoundTools):
     def __init__(self, vocab: TokenVocab) -> None:
         # vLLM's rule for an HF tokenizer: without an `[ARGS]` token it is pre-v11 (JSON list).
-        self.legacy = _optional(vocab, ARGS) < 0
+        self.legacy = optional_id(vocab, ARGS) < 0
         self.markers = Markers(vocab, (TOOL_CALLS,) if self.legacy else (TOOL_CALLS, ARGS))
         self.starts = {self.markers.id(TOOL_CALLS): TOOL_CALLS}
         kinds: dict[int, tuple[int, str]] = {self.markers.id(TOOL_CALLS): (_CALLS, TOOL_CALLS)}
         _add_kind(vocab, kinds, ARGS, _ARGS)
         # Reasoning markers reach this stage only without the reasoning family: text then.
-        _add_kind(vocab, kinds, THINK_START, _TEXT)
-        _add_kind(vocab, kinds, THINK_END, _TEXT)
-        _specials(vocab, kinds)
+        _add_kind(vocab, kinds, THINK_START, TEXT)
+        _add_kind(vocab, kinds, THINK_END, TEXT)
+        add_specials(vocab, kinds)
         self.kinds: Kinds = kinds
 
     def new(self, options: ParseOptions, *, strays: Mapping[int, str]) -> ToolParser:
         kinds = self.kinds
         if strays:
-            kinds = {**kinds, **{token_id: (_DROP, text) for token_id, text in strays.items()}}
+            kinds = {**kinds, **{token_id: (DROP, text) for token_id, text in strays.items()}}
         if self.legacy:
             return LegacyToolParser(kinds, options)
         return MistralToolParser(kinds, options)
@@ -336,51 +306,22 @@ def call_id(seed: str) -> str:
     return "".join(chars)
 
 
-class MistralToolParser(ToolParser):
-    __slots__ = (
-        "_kinds",
-        "_options",
-        "_content",
-        "_deltas",
-        "_state",
-        "_name",
-        "_args",
-        "_end",
-        "_index",
-        "_space",
-        "calls",
-    )
+class MistralToolParser(MarkerToolParser):
+    __slots__ = ("_name", "_end")
 
     def __init__(self, kinds: Kinds, options: ParseOptions) -> None:
-        self._kinds = kinds
-        self._options = options
-        self._content = ContentText()
-        self._deltas: list[ToolDelta] = []
-        self._state = _CONTENT
+        super().__init__(kinds, options)
         self._name: list[str] = []
-        self._args: ArgumentsText | None = None
         self._end = JsonValueEnd()
-        self._index = -1  # the open call's index, -1 when it is not streamed
-        self._space: list[str] = []  # trailing whitespace of content, dropped if a call follows
-        self.calls = 0
+        # `_space` holds the trailing whitespace of content, dropped if a call follows.
 
-    def feed(self, pieces: Sequence[Piece]) -> None:
-        kinds = self._kinds
-        for text, token_id in pieces:  # hot loop: one iteration per content token
-            kind = kinds.get(token_id)
-            head = None if kind is None else _split(text, kind[1])
-            if kind is None or head is None:
-                if text:
-                    self._text(text)
-                continue
-            if head:
-                self._text(head)
-            if kind[0] == _CALLS:
-                self._open()
-            elif kind[0] == _ARGS and self._state == _NAME:
-                self._send_header()
-            elif kind[0] != _DROP:
-                self._text(kind[1])
+    def _marker(self, kind: int, text: str) -> None:
+        if kind == _CALLS:
+            self._open()
+        elif kind == _ARGS and self._state == _NAME:
+            self._send_header()
+        else:
+            self._text(text)
 
     def finish(self) -> None:
         if self._state == _NAME:
@@ -393,11 +334,6 @@ class MistralToolParser(ToolParser):
             self._content.add("".join(self._space), calls=self.calls)  # ContentText drops it after a call
         self._space = []
         self._content.finish(calls=self.calls)
-
-    def drain(self) -> tuple[str, list[ToolDelta]]:
-        deltas = self._deltas
-        self._deltas = []
-        return self._content.drain(), deltas
 
     def _text(self, text: str) -> None:
         state = self._state
@@ -449,16 +385,9 @@ class MistralToolParser(ToolParser):
         self._name = []
         self._state = _IN_ARGS
         self._end = JsonValueEnd()
-        schema = self._options.schema_of(name)
-        properties = schema.get("properties") if isinstance(schema, Mapping) else None
-        self._args = ArgumentsText(properties if isinstance(properties, Mapping) else None)
         self._space = []
-        if self.calls and not self._options.parallel_tool_calls:
-            self._index = -1  # parallel_tool_calls=false keeps the first call only
-            return
-        self._index = self.calls
-        self.calls += 1
-        self._deltas.append(ToolDelta(index=self._index, id=call_id(self._options.new_id()), name=name))
+        if self._open_args(name):
+            self._deltas.append(ToolDelta(index=self._index, id=call_id(self._options.new_id()), name=name))
 
     def _args_text(self, text: str) -> None:
         args = self._args
@@ -475,26 +404,16 @@ class MistralToolParser(ToolParser):
             self._content_text(text[end:])
 
     def _close_call(self) -> None:
-        args = self._args
-        assert args is not None
-        args.finish()
-        self._emit_args()
-        self._args = None
+        self._finish_args()
         self._state = _AFTER
-
-    def _emit_args(self) -> None:
-        assert self._args is not None
-        out = self._args.take()
-        if out and self._index >= 0:
-            self._deltas.append(ToolDelta(index=self._index, arguments=out))
 
 
 # -- pre-v11 calls: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` -----------------
 
-_L_CONTENT, _L_LEAD, _L_LIST, _L_CALL, _L_AFTER, _L_RAW = range(6)
+_L_LEAD, _L_LIST, _L_CALL, _L_AFTER, _L_RAW = range(1, 6)  # after CONTENT (marker_tokens)
 
 
-class LegacyToolParser(ToolParser):
+class LegacyToolParser(MarkerToolParser):
     """Pre-v11 Mistral calls, one choice::
 
         CONTENT --[TOOL_CALLS]--> LEAD   (a repeated marker here is absorbed, as in vLLM)
@@ -506,39 +425,25 @@ class LegacyToolParser(ToolParser):
     Each object streams through `ToolCallBody`: the header once its `name` closes, the
     `arguments` text as it arrives (vLLM's pre-v11 path retypes nothing). An object that
     closes without a name, before any call of the list, turns the whole list into content.
+    Of `MarkerToolParser` it uses the dispatch only: arguments go through `ToolCallBody`.
     """
 
-    __slots__ = ("_kinds", "_options", "_content", "_deltas", "_state", "_bare", "_body", "_raw", "_index", "calls")
+    __slots__ = ("_bare", "_body", "_raw")
 
     def __init__(self, kinds: Kinds, options: ParseOptions) -> None:
-        self._kinds = kinds
-        self._options = options
-        self._content = ContentText()
-        self._deltas: list[ToolDelta] = []
-        self._state = _L_CONTENT
+        super().__init__(kinds, options)
         self._bare = False
         self._body: ToolCallBody | None = None
         self._raw: list[str] = []  # the list's text while no call of it has a header
         self._index = -2  # the open call's index; -1: not streamed; -2: no header yet
-        self.calls = 0
 
-    def feed(self, pieces: Sequence[Piece]) -> None:
-        kinds = self._kinds
-        for text, token_id in pieces:  # hot loop: one iteration per content token
-            kind = kinds.get(token_id)
-            head = None if kind is None else _split(text, kind[1])
-            if kind is None or head is None:
-                if text:
-                    self._text(text)
-                continue
-            if head:
-                self._text(head)
-            if kind[0] == _CALLS and self._state in (_L_CONTENT, _L_LEAD):
-                if self._state == _L_CONTENT:
-                    self._content.take_held()  # whitespace-only content before calls is null
-                self._state = _L_LEAD
-            elif kind[0] != _DROP:
-                self._text(kind[1])
+    def _marker(self, kind: int, text: str) -> None:
+        if kind == _CALLS and self._state in (CONTENT, _L_LEAD):
+            if self._state == CONTENT:
+                self._content.take_held()  # whitespace-only content before calls is null
+            self._state = _L_LEAD
+        else:
+            self._text(text)
 
     def finish(self) -> None:
         if self._state == _L_CALL:
@@ -547,15 +452,10 @@ class LegacyToolParser(ToolParser):
             self._content.add("".join(self._raw), calls=0)
         self._content.finish(calls=self.calls)
 
-    def drain(self) -> tuple[str, list[ToolDelta]]:
-        deltas = self._deltas
-        self._deltas = []
-        return self._content.drain(), deltas
-
     def _text(self, text: str) -> None:
         while text:
             state = self._state
-            if state in (_L_CONTENT, _L_AFTER, _L_RAW):
+            if state in (CONTENT, _L_AFTER, _L_RAW):
                 self._content.add(text, calls=self.calls)
                 return
             if state == _L_CALL:

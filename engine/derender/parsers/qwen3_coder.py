@@ -65,23 +65,11 @@ With `parallel_tool_calls=false` only the first call is kept.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-from engine.derender.parsers.base import (
-    BoundTools,
-    Markers,
-    ParseOptions,
-    ToolCallText,
-    ToolDelta,
-    ToolFactory,
-    ToolParser,
-)
-from engine.derender.parsers.content import ContentText
-from engine.derender.parsers.xml_args import NO, PARTIAL, WS, ArgsJson, match_tag
-from engine.derender.stop import Piece
-from engine.derender.vocab import TokenVocab
+from engine.derender.parsers.base import ToolCallText, ToolFactory
+from engine.derender.parsers.xml_args import NO, PARTIAL, WS, match_tag
+from engine.derender.parsers.xml_calls import ARGS, CONTENT, NAME, BoundXmlCalls, XmlCallParser, written_value
 
 START = "<tool_call>"
 END = "</tool_call>"
@@ -90,20 +78,10 @@ FUNC_END = "</function>"
 PARAM = "<parameter="
 PARAM_END = "</parameter>"
 
-_CONTENT, _PREAMBLE, _NAME, _ARGS, _BETWEEN = range(5)
 # vLLM's `<\s*/\s*parameter\s*>` and `<\s*parameter\s*=\s*`; `</function>` is a lexer literal.
 _CLOSE_TAG = ("<", WS, "/", WS, "parameter", WS, ">")
 _OPEN_TAG = ("<", WS, "parameter", WS, "=", WS)
 _FUNC_END_TAG = (FUNC_END,)
-
-
-class BoundQwen3Coder(BoundTools):
-    def __init__(self, vocab: TokenVocab) -> None:
-        self.markers = Markers(vocab, (START, END))
-        self.starts = {self.markers.id(START): START}
-
-    def new(self, options: ParseOptions, *, strays: Mapping[int, str]) -> ToolParser:
-        return Qwen3CoderParser(self.markers, options, strays=strays)
 
 
 def format_calls(calls: Sequence[ToolCallText]) -> str:
@@ -112,12 +90,8 @@ def format_calls(calls: Sequence[ToolCallText]) -> str:
 
 
 def _format_call(call: ToolCallText) -> str:
-    params = "".join(f"{PARAM}{key}>\n{_value_text(value)}\n{PARAM_END}\n" for key, value in call.arguments.items())
+    params = "".join(f"{PARAM}{key}>\n{written_value(value)}\n{PARAM_END}\n" for key, value in call.arguments.items())
     return f"{START}\n{FUNC}{call.name}>\n{params}{FUNC_END}\n{END}"
-
-
-def _value_text(value: Any) -> str:
-    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
 def forced_prefix(name: str | None) -> str:
@@ -128,104 +102,15 @@ def forced_prefix(name: str | None) -> str:
     return f"{START}\n{FUNC}{name}>\n"
 
 
-class Qwen3CoderParser(ToolParser):
-    __slots__ = (
-        "_start",
-        "_end",
-        "_stray",
-        "_options",
-        "_content",
-        "_deltas",
-        "_state",
-        "_hold",
-        "_final",
-        "_bare",
-        "_after_bare",
-        "_raw",
-        "_name",
-        "_in_value",
-        "_args",
-        "_args_out",
-        "calls",
-    )
+class Qwen3CoderParser(XmlCallParser):
+    __slots__ = ()
 
-    def __init__(self, markers: Markers, options: ParseOptions, *, strays: Mapping[int, str]) -> None:
-        self._start = markers.id(START)
-        self._end = markers.id(END)
-        self._stray = strays
-        self._options = options
-        self._content = ContentText()
-        self._deltas: list[ToolDelta] = []
-        self._state = _CONTENT
-        self._hold = ""  # text that may still be a partial tag, re-read with the next text
-        self._final = False  # the output ended: nothing is partial any more
-        self._bare = False  # the call was opened by `<function=` without `<tool_call>`
-        self._after_bare = False  # only whitespace since a bare call ended
-        self._raw: list[str] | None = None  # the block's text while it has no header (given back if never a call)
-        self._name: list[str] = []
-        self._in_value = False
-        self._args: ArgsJson | None = None
-        self._args_out: list[str] = []  # argument fragments of the last emitted call, not yet drained
-        self.calls = 0
+    _START = START
+    _END = END
+    _TRIM = True
 
-    # -- the ToolParser interface ----------------------------------------------
-
-    def feed(self, pieces: Sequence[Piece]) -> None:
-        start, end, stray = self._start, self._end, self._stray
-        for text, token_id in pieces:  # hot loop: one iteration per content token
-            if token_id == start and text.endswith(START):
-                self._on_marker(text[: len(text) - len(START)], START)
-            elif token_id == end and text.endswith(END):
-                self._on_marker(text[: len(text) - len(END)], END)
-            elif token_id in stray and self._state == _CONTENT and text.endswith(stray[token_id]):
-                self._text(text[: len(text) - len(stray[token_id])])
-                self._flush_hold()
-            elif text:
-                self._text(text)
-
-    def finish(self) -> None:
-        self._flush_hold()
-        state = self._state
-        if state == _NAME:
-            self._name_done()
-            self._end_call()
-        elif state == _ARGS:
-            self._end_call()
-        self._end_block()
-        self._content.finish(calls=self.calls)
-
-    def drain(self) -> tuple[str, list[ToolDelta]]:
-        self._flush_args()
-        deltas = self._deltas
-        self._deltas = []
-        return self._content.drain(), deltas
-
-    # -- text and markers ----------------------------------------------------------
-
-    def _text(self, text: str) -> None:
-        if self._hold:
-            text = self._hold + text
-            self._hold = ""
-        pos, end = 0, len(text)
-        handlers = _HANDLERS
-        while pos < end and not self._hold:
-            pos = handlers[self._state](self, text, pos)
-
-    def _flush_hold(self) -> None:
-        """Read the held text as final: a marker or the end cut any partial tag short."""
-        if self._hold:
-            self._final = True
-            self._text("")
-            self._final = False
-
-    def _on_marker(self, head: str, marker: str) -> None:
-        if self._state == _ARGS and self._in_value:
-            self._text(head + marker)  # inside a value a marker is text, as in vLLM
-            return
-        if head:
-            self._text(head)
-        self._flush_hold()
-        if marker == END and self._state == _CONTENT:
+    def _take_marker(self, marker: str) -> None:
+        if marker == END and self._state == CONTENT:
             if self._after_bare:
                 self._after_bare = False  # closes a bare call, as vLLM's TOOL_BETWEEN does:
                 self._content.take_held()  # the whitespace before it was framing
@@ -234,31 +119,22 @@ class Qwen3CoderParser(ToolParser):
             return
         if marker == END:
             self._record(END)
-        if self._state == _NAME:
-            self._name_done()
-            self._end_call()
-        elif self._state == _ARGS:
-            self._end_call()
+        self._close_call()
         self._after_bare = False
         self._end_block()
         if marker == START:
             self._begin_block()
 
+    def _close_call(self) -> None:
+        if self._state == NAME:
+            self._name_done()
+            self._end_call()
+        elif self._state == ARGS:
+            self._end_call()
+
     def _record(self, text: str) -> None:
         if self._raw is not None and text:
             self._raw.append(text)
-
-    def _give_back(self) -> None:
-        raw = self._raw
-        self._raw = None
-        if raw:
-            self._add_content("".join(raw))
-
-    def _add_content(self, text: str) -> None:
-        if text:
-            self._content.add(text, calls=self.calls)
-            if self._after_bare and not text.isspace():
-                self._after_bare = False
 
     # -- state handlers: each reads text from `pos`, returns where it stopped --------
 
@@ -307,22 +183,15 @@ class Qwen3CoderParser(ToolParser):
         return len(text)
 
     def _on_name(self, text: str, pos: int) -> int:
-        close = text.find(">", pos)
+        close = self._read_name(text, pos)
         if close < 0:
-            self._record(text[pos:])
-            self._name.append(text[pos:])
             return len(text)
-        self._record(text[pos : close + 1])
-        self._name.append(text[pos:close])
         if self._name_done():
             self._end_call()  # `<function=NAME</function>`: vLLM's TOOL_NAME --FUNC_END--> TOOL_BETWEEN
         else:
-            self._state = _ARGS
+            self._state = ARGS
             self._in_value = False
         return close + 1
-
-    def _on_args(self, text: str, pos: int) -> int:
-        return self._on_value(text, pos) if self._in_value else self._on_outside(text, pos)
 
     def _on_outside(self, text: str, pos: int) -> int:
         """Between parameters: wait for `<parameter=NAME>` or `</function>`; other text is dropped."""
@@ -381,14 +250,8 @@ class Qwen3CoderParser(ToolParser):
 
     # -- calls -----------------------------------------------------------------------
 
-    def _begin_block(self) -> None:
-        self._raw = [*self._content.take_held(), START]
-        self._bare = False
-        self._after_bare = False
-        self._state = _PREAMBLE
-
     def _begin_name(self) -> None:
-        self._state = _NAME
+        self._state = NAME
         self._name.clear()
         self._args = None
 
@@ -403,18 +266,6 @@ class Qwen3CoderParser(ToolParser):
         if name:
             self._send_header(name)
         return closed
-
-    def _send_header(self, name: str) -> None:
-        self._raw = None  # a call after all: the held text was framing
-        self._flush_args()
-        if self.calls and not self._options.parallel_tool_calls:
-            self._args = ArgsJson(None, [])  # parallel_tool_calls=false keeps the first call only
-            return
-        self.calls += 1
-        self._deltas.append(ToolDelta(index=self.calls - 1, id=self._options.new_id(), name=name))
-        schema = self._options.schema_of(name)
-        properties = schema.get("properties") if isinstance(schema, Mapping) else None
-        self._args = ArgsJson(properties if isinstance(properties, Mapping) else None, self._args_out)
 
     def _open_value(self, name: str) -> None:
         self._in_value = True
@@ -433,36 +284,15 @@ class Qwen3CoderParser(ToolParser):
     def _end_call(self) -> None:
         """`</function>` (or what stands for it): close the JSON; a call that never got a
         name gives its text back now if bare, at the end of its block if wrapped."""
-        if self._in_value:
-            self._close_value(complete=False)
-        if self._args is not None:
-            self._args.finish()
-            self._args = None
-        if self._bare:
-            self._state = _CONTENT
-            self._give_back()
-            self._after_bare = True
-        else:
-            self._state = _BETWEEN
+        self._finish_args()
+        self._leave_call()
 
-    def _end_block(self) -> None:
-        self._state = _CONTENT
-        self._give_back()
-
-    def _flush_args(self) -> None:
-        out = self._args_out
-        if out:
-            self._deltas.append(ToolDelta(index=self.calls - 1, arguments="".join(out)))
-            out.clear()
+    _HANDLERS = (_on_content, _on_preamble, _on_name, XmlCallParser._on_args, _on_between)
 
 
-_HANDLERS: tuple[Callable[[Qwen3CoderParser, str, int], int], ...] = (
-    Qwen3CoderParser._on_content,
-    Qwen3CoderParser._on_preamble,
-    Qwen3CoderParser._on_name,
-    Qwen3CoderParser._on_args,
-    Qwen3CoderParser._on_between,
-)
+class BoundQwen3Coder(BoundXmlCalls):
+    _parser = Qwen3CoderParser
+
 
 FACTORY = ToolFactory("qwen3_coder", BoundQwen3Coder, format_calls, forced_prefix)
 """Registered as `qwen3_coder` and, as in vLLM, `qwen3_xml`."""

@@ -21,7 +21,14 @@ STOP_CHOICES = st.sampled_from([" the end", "🫠", "nk>", "</thi", "world 世",
 STOPS = st.lists(STOP_CHOICES, max_size=2)
 MARKERS = [THINK_START_ID, THINK_END_ID, TOOL_CALL_START_ID, TOOL_CALL_END_ID, IM_END_ID]
 # ONEHOP_PROPERTY_EXAMPLES=3000 runs a deeper search locally; CI keeps the default short.
-SETTINGS = settings(max_examples=int(os.environ.get("ONEHOP_PROPERTY_EXAMPLES", "150")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# Derandomized: the suite gives the same verdict on every run (CI must be reproducible);
+# ONEHOP_PROPERTY_RANDOM=1 explores new examples.
+SETTINGS = settings(
+    max_examples=int(os.environ.get("ONEHOP_PROPERTY_EXAMPLES", "150")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    derandomize=not os.environ.get("ONEHOP_PROPERTY_RANDOM"),
+)
 
 
 @st.composite
@@ -118,6 +125,7 @@ def test_stop_strings_never_leak(
 
 
 ROUTE_WORDS = [w for w in WORDS if w not in ("</", "nk>")]  # no way to spell a marker without its token
+MARKER_TEXTS = ("<think>", "</think>", "<tool_call>", "</tool_call>")
 
 
 @st.composite
@@ -142,7 +150,9 @@ def test_text_route_equals_token_route(
     from tests.support.streams import counter_ids, default_finish, fake_logprobs, fold_chunks
 
     ids = data.draw(marker_free_streams(qwen3_tokenizer))
-    assume(ids)
+    # The text route finds markers by their text: marker text spelled by ordinary tokens
+    # (`<` `th` `ink` `>`) is a marker there and plain text on the token route.
+    assume(ids and not any(marker in qwen3_tokenizer.decode(ids) for marker in MARKER_TEXTS))
     options = replace(BASE, tools_enabled=tools, text=TextParams(stop=tuple(stops)))
     reference = stream(qwen3_vocab, options, ids, random_splits(seed), with_logprobs=True).folded
     # The engine's text mode: same pipeline, text deltas out.
