@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from engine.derender.parsers.base import BoundReasoning, Markers, ParseOptions, ReasoningParser
+from engine.derender.parsers.marker_tokens import add_held
 from engine.derender.stop import Piece
 from engine.derender.vocab import TokenVocab
 
@@ -117,7 +118,7 @@ class ThinkReasoning(ReasoningParser):
                     if space is None:
                         reasoning.append(text)
                     else:
-                        _add_held(text, reasoning, space)
+                        add_held(text, reasoning, space)
                 if token_id >= 0 and token_id not in uncounted:
                     self.reasoning_tokens += 1
                 continue
@@ -126,7 +127,7 @@ class ThinkReasoning(ReasoningParser):
                 if space is None:
                     reasoning.append(head)
                 else:
-                    _add_held(head, reasoning, space)
+                    add_held(head, reasoning, space)
             kind = marker[0]
             if kind == _START:
                 continue
@@ -143,17 +144,3 @@ class ThinkReasoning(ReasoningParser):
         if self._space:
             self._space.clear()
         return ()
-
-
-def _add_held(text: str, reasoning: list[str], space: list[str]) -> None:
-    """Reasoning text with its trailing whitespace held in `space` until more text follows."""
-    body = text.rstrip()
-    if not body:
-        space.append(text)
-        return
-    if space:
-        reasoning.extend(space)
-        space.clear()
-    reasoning.append(body)
-    if len(body) < len(text):
-        space.append(text[len(body) :])

@@ -16,7 +16,8 @@ A family numbers any further states after these. A block or bare call keeps
 its text in `_raw` until a call is made (given back as content if none is).
 What stays in each family module: its handlers (`_HANDLERS`, one per state
 in state order), its tags, what ends a call at a marker (`_take_marker`,
-`_close_call`), and how a value's text reaches `ArgsJson`.
+`_close_call`), and how a value's text reaches `ArgsJson`. `BoundXmlCalls`
+binds a family's parser class; `written_value` is its writers' value text.
 """
 
 from __future__ import annotations
