@@ -19,24 +19,17 @@ nothing but whitespace was written the arguments are `{}`, as vLLM's full answer
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Mapping
 from typing import Any
+
+from engine.derender.parsers.typed_values import coerce, normalized, schema_types
 
 _STRING_STOP = re.compile(r'["\\]')
 
 # Scanner states.
 _LEAD, _PASS, _KEY, _KEY_STRING, _COLON, _VALUE, _IN_VALUE, _AFTER, _TAIL = range(9)
 
-_TYPE_ALIASES = {
-    **dict.fromkeys(("str", "text", "varchar", "char", "enum"), "string"),
-    **dict.fromkeys(("int", "int32", "int64", "uint", "uint32", "uint64", "long", "short", "unsigned"), "integer"),
-    **dict.fromkeys(("float", "float32", "float64", "double"), "number"),
-    "bool": "boolean",
-    "dict": "object",
-    **dict.fromkeys(("arr", "list", "sequence"), "array"),
-}
 _NOT_STRING = frozenset(("null", "integer", "number", "boolean", "object", "array"))
 
 
@@ -241,7 +234,7 @@ def _json_text(raw_parts: list[str]) -> str:
 def _may_retype(schema: Mapping[str, Any], first: str) -> bool:
     """Whether a value starting with `first` could come out of the schema fix-up changed."""
     if first == '"':
-        types = _normalized(schema_types(schema))
+        types = schema_types(schema)
         return "string" not in types or not types.isdisjoint(_NOT_STRING)
     if first == "{":
         nested = schema.get("properties")
@@ -260,54 +253,15 @@ def _retyped(raw: str, schema: Mapping[str, Any]) -> str:
     return json.dumps(value, ensure_ascii=False) if changed else raw
 
 
-# -- the schema fix-up, with vLLM's rules (`vllm/tool_parsers/utils.py`) ----------
-
-
-def schema_types(schema: Any) -> set[str]:
-    """The JSON types a schema allows: `type`, types of `enum` members, `anyOf`/`oneOf`/`allOf`."""
-    if not isinstance(schema, Mapping):
-        return {"string"}
-    types: set[str] = set()
-    declared = schema.get("type")
-    if isinstance(declared, str):
-        types.add(declared)
-    elif isinstance(declared, list):
-        types.update(t for t in declared if isinstance(t, str))
-    enum = schema.get("enum")
-    if isinstance(enum, list):
-        types.update(_json_type(member) for member in enum)
-    for key in ("anyOf", "oneOf", "allOf"):
-        choices = schema.get(key)
-        if isinstance(choices, list):
-            for choice in choices:
-                types |= schema_types(choice)
-    return types or {"string"}
-
-
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    if isinstance(value, float):
-        return "number"
-    if isinstance(value, list):
-        return "array"
-    if isinstance(value, dict):
-        return "object"
-    return "string"
-
-
-def _normalized(types: set[str]) -> set[str]:
-    return {_TYPE_ALIASES.get(t.strip().lower(), t.strip().lower()) for t in types}
+# -- the schema fix-up: `ParserEngine._fix_arg_types`, walking the value -------------
+# Strings are typed by `typed_values` (vLLM's `coerce_to_schema_type`, shared with the XML formats);
+# what is JSON-only is the walk into objects and arrays and the retyping of non-string scalars.
 
 
 def coerce_value(value: Any, schema: Mapping[str, Any]) -> tuple[Any, bool]:
     """`value` fixed up for `schema`, and whether it changed."""
     if isinstance(value, str):
-        coerced = coerce_text(value, schema_types(schema))
+        coerced = coerce(value, schema_types(schema))
         return (coerced, True) if coerced is not value else (value, False)
     if isinstance(value, dict):
         nested = schema.get("properties")
@@ -323,7 +277,7 @@ def coerce_value(value: Any, schema: Mapping[str, Any]) -> tuple[Any, bool]:
                 value[i] = fixed
                 changed = True
         return value, changed
-    coerced = coerce_text(json.dumps(value, ensure_ascii=False), schema_types(schema))
+    coerced = coerce(json.dumps(value, ensure_ascii=False), schema_types(schema))
     if type(coerced) is not type(value) or coerced != value:
         return coerced, True
     return value, False
@@ -343,52 +297,5 @@ def coerce_members(args: dict[str, Any], properties: Mapping[str, Any]) -> bool:
 
 
 def coerce_text(value: str, types: set[str]) -> Any:
-    """A string read as the first schema type it fits (null, integer, number, boolean,
-    object, array, string); `value` itself when none fits and it is not JSON."""
-    allowed = _normalized(types)
-    for candidate in ("null", "integer", "number", "boolean", "object", "array", "string"):
-        if candidate not in allowed:
-            continue
-        found, result = _as_type(value, candidate)
-        if found:
-            return result
-    return _json_or_same(value)
-
-
-def _as_type(value: str, candidate: str) -> tuple[bool, Any]:
-    if candidate == "string":
-        return True, value
-    if candidate == "null":
-        return value.lower() == "null", None
-    if candidate == "integer":
-        try:
-            return True, int(value)
-        except ValueError:
-            return False, None
-    if candidate == "number":
-        try:
-            number = float(value)
-        except ValueError:
-            return False, None
-        if not math.isfinite(number):
-            return False, None
-        return True, number if number != int(number) else int(number)
-    if candidate == "boolean":
-        word = value.lower().strip()
-        if word in ("true", "1", "false", "0"):
-            return True, word in ("true", "1")
-        return False, None
-    parsed = _json_or_same(value)
-    return parsed is not value, parsed
-
-
-def _json_or_same(value: str) -> Any:
-    try:
-        parsed = json.loads(value)
-    except ValueError:
-        return value
-    try:
-        json.dumps(parsed, allow_nan=False)
-    except ValueError:
-        return value
-    return parsed
+    """A string read as the first schema type it fits, `types` as a schema writes them."""
+    return coerce(value, normalized(types))

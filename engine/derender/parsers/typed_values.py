@@ -1,7 +1,9 @@
-"""Parameter values typed by a tool's JSON schema, for formats that write every value as text.
+"""Values typed by a tool's JSON schema: the one implementation of vLLM's rules.
 
 XML-style tool calls (`<parameter=days>\\n3\\n</parameter>`) carry each value as
-raw text; the JSON type comes from the offered tool's `parameters` schema.
+raw text; the JSON type comes from the offered tool's `parameters` schema. JSON
+formats (`json_arguments`) retype string members with the same rules, because
+vLLM's `ParserEngine._fix_arg_types` calls the same `coerce_to_schema_type`.
 These are the rules vLLM 0.32 applies (`coerce_to_schema_type` and
 `extract_types_from_schema` in `vllm/tool_parsers/utils.py`), reimplemented:
 
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 STRING_ONLY = frozenset(("string",))
@@ -61,12 +63,17 @@ _BRANCHES = ("anyOf", "oneOf", "allOf")
 
 def parameter_types(properties: Mapping[str, Any] | None, name: str) -> frozenset[str]:
     """The normalised candidate types of parameter `name`; `STRING_ONLY` when it stays text."""
-    if not properties:
-        return STRING_ONLY
-    schema = properties.get(name)
-    if not isinstance(schema, Mapping):
-        return STRING_ONLY
-    return frozenset(_ALIASES.get(key, key) for key in (t.strip().lower() for t in _declared_types(schema)))
+    return schema_types(properties.get(name)) if properties else STRING_ONLY
+
+
+def schema_types(schema: Any) -> frozenset[str]:
+    """The normalised candidate types a schema allows; `STRING_ONLY` when it is not a schema."""
+    return normalized(_declared_types(schema))
+
+
+def normalized(types: Iterable[str]) -> frozenset[str]:
+    """Type names as a schema writes them, lower-cased and mapped through the alias table."""
+    return frozenset(_ALIASES.get(key, key) for key in (t.strip().lower() for t in types))
 
 
 def _declared_types(schema: Any) -> set[str]:
@@ -90,7 +97,8 @@ def _declared_types(schema: Any) -> set[str]:
 
 
 def _kind(value: Any) -> str:
-    """The JSON-schema type name of an `enum` value (bool before int: `True` is an int)."""
+    """The JSON-schema type name of an `enum` value (bool before int: `True` is an int);
+    a value that JSON cannot hold adds no type, as in vLLM."""
     if value is None:
         return "null"
     if isinstance(value, bool):
