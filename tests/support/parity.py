@@ -1,10 +1,14 @@
-"""Known differences from vLLM, shared by the per-family parity tests (`tests/vllm/test_parity_*.py`).
+"""Known differences from vLLM, and the harness the per-family parity tests share (`tests/vllm/test_parity_*.py`).
 
 A parity test compares onehop's answer with vLLM's field by field
 (`tests.support.vllm_oracle.compare`). Where the two differ on purpose, the
 case carries a `Deviation`: both sides' exact values are asserted first (the
 test fails if either side changes), and only then is vLLM's field set to
 onehop's so the rest of the answer is still compared.
+
+A family module builds its cases with `oracle_case`, asks vLLM once with
+`oracle_answers`, and checks each case with `stream_failures` (every chunking)
+and `full_diffs` (the non-streamed answer).
 """
 
 from __future__ import annotations
@@ -13,7 +17,19 @@ import copy
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
+
+import pytest
+
+from engine.derender.vocab import TokenVocab
+from tests.support.vllm_oracle import chunkings, compare, onehop_answer, onehop_full, run_oracle, vllm_python
+
+VLLM_VERSION = "0.32.0"
+NO_VLLM = "no vLLM venv: run scripts/setup_vllm.sh or set ONEHOP_VLLM_PYTHON"
+
+Check = Callable[[int, dict[str, Any], dict[str, Any]], list[str]]
+"""`check(k, ours, theirs)`: what differs on chunking `k` (onehop's answer, vLLM's)."""
 
 
 @dataclass(frozen=True)
@@ -136,3 +152,112 @@ def encode(tokenizer: Any, segments: Sequence[str | Split]) -> list[int]:
         else:
             ids += tokenizer.encode(segment, add_special_tokens=False)
     return ids
+
+
+def encode_fast(tokenizer: Any, segments: Sequence[str | Split]) -> list[int]:
+    """`encode` for a `tokenizers.Tokenizer`: a `Split` segment's marker spellings as ordinary tokens."""
+    ids: list[int] = []
+    for segment in segments:
+        tokenizer.encode_special_tokens = isinstance(segment, Split)
+        text = segment.text if isinstance(segment, Split) else segment
+        try:
+            ids += tokenizer.encode(text, add_special_tokens=False).ids
+        finally:
+            tokenizer.encode_special_tokens = False
+    return ids
+
+
+def oracle_case(
+    folder: Path,
+    prompt_ids: Sequence[int],
+    output_ids: Sequence[int],
+    seed: int,
+    *,
+    tool_parser: str,
+    tools: list[Any] | None,
+    messages: list[dict[str, Any]],
+    reasoning_parser: str | None = None,
+    stop: Sequence[str] = (),
+    **fields: Any,
+) -> dict[str, Any]:
+    """One oracle case (schema in `scripts/vllm_parse_oracle.py`), cut in the standard chunkings for `seed`.
+
+    `tool_choice` is `auto` where tools are offered; `fields` add or replace keys
+    (`model_type`, `request`, `chat_template_kwargs`, `chunkings`, ...).
+    """
+    output = list(output_ids)
+    case = {
+        "tokenizer": str(folder),
+        "tool_parser": tool_parser,
+        "reasoning_parser": reasoning_parser,
+        "tools": tools,
+        "tool_choice": "auto" if tools else None,
+        "parallel_tool_calls": None,
+        "prompt_token_ids": list(prompt_ids),
+        "output_token_ids": output,
+        "stop": list(stop),
+        "chunkings": chunkings(len(output), seed),
+        "messages": messages,
+    }
+    return {**case, **fields}
+
+
+def oracle_answers(cases: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """vLLM's answer for each case, by name (skips the test without a vLLM venv)."""
+    if vllm_python() is None:
+        pytest.skip(NO_VLLM)
+    results = run_oracle(list(cases.values()))
+    return dict(zip(cases, results, strict=True))
+
+
+def assert_vllm_032(oracle: dict[str, dict[str, Any]]) -> None:
+    """Every answer came from vLLM 0.32.0, and none is an error."""
+    assert {result["vllm_version"] for result in oracle.values()} == {VLLM_VERSION}
+    assert not [name for name, result in oracle.items() if "error" in result]
+
+
+def stream_failures(
+    vocab: TokenVocab, case: dict[str, Any], result: dict[str, Any], check: Check, *, label: str = "{k}: {sizes}"
+) -> dict[str, list[str]]:
+    """`check` on onehop's and vLLM's answer for every chunking of `case`; what failed, by chunking.
+
+    A chunking is named by `label`, formatted with its index `k` and its first 12 `sizes`.
+    """
+    failures = {}
+    for k, (sizes, theirs) in enumerate(zip(case["chunkings"], result["stream"], strict=True)):
+        ours = onehop_answer(vocab, case, sizes)
+        if diffs := check(k, ours, theirs):
+            failures[label.format(k=k, sizes=sizes[:12])] = diffs
+    return failures
+
+
+def stream_check(
+    deviations: Sequence[Deviation],
+    *,
+    lost: set[str] | None = None,
+    seen: set[tuple[str, str]] | None = None,
+    normal_calls: Callable[[Sequence[tuple[str, str]]], Any] = list,
+    **compare_options: bool,
+) -> Check:
+    """The usual `Check`: vLLM's streamed answer reconciled with `deviations`, then compared with onehop's."""
+
+    def check(k: int, ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
+        adjusted = reconcile(ours, theirs, "stream", deviations, lost=lost, seen=seen, normal_calls=normal_calls)
+        return compare(ours, adjusted, **compare_options)
+
+    return check
+
+
+def full_diffs(
+    vocab: TokenVocab,
+    case: dict[str, Any],
+    result: dict[str, Any],
+    deviations: Sequence[Deviation],
+    *,
+    normal_calls: Callable[[Sequence[tuple[str, str]]], Any] = list,
+    **compare_options: bool,
+) -> list[str]:
+    """What differs between onehop's and vLLM's non-streamed answers, once `deviations` are reconciled."""
+    ours = onehop_full(vocab, case)
+    theirs = reconcile(ours, result["full"], "full", deviations, normal_calls=normal_calls)
+    return compare(ours, theirs, **compare_options)

@@ -202,3 +202,17 @@ def parsed_arguments(folded: Folded) -> list[Any]:
 FAMILY_CHUNKINGS = [fixed(k) for k in (1, 2, 3, 5, 8)] + [random_splits(seed) for seed in range(3)]
 """The chunkings every parser-family vector is fed in: one token per chunk, fixed widths
 that split markers and tags at different offsets, and seeded random splits."""
+
+
+def chunked_answer(
+    vocab: TokenVocab, options: ChatOptions, ids: Sequence[int], prompt: Sequence[int] = (), **finish: Any
+) -> dict[str, Any]:
+    """The non-streamed answer, after checking every `FAMILY_CHUNKINGS` chunking streams exactly it,
+    with one tool-call header per call, in order."""
+    reference = comparable_response(whole(vocab, options, ids, prompt_ids=prompt, **finish))
+    for sizes in FAMILY_CHUNKINGS:
+        folded = stream(vocab, options, ids, sizes, prompt_ids=prompt, **finish).folded
+        assert folded.as_comparable() == reference
+        headers = [c["index"] for d in folded.deltas for c in d.get("tool_calls", []) if c.get("id")]
+        assert headers == list(range(len(reference["tool_calls"])))  # one header per call, in order
+    return reference

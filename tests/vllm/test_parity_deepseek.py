@@ -34,10 +34,10 @@ from engine.derender.parsers.deepseek import (
     format_calls_v31,
 )
 from engine.derender.vocab import TokenVocab, vocab_for
+from tests.support import parity
 from tests.support.deepseek import EOS, deepseek_tokenizer_dir
-from tests.support.parity import Deviation, LOSSY, both, reconcile
+from tests.support.parity import LOSSY, Deviation, both
 from tests.support.tools import WEATHER_TOOLS
-from tests.support.vllm_oracle import chunkings, compare, onehop_answer, onehop_full, run_oracle, vllm_python
 
 pytestmark = pytest.mark.vllm
 
@@ -296,20 +296,19 @@ def build_case(tokenizer: Any, folder: Path, spec: Spec, seed: int) -> dict[str,
     output = encode(tokenizer, spec.output, spec.cut_chars)
     if spec.eos:
         output.append(tokenizer.convert_tokens_to_ids(EOS))
-    return {
-        "tokenizer": str(folder),
-        "tool_parser": spec.tools,
-        "reasoning_parser": spec.reasoning,
-        "tools": tools,
-        "tool_choice": "auto" if spec.offer_tools else None,
-        "parallel_tool_calls": spec.parallel_tool_calls,
-        "chat_template_kwargs": spec.kwargs,
-        "prompt_token_ids": list(tokenizer.encode(prompt, add_special_tokens=False)),
-        "output_token_ids": output,
-        "stop": list(spec.stop),
-        "chunkings": chunkings(len(output), seed),
-        "messages": USER,
-    }
+    return parity.oracle_case(
+        folder,
+        tokenizer.encode(prompt, add_special_tokens=False),
+        output,
+        seed,
+        tool_parser=spec.tools,
+        reasoning_parser=spec.reasoning,
+        tools=tools,
+        messages=USER,
+        stop=spec.stop,
+        parallel_tool_calls=spec.parallel_tool_calls,
+        chat_template_kwargs=spec.kwargs,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -319,15 +318,11 @@ def cases(tokenizer: Any, tokenizer_dir: Path) -> dict[str, dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def oracle(cases: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    if vllm_python() is None:
-        pytest.skip("no vLLM venv: run scripts/setup_vllm.sh or set ONEHOP_VLLM_PYTHON")
-    results = run_oracle(list(cases.values()))
-    return dict(zip(cases, results, strict=True))
+    return parity.oracle_answers(cases)
 
 
 def test_oracle_is_vllm_032(oracle: dict[str, dict[str, Any]]) -> None:
-    assert {result["vllm_version"] for result in oracle.values()} == {"0.32.0"}
-    assert not [name for name, result in oracle.items() if "error" in result]
+    parity.assert_vllm_032(oracle)
 
 
 # One test per case, stream and full together: the suite's per-test teardown (a gc pass over
@@ -337,16 +332,10 @@ def test_matches_vllm(name: str, cases: dict[str, Any], oracle: dict[str, Any], 
     case, result = cases[name], oracle[name]
     deviations = DEVIATIONS.get(name, ())
     raw = name in RAW_ARGUMENTS
-    failures = {}
     lost: set[str] = set()
-    for sizes, theirs in zip(case["chunkings"], result["stream"], strict=True):
-        ours = onehop_answer(vocab, case, sizes)
-        adjusted = reconcile(ours, theirs, "stream", deviations, lost=lost)
-        if diffs := compare(ours, adjusted, json_arguments=not raw, reasoning_tokens=True):
-            failures[f"stream {sizes[:12]}"] = diffs
-    ours = onehop_full(vocab, case)
-    adjusted = reconcile(ours, result["full"], "full", deviations)
-    if diffs := compare(ours, adjusted, json_arguments=not raw, reasoning_tokens=True):
+    check = parity.stream_check(deviations, lost=lost, json_arguments=not raw, reasoning_tokens=True)
+    failures = parity.stream_failures(vocab, case, result, check, label="stream {sizes}")
+    if diffs := parity.full_diffs(vocab, case, result, deviations, json_arguments=not raw, reasoning_tokens=True):
         failures["full"] = diffs
     assert not failures
     lossy = {d.name for d in deviations if d.path == "stream" and d.vllm is LOSSY}

@@ -24,9 +24,10 @@ from typing import Any, Literal
 import pytest
 
 from engine.derender.vocab import TokenVocab, vocab_for
+from tests.support import parity
 from tests.support.glm_tokenizer import STOP_TOKENS, glm_token_id, glm_tokenizer_dir
-from tests.support.parity import Deviation, both, reconcile
-from tests.support.vllm_oracle import compare, onehop_answer, onehop_full, run_oracle, vllm_python
+from tests.support.parity import Deviation, both
+from tests.support.vllm_oracle import vllm_python
 
 pytestmark = pytest.mark.vllm
 
@@ -244,7 +245,7 @@ class Fixture:
 @pytest.fixture(scope="module")
 def glm() -> Fixture:
     if vllm_python() is None:  # skip before loading anything
-        pytest.skip("no vLLM venv: run scripts/setup_vllm.sh or set ONEHOP_VLLM_PYTHON")
+        pytest.skip(parity.NO_VLLM)
     from transformers import AutoTokenizer
 
     folder = glm_tokenizer_dir()
@@ -271,21 +272,21 @@ def build_case(glm: Fixture, spec: Spec, seed: int) -> dict[str, Any]:
     if spec.eos:
         output.append(stops[1])  # <|observation|>
     rng = random.Random(seed)
-    return {
-        "tokenizer": str(glm.folder),
-        "tool_parser": spec.parser,
-        "reasoning_parser": "glm45",
-        "tools": TOOLS if spec.tools else None,
-        "tool_choice": "auto" if spec.tools else None,
-        "parallel_tool_calls": spec.parallel_tool_calls,
-        "chat_template_kwargs": {"enable_thinking": spec.prompt != "off"},
-        "prompt_token_ids": prompt_ids(glm, spec.prompt),
-        "output_token_ids": output,
-        "stop": list(spec.stop),
-        "chunkings": [[1]] + [split_sizes(len(output), rng) for _ in range(SPLITS)],
-        "messages": USER,
-        "request": {"stop_token_ids": stops},
-    }
+    return parity.oracle_case(
+        glm.folder,
+        prompt_ids(glm, spec.prompt),
+        output,
+        seed,
+        tool_parser=spec.parser,
+        reasoning_parser="glm45",
+        tools=TOOLS if spec.tools else None,
+        messages=USER,
+        stop=spec.stop,
+        parallel_tool_calls=spec.parallel_tool_calls,
+        chat_template_kwargs={"enable_thinking": spec.prompt != "off"},
+        chunkings=[[1]] + [split_sizes(len(output), rng) for _ in range(SPLITS)],
+        request={"stop_token_ids": stops},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -295,15 +296,11 @@ def cases(glm: Fixture) -> dict[str, dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def oracle(cases: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    if vllm_python() is None:
-        pytest.skip("no vLLM venv: run scripts/setup_vllm.sh or set ONEHOP_VLLM_PYTHON")
-    results = run_oracle(list(cases.values()))
-    return dict(zip(cases, results, strict=True))
+    return parity.oracle_answers(cases)
 
 
 def test_oracle_is_vllm_032(oracle: dict[str, dict[str, Any]]) -> None:
-    assert {result["vllm_version"] for result in oracle.values()} == {"0.32.0"}
-    assert not [name for name, result in oracle.items() if "error" in result]
+    parity.assert_vllm_032(oracle)
 
 
 @pytest.mark.parametrize("name", list(SPECS))
@@ -312,18 +309,18 @@ def test_matches_vllm(name: str, cases: dict[str, Any], oracle: dict[str, Any], 
     per-test garbage collection costs more than the comparisons)."""
     case, result = cases[name], oracle[name]
     deviations = DEVIATIONS.get(name, ())
-    failures: dict[str, list[str]] = {}
     full_tokens = result["full"]["reasoning_tokens"]
-    for k, (sizes, theirs) in enumerate(zip(case["chunkings"], result["stream"], strict=True)):
-        ours = onehop_answer(glm.vocab, case, sizes)
-        diffs = compare(ours, reconcile(ours, theirs, "stream", deviations))
+    compared = parity.stream_check(deviations)
+
+    def check(k: int, ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
+        diffs = compared(k, ours, theirs)
         known = STREAM_REASONING_TOKENS.get((name, k)) or STREAM_REASONING_TOKENS.get((name, None))
         tokens = (theirs["reasoning_tokens"], ours["reasoning_tokens"])
         if tokens != (known or (full_tokens, full_tokens)):
             diffs.append(f"reasoning_tokens (vLLM stream, onehop) = {tokens}")
-        if diffs:
-            failures[f"stream {sizes[:12]}"] = diffs
-    ours = onehop_full(glm.vocab, case)
-    if diffs := compare(ours, reconcile(ours, result["full"], "full", deviations), reasoning_tokens=True):
+        return diffs
+
+    failures = parity.stream_failures(glm.vocab, case, result, check, label="stream {sizes}")
+    if diffs := parity.full_diffs(glm.vocab, case, result, deviations, reasoning_tokens=True):
         failures["full"] = diffs
     assert not failures

@@ -26,10 +26,11 @@ from typing import Any
 import pytest
 
 from engine.derender.vocab import TokenVocab, vocab_for
+from tests.support import parity
 from tests.support.harmony_tokenizer import o200k_harmony_tokenizer
 from tests.support.parity import Deviation, both, parsed_calls, parsed_json, reconcile
 from tests.support.tools import WEATHER_TOOLS
-from tests.support.vllm_oracle import chunkings, compare, onehop_answer, onehop_full, run_oracle, vllm_python
+from tests.support.vllm_oracle import compare, onehop_full, vllm_python
 
 pytestmark = pytest.mark.vllm
 
@@ -226,7 +227,7 @@ NO_REASONING_COUNT = frozenset(name for name, spec in SPECS.items() if spec.reas
 def tokenizer_dir() -> Path:
     python = vllm_python()
     if python is None:
-        pytest.skip("no vLLM venv: run scripts/setup_vllm.sh or set ONEHOP_VLLM_PYTHON")
+        pytest.skip(parity.NO_VLLM)
     return o200k_harmony_tokenizer(python)
 
 
@@ -243,22 +244,21 @@ def vocab(tokenizer: Any) -> TokenVocab:
 
 
 def build_case(tokenizer: Any, tokenizer_dir: Path, spec: Spec, seed: int) -> dict[str, Any]:
-    output = list(tokenizer.encode(spec.output, add_special_tokens=False).ids)
-    return {
-        "tokenizer": str(tokenizer_dir),
-        "model_type": "gpt_oss",
-        "tool_parser": spec.tool_parser,
-        "reasoning_parser": spec.reasoning_parser,
-        "tools": TOOLS if spec.tools else None,
-        "tool_choice": spec.tool_choice,
-        "parallel_tool_calls": spec.parallel_tool_calls,
-        "prompt_token_ids": list(tokenizer.encode(PROMPT, add_special_tokens=False).ids),
-        "output_token_ids": output,
-        "stop": list(spec.stop),
-        "chunkings": chunkings(len(output), seed),
-        "messages": USER,
-        "request": dict(spec.request),
-    }
+    return parity.oracle_case(
+        tokenizer_dir,
+        tokenizer.encode(PROMPT, add_special_tokens=False).ids,
+        tokenizer.encode(spec.output, add_special_tokens=False).ids,
+        seed,
+        tool_parser=spec.tool_parser,
+        reasoning_parser=spec.reasoning_parser,
+        tools=TOOLS if spec.tools else None,
+        messages=USER,
+        stop=spec.stop,
+        model_type="gpt_oss",
+        tool_choice=spec.tool_choice,
+        parallel_tool_calls=spec.parallel_tool_calls,
+        request=dict(spec.request),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -268,13 +268,11 @@ def cases(tokenizer: Any, tokenizer_dir: Path) -> dict[str, dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def oracle(cases: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    results = run_oracle(list(cases.values()))
-    return dict(zip(cases, results, strict=True))
+    return parity.oracle_answers(cases)
 
 
 def test_oracle_is_vllm_032(oracle: dict[str, dict[str, Any]]) -> None:
-    assert {result["vllm_version"] for result in oracle.values()} == {"0.32.0"}
-    assert not [name for name, result in oracle.items() if "error" in result]
+    parity.assert_vllm_032(oracle)
 
 
 def test_tokenizer_is_o200k_harmony(tokenizer: Any) -> None:
@@ -286,22 +284,14 @@ def test_tokenizer_is_o200k_harmony(tokenizer: Any) -> None:
 
 @pytest.mark.parametrize("name", list(SPECS))
 def test_stream_matches_vllm(name: str, cases: dict[str, Any], oracle: dict[str, Any], vocab: TokenVocab) -> None:
-    case, result, spec = cases[name], oracle[name], SPECS[name]
-    deviations = DEVIATIONS.get(name, ())
-    failures = {}
-    for sizes, theirs in zip(case["chunkings"], result["stream"], strict=True):
-        ours = onehop_answer(vocab, case, sizes)
-        adjusted = reconcile(ours, theirs, "stream", deviations, normal_calls=parsed_calls)
-        diffs = compare(
-            ours,
-            adjusted,
-            stop_reason=True,
-            json_arguments=not spec.raw_arguments,
-            reasoning_tokens=name not in NO_REASONING_COUNT,
-        )
-        if diffs:
-            failures[str(sizes[:12])] = diffs
-    assert not failures
+    check = parity.stream_check(
+        DEVIATIONS.get(name, ()),
+        normal_calls=parsed_calls,
+        stop_reason=True,
+        json_arguments=not SPECS[name].raw_arguments,
+        reasoning_tokens=name not in NO_REASONING_COUNT,
+    )
+    assert not parity.stream_failures(vocab, cases[name], oracle[name], check, label="{sizes}")
 
 
 @pytest.mark.parametrize("name", list(SPECS))

@@ -30,10 +30,10 @@ from engine.derender.parsers.kimi_k2 import (
     SECTION_END as SE,
 )
 from engine.derender.vocab import TokenVocab, vocab_for
+from tests.support import parity
 from tests.support.kimi_k2 import OPEN_TURN, kimi_tokenizer_dir
-from tests.support.parity import Deviation, Split, both, encode, reconcile
+from tests.support.parity import Deviation, Split, both, encode
 from tests.support.tools import WEATHER_TOOLS
-from tests.support.vllm_oracle import chunkings, compare, onehop_answer, onehop_full, run_oracle, vllm_python
 
 pytestmark = pytest.mark.vllm
 
@@ -260,22 +260,20 @@ def prompt_ids(tokenizer: Any, spec: Spec) -> list[int]:
 
 def build_case(tokenizer: Any, folder: Path, spec: Spec, seed: int) -> dict[str, Any]:
     output = encode(tokenizer, spec.output) + ([tokenizer.convert_tokens_to_ids("<|im_end|>")] if spec.eos else [])
-    return {
-        "tokenizer": str(folder),
-        "tool_parser": "kimi_k2",
-        "reasoning_parser": spec.reasoning_parser,
-        "tools": TOOLS if spec.tools else [],
-        "tool_choice": "auto" if spec.tools else None,
-        "parallel_tool_calls": None,
-        "chat_template_kwargs": spec.template_kwargs,
-        "prompt_token_ids": prompt_ids(tokenizer, spec),
-        "output_token_ids": output,
-        "stop": list(spec.stop),
-        "chunkings": chunkings(len(output), seed),
-        "messages": spec.messages,
-        "model_type": "kimi_k2",
-        "request": spec.request,
-    }
+    return parity.oracle_case(
+        folder,
+        prompt_ids(tokenizer, spec),
+        output,
+        seed,
+        tool_parser="kimi_k2",
+        reasoning_parser=spec.reasoning_parser,
+        tools=TOOLS if spec.tools else [],
+        messages=spec.messages,
+        stop=spec.stop,
+        chat_template_kwargs=spec.template_kwargs,
+        model_type="kimi_k2",
+        request=spec.request,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -285,39 +283,32 @@ def cases(kimi_tokenizer: Any, kimi_dir: Path) -> dict[str, dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def oracle(cases: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    if vllm_python() is None:
-        pytest.skip("no vLLM venv: run scripts/setup_vllm.sh or set ONEHOP_VLLM_PYTHON")
-    results = run_oracle(list(cases.values()))
-    return dict(zip(cases, results, strict=True))
+    return parity.oracle_answers(cases)
 
 
 def test_oracle_is_vllm_032(oracle: dict[str, dict[str, Any]]) -> None:
-    assert {result["vllm_version"] for result in oracle.values()} == {"0.32.0"}
-    assert not [name for name, result in oracle.items() if "error" in result]
+    parity.assert_vllm_032(oracle)
 
 
 @pytest.mark.parametrize("name", list(SPECS))
 def test_stream_matches_vllm(name: str, cases: dict[str, Any], oracle: dict[str, Any], kimi_vocab: TokenVocab) -> None:
     """Every chunking: the answer, then `reasoning_tokens` (onehop counts ids, which is
     vLLM's non-streamed count; vLLM's streamed count may differ, see the table)."""
-    case, result = cases[name], oracle[name]
-    deviations = DEVIATIONS.get(name, ())
+    result = oracle[name]
+    compared = parity.stream_check(DEVIATIONS.get(name, ()), json_arguments=name not in RAW_ARGUMENTS)
     counted = result["full"]["reasoning_tokens"] if SPECS[name].reasoning_parser else None
-    failures = {}
-    for k, (sizes, theirs) in enumerate(zip(case["chunkings"], result["stream"], strict=True)):
-        ours = onehop_answer(kimi_vocab, case, sizes)
-        adjusted = reconcile(ours, theirs, "stream", deviations)
-        diffs = compare(ours, adjusted, json_arguments=name not in RAW_ARGUMENTS)
+
+    def check(k: int, ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
+        diffs = compared(k, ours, theirs)
         tokens = (theirs["reasoning_tokens"], ours["reasoning_tokens"])
         if tokens != (STREAM_REASONING_TOKENS.get((name, k), counted), counted):
             diffs.append(f"reasoning_tokens (vLLM, onehop) = {tokens}")
-        if diffs:
-            failures[f"{k}: {sizes[:12]}"] = diffs
-    assert not failures
+        return diffs
+
+    assert not parity.stream_failures(kimi_vocab, cases[name], result, check)
 
 
 @pytest.mark.parametrize("name", list(SPECS))
 def test_full_matches_vllm(name: str, cases: dict[str, Any], oracle: dict[str, Any], kimi_vocab: TokenVocab) -> None:
-    ours = onehop_full(kimi_vocab, cases[name])
-    theirs = reconcile(ours, oracle[name]["full"], "full", DEVIATIONS.get(name, ()))
-    assert not compare(ours, theirs, reasoning_tokens=True, json_arguments=name not in RAW_ARGUMENTS)
+    options = {"reasoning_tokens": True, "json_arguments": name not in RAW_ARGUMENTS}
+    assert not parity.full_diffs(kimi_vocab, cases[name], oracle[name], DEVIATIONS.get(name, ()), **options)

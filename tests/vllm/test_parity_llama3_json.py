@@ -24,10 +24,10 @@ import pytest
 
 from engine.derender.parsers.llama3_json import PYTHON_TAG as TAG
 from engine.derender.vocab import TokenVocab, vocab_for
+from tests.support import parity
 from tests.support.llama3 import EOT, llama3_tokenizer_dir
-from tests.support.parity import LOSSY, Deviation, Split, both, encode, reconcile
+from tests.support.parity import LOSSY, Deviation, Split, both, encode
 from tests.support.tools import WEATHER_TOOLS
-from tests.support.vllm_oracle import chunkings, compare, onehop_answer, onehop_full, run_oracle, vllm_python
 
 pytestmark = pytest.mark.vllm
 
@@ -251,22 +251,19 @@ def prompt_ids(tokenizer: Any, spec: Spec) -> list[int]:
 
 def build_case(tokenizer: Any, folder: Path, spec: Spec, seed: int) -> dict[str, Any]:
     output = encode(tokenizer, spec.output) + ([tokenizer.convert_tokens_to_ids(EOT)] if spec.eos else [])
-    return {
-        "tokenizer": str(folder),
-        "tool_parser": "llama3_json",
-        "reasoning_parser": None,
-        "tools": TOOLS if spec.tools else [],
-        "tool_choice": "auto" if spec.tools else None,
-        "parallel_tool_calls": None,
-        "chat_template_kwargs": {},
-        "prompt_token_ids": prompt_ids(tokenizer, spec),
-        "output_token_ids": output,
-        "stop": list(spec.stop),
-        "chunkings": chunkings(len(output), seed),
-        "messages": USER,
-        "model_type": "llama",
-        "request": spec.request,
-    }
+    return parity.oracle_case(
+        folder,
+        prompt_ids(tokenizer, spec),
+        output,
+        seed,
+        tool_parser="llama3_json",
+        tools=TOOLS if spec.tools else [],
+        messages=USER,
+        stop=spec.stop,
+        chat_template_kwargs={},
+        model_type="llama",
+        request=spec.request,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -276,33 +273,20 @@ def cases(llama_tokenizer: Any, llama_dir: Path) -> dict[str, dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def oracle(cases: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    if vllm_python() is None:
-        pytest.skip("no vLLM venv: run scripts/setup_vllm.sh or set ONEHOP_VLLM_PYTHON")
-    results = run_oracle(list(cases.values()))
-    return dict(zip(cases, results, strict=True))
+    return parity.oracle_answers(cases)
 
 
 def test_oracle_is_vllm_032(oracle: dict[str, dict[str, Any]]) -> None:
-    assert {result["vllm_version"] for result in oracle.values()} == {"0.32.0"}
-    assert not [name for name, result in oracle.items() if "error" in result]
+    parity.assert_vllm_032(oracle)
 
 
 @pytest.mark.parametrize("name", list(SPECS))
 def test_stream_matches_vllm(name: str, cases: dict[str, Any], oracle: dict[str, Any], llama_vocab: TokenVocab) -> None:
-    case, result = cases[name], oracle[name]
-    deviations = DEVIATIONS.get(name, ())
-    failures = {}
-    for k, (sizes, theirs) in enumerate(zip(case["chunkings"], result["stream"], strict=True)):
-        ours = onehop_answer(llama_vocab, case, sizes)
-        adjusted = reconcile(ours, theirs, "stream", deviations)
-        diffs = compare(ours, adjusted, json_arguments=name not in RAW_ARGUMENTS)
-        if diffs:
-            failures[f"{k}: {sizes[:12]}"] = diffs
-    assert not failures
+    check = parity.stream_check(DEVIATIONS.get(name, ()), json_arguments=name not in RAW_ARGUMENTS)
+    assert not parity.stream_failures(llama_vocab, cases[name], oracle[name], check)
 
 
 @pytest.mark.parametrize("name", list(SPECS))
 def test_full_matches_vllm(name: str, cases: dict[str, Any], oracle: dict[str, Any], llama_vocab: TokenVocab) -> None:
-    ours = onehop_full(llama_vocab, cases[name])
-    theirs = reconcile(ours, oracle[name]["full"], "full", DEVIATIONS.get(name, ()))
-    assert not compare(ours, theirs, json_arguments=name not in RAW_ARGUMENTS)
+    deviations, as_json = DEVIATIONS.get(name, ()), name not in RAW_ARGUMENTS
+    assert not parity.full_diffs(llama_vocab, cases[name], oracle[name], deviations, json_arguments=as_json)

@@ -25,9 +25,10 @@ import pytest
 
 from engine.derender.parsers.minimax_m2 import END, START
 from engine.derender.vocab import TokenVocab, vocab_for
+from tests.support import parity
 from tests.support.minimax_m2 import EOS, minimax_tokenizer_dir
 from tests.support.parity import LOSSY, Deviation, both, encode, reconcile
-from tests.support.vllm_oracle import chunkings, compare, onehop_answer, onehop_full, run_oracle, vllm_python
+from tests.support.vllm_oracle import compare, onehop_full, vllm_python
 
 pytestmark = pytest.mark.vllm
 
@@ -306,7 +307,7 @@ class Fixture:
 @pytest.fixture(scope="module")
 def minimax(qwen3_tokenizer_dir: Path) -> Fixture:
     if vllm_python() is None:  # skip before loading anything
-        pytest.skip("no vLLM venv: run scripts/setup_vllm.sh or set ONEHOP_VLLM_PYTHON")
+        pytest.skip(parity.NO_VLLM)
     from transformers import AutoTokenizer
 
     folder = minimax_tokenizer_dir(qwen3_tokenizer_dir)
@@ -325,21 +326,19 @@ def prompt_ids(minimax: Fixture, spec: Spec) -> list[int]:
 def build_case(minimax: Fixture, spec: Spec, seed: int) -> dict[str, Any]:
     output = encode(minimax.tokenizer, spec.output)
     output += [minimax.tokenizer.convert_tokens_to_ids(EOS)] if spec.eos else []
-    return {
-        "tokenizer": str(minimax.folder),
-        "tool_parser": "minimax_m2",
-        "reasoning_parser": spec.reasoning_parser,
-        "tools": TOOLS if spec.tools else [],
-        "tool_choice": "auto" if spec.tools else None,
-        "parallel_tool_calls": None,
-        "chat_template_kwargs": spec.template_kwargs,
-        "prompt_token_ids": prompt_ids(minimax, spec),
-        "output_token_ids": output,
-        "stop": list(spec.stop),
-        "chunkings": chunkings(len(output), seed),
-        "messages": USER,
-        "request": spec.request,
-    }
+    return parity.oracle_case(
+        minimax.folder,
+        prompt_ids(minimax, spec),
+        output,
+        seed,
+        tool_parser="minimax_m2",
+        reasoning_parser=spec.reasoning_parser,
+        tools=TOOLS if spec.tools else [],
+        messages=USER,
+        stop=spec.stop,
+        chat_template_kwargs=spec.template_kwargs,
+        request=spec.request,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -349,13 +348,11 @@ def cases(minimax: Fixture) -> dict[str, dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def oracle(cases: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    results = run_oracle(list(cases.values()))
-    return dict(zip(cases, results, strict=True))
+    return parity.oracle_answers(cases)
 
 
 def test_oracle_is_vllm_032(oracle: dict[str, dict[str, Any]]) -> None:
-    assert {result["vllm_version"] for result in oracle.values()} == {"0.32.0"}
-    assert not [name for name, result in oracle.items() if "error" in result]
+    parity.assert_vllm_032(oracle)
 
 
 @pytest.mark.parametrize("name", list(SPECS))
@@ -372,15 +369,17 @@ def test_matches_vllm(name: str, cases: dict[str, Any], oracle: dict[str, Any], 
     if diffs := compare(ours, full, reasoning_tokens=True, json_arguments=as_json):
         failures["full"] = diffs
     vllm_tokens = result["full"]["reasoning_tokens"]
-    for k, (sizes, theirs) in enumerate(zip(case["chunkings"], result["stream"], strict=True)):
-        ours = onehop_answer(minimax.vocab, case, sizes)
-        diffs = compare(ours, reconcile(ours, theirs, "stream", deviations, lost=lost), json_arguments=as_json)
+    compared = parity.stream_check(deviations, lost=lost, json_arguments=as_json)
+
+    def check(k: int, ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
+        diffs = compared(k, ours, theirs)
         known = STREAM_REASONING_TOKENS.get((name, k), STREAM_REASONING_TOKENS.get((name, None), vllm_tokens))
         tokens = (theirs["reasoning_tokens"], ours["reasoning_tokens"])
         if tokens != (known, full["reasoning_tokens"]):  # onehop counts ids: its full answer's count
             diffs.append(f"reasoning_tokens (vLLM stream, onehop) = {tokens}")
-        if diffs:
-            failures[f"stream {k}: {sizes[:12]}"] = diffs
+        return diffs
+
+    failures.update(parity.stream_failures(minimax.vocab, case, result, check, label="stream {k}: {sizes}"))
     assert not failures
     lossy = {d.name for d in deviations if d.path == "stream" and d.vllm is LOSSY}
     assert lost == lossy, "a LOSSY deviation never lost text on any chunking"

@@ -26,10 +26,11 @@ import pytest
 
 from engine.derender.parsers.mistral import ARGS as A, THINK_END as ET, THINK_START as T, TOOL_CALLS as TC
 from engine.derender.vocab import TokenVocab, vocab_for
+from tests.support import parity
 from tests.support.mistral import EOS, mistral_tokenizer_dir, mistral_v3_tokenizer_dir
 from tests.support.parity import Deviation, Split, both, encode, reconcile
 from tests.support.tools import WEATHER_TOOLS
-from tests.support.vllm_oracle import chunkings, compare, onehop_answer, onehop_full, run_oracle, vllm_python
+from tests.support.vllm_oracle import compare, onehop_full
 
 pytestmark = pytest.mark.vllm
 
@@ -348,21 +349,19 @@ def build_case(tokenizer: Any, folder: Path, spec: Spec, seed: int) -> dict[str,
     tools = TOOLS if spec.tools else None
     prompt = tokenizer.apply_chat_template(USER, tools=tools, add_generation_prompt=True, tokenize=False)
     output = encode(tokenizer, spec.output) + ([tokenizer.convert_tokens_to_ids(EOS)] if spec.eos else [])
-    return {
-        "tokenizer": str(folder),
-        "tool_parser": spec.tool_parser,
-        "reasoning_parser": spec.reasoning_parser,
-        "tools": tools or [],
-        "tool_choice": "auto" if spec.tools else None,
-        "parallel_tool_calls": None,
-        "chat_template_kwargs": {},
-        "prompt_token_ids": list(tokenizer.encode(prompt, add_special_tokens=False)),
-        "output_token_ids": output,
-        "stop": list(spec.stop),
-        "chunkings": chunkings(len(output), seed),
-        "messages": USER,
-        "request": spec.request,
-    }
+    return parity.oracle_case(
+        folder,
+        tokenizer.encode(prompt, add_special_tokens=False),
+        output,
+        seed,
+        tool_parser=spec.tool_parser,
+        reasoning_parser=spec.reasoning_parser,
+        tools=tools or [],
+        messages=USER,
+        stop=spec.stop,
+        chat_template_kwargs={},
+        request=spec.request,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -373,10 +372,7 @@ def cases(mistral_tokenizer: Any, mistral_dir: Path, v3_tokenizer: Any, v3_dir: 
 
 @pytest.fixture(scope="module")
 def oracle(cases: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    if vllm_python() is None:
-        pytest.skip("no vLLM venv: run scripts/setup_vllm.sh or set ONEHOP_VLLM_PYTHON")
-    results = run_oracle(list(cases.values()))
-    return dict(zip(cases, results, strict=True))
+    return parity.oracle_answers(cases)
 
 
 def id_errors(answer: dict[str, Any], side: str) -> list[str]:
@@ -386,8 +382,7 @@ def id_errors(answer: dict[str, Any], side: str) -> list[str]:
 
 
 def test_oracle_is_vllm_032(oracle: dict[str, dict[str, Any]]) -> None:
-    assert {result["vllm_version"] for result in oracle.values()} == {"0.32.0"}
-    assert not [name for name, result in oracle.items() if "error" in result]
+    parity.assert_vllm_032(oracle)
 
 
 @pytest.mark.parametrize("name", list(SPECS))
@@ -395,20 +390,17 @@ def test_stream_matches_vllm(
     name: str, cases: dict[str, Any], oracle: dict[str, Any], vocabs: dict[bool, TokenVocab]
 ) -> None:
     """Every chunking: the answer, then `reasoning_tokens` (onehop counts ids: vLLM's non-streamed count)."""
-    case, result = cases[name], oracle[name]
-    deviations = deviations_of(name)
+    result = oracle[name]
+    compared = parity.stream_check(deviations_of(name), id_prefix=False, json_arguments=name not in RAW_ARGUMENTS)
     counted = REASONING_TOKENS.get(name, result["full"]["reasoning_tokens"]) if SPECS[name].reasoning_parser else None
-    failures = {}
-    for k, (sizes, theirs) in enumerate(zip(case["chunkings"], result["stream"], strict=True)):
-        ours = onehop_answer(vocabs[SPECS[name].legacy], case, sizes)
-        adjusted = reconcile(ours, theirs, "stream", deviations)
-        diffs = compare(ours, adjusted, id_prefix=False, json_arguments=name not in RAW_ARGUMENTS)
-        diffs += id_errors(ours, "onehop") + id_errors(theirs, "vLLM")
+
+    def check(k: int, ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
+        diffs = compared(k, ours, theirs) + id_errors(ours, "onehop") + id_errors(theirs, "vLLM")
         if ours["reasoning_tokens"] != counted:
             diffs.append(f"reasoning_tokens (vLLM full, onehop) = {(counted, ours['reasoning_tokens'])}")
-        if diffs:
-            failures[f"{k}: {sizes[:12]}"] = diffs
-    assert not failures
+        return diffs
+
+    assert not parity.stream_failures(vocabs[SPECS[name].legacy], cases[name], result, check)
 
 
 @pytest.mark.parametrize("name", list(SPECS))

@@ -27,10 +27,10 @@ import pytest
 
 from engine.derender.parsers.pythonic import PYTHON_END as PE, PYTHON_START as PS
 from engine.derender.vocab import TokenVocab, vocab_for
-from tests.support.parity import LOSSY, Deviation, Split, encode, parsed_calls, reconcile
+from tests.support import parity
+from tests.support.parity import LOSSY, Deviation, Split, encode, parsed_calls
 from tests.support.pythonic import EOT, pythonic_tokenizer_dir
 from tests.support.tools import WEATHER_TOOLS
-from tests.support.vllm_oracle import chunkings, compare, onehop_answer, onehop_full, run_oracle, vllm_python
 
 pytestmark = pytest.mark.vllm
 
@@ -285,22 +285,19 @@ def build_case(tokenizer: Any, folder: Path, spec: Spec, seed: int) -> dict[str,
     output = encode(tokenizer, spec.output) + ([tokenizer.convert_tokens_to_ids(EOT)] if spec.eos else [])
     tools = TOOLS if spec.tools else None
     prompt = tokenizer.apply_chat_template(USER, tools=tools, add_generation_prompt=True, tokenize=False)
-    return {
-        "tokenizer": str(folder),
-        "tool_parser": spec.parser,
-        "reasoning_parser": None,
-        "tools": TOOLS if spec.tools else [],
-        "tool_choice": "auto" if spec.tools else None,
-        "parallel_tool_calls": None,
-        "chat_template_kwargs": {},
-        "prompt_token_ids": list(tokenizer.encode(prompt, add_special_tokens=False)),
-        "output_token_ids": output,
-        "stop": list(spec.stop),
-        "chunkings": chunkings(len(output), seed),
-        "messages": USER,
-        "model_type": "llama4" if spec.parser == "llama4_pythonic" else "llama",
-        "request": spec.request,
-    }
+    return parity.oracle_case(
+        folder,
+        tokenizer.encode(prompt, add_special_tokens=False),
+        output,
+        seed,
+        tool_parser=spec.parser,
+        tools=TOOLS if spec.tools else [],
+        messages=USER,
+        stop=spec.stop,
+        chat_template_kwargs={},
+        model_type="llama4" if spec.parser == "llama4_pythonic" else "llama",
+        request=spec.request,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -310,32 +307,22 @@ def cases(tokenizer: Any, folder: Path) -> dict[str, dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def oracle(cases: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    if vllm_python() is None:
-        pytest.skip("no vLLM venv: run scripts/setup_vllm.sh or set ONEHOP_VLLM_PYTHON")
-    results = run_oracle(list(cases.values()))
-    return dict(zip(cases, results, strict=True))
+    return parity.oracle_answers(cases)
 
 
 def test_oracle_is_vllm_032(oracle: dict[str, dict[str, Any]]) -> None:
-    assert {result["vllm_version"] for result in oracle.values()} == {"0.32.0"}
-    assert not [name for name, result in oracle.items() if "error" in result]
+    parity.assert_vllm_032(oracle)
 
 
 @pytest.mark.parametrize("name", list(SPECS))
 def test_stream_matches_vllm(name: str, cases: dict[str, Any], oracle: dict[str, Any], vocab: TokenVocab) -> None:
-    case, result = cases[name], oracle[name]
     deviations = DEVIATIONS.get(name, ())
-    failures = {}
-    for k, (sizes, theirs) in enumerate(zip(case["chunkings"], result["stream"], strict=True)):
-        ours = onehop_answer(vocab, case, sizes)
-        adjusted = reconcile(ours, theirs, "stream", deviations, normal_calls=parsed_calls)
-        if diffs := compare(ours, adjusted, json_arguments=name not in RAW_ARGUMENTS):
-            failures[f"{k}: {sizes[:12]}"] = diffs
-    assert not failures
+    check = parity.stream_check(deviations, normal_calls=parsed_calls, json_arguments=name not in RAW_ARGUMENTS)
+    assert not parity.stream_failures(vocab, cases[name], oracle[name], check)
 
 
 @pytest.mark.parametrize("name", list(SPECS))
 def test_full_matches_vllm(name: str, cases: dict[str, Any], oracle: dict[str, Any], vocab: TokenVocab) -> None:
-    ours = onehop_full(vocab, cases[name])
-    theirs = reconcile(ours, oracle[name]["full"], "full", DEVIATIONS.get(name, ()), normal_calls=parsed_calls)
-    assert not compare(ours, theirs, json_arguments=name not in RAW_ARGUMENTS)
+    deviations = DEVIATIONS.get(name, ())
+    options = {"normal_calls": parsed_calls, "json_arguments": name not in RAW_ARGUMENTS}
+    assert not parity.full_diffs(vocab, cases[name], oracle[name], deviations, **options)

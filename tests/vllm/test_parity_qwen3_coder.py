@@ -26,8 +26,8 @@ import pytest
 
 from engine.derender.vocab import TokenVocab
 from engine.qwen3.vocab import IM_END_ID
-from tests.support.parity import Deviation, reconcile
-from tests.support.vllm_oracle import chunkings, compare, onehop_answer, onehop_full, run_oracle, vllm_python
+from tests.support import parity
+from tests.support.parity import Deviation
 
 pytestmark = pytest.mark.vllm
 
@@ -261,22 +261,19 @@ def build_case(tokenizer: Any, tokenizer_dir: Path, spec: Spec, seed: int) -> di
     parts = (spec.output,) if isinstance(spec.output, str) else spec.output
     output = [i for part in parts for i in tokenizer.encode(part, add_special_tokens=False)]
     output += [IM_END_ID] if spec.eos else []
-    case: dict[str, Any] = {
-        "tokenizer": str(tokenizer_dir),
-        "tool_parser": "qwen3_coder",
-        "reasoning_parser": "qwen3",
-        "tools": TOOLS,
-        "tool_choice": "auto",
-        "parallel_tool_calls": None,
-        "chat_template_kwargs": {"enable_thinking": spec.enable_thinking},
-        "prompt_token_ids": prompt_ids(tokenizer, enable_thinking=spec.enable_thinking),
-        "output_token_ids": output,
-        "stop": list(spec.stop),
-        "chunkings": chunkings(len(output), seed),
-        "messages": USER,
-    }
-    case.update(spec.overrides)
-    return case
+    case = parity.oracle_case(
+        tokenizer_dir,
+        prompt_ids(tokenizer, enable_thinking=spec.enable_thinking),
+        output,
+        seed,
+        tool_parser="qwen3_coder",
+        reasoning_parser="qwen3",
+        tools=TOOLS,
+        messages=USER,
+        stop=spec.stop,
+        chat_template_kwargs={"enable_thinking": spec.enable_thinking},
+    )
+    return {**case, **spec.overrides}
 
 
 @pytest.fixture(scope="module")
@@ -287,35 +284,24 @@ def cases(qwen3_tokenizer: Any, qwen3_tokenizer_dir: Path) -> dict[str, dict[str
 
 @pytest.fixture(scope="module")
 def oracle(cases: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    if vllm_python() is None:
-        pytest.skip("no vLLM venv: run scripts/setup_vllm.sh or set ONEHOP_VLLM_PYTHON")
-    results = run_oracle(list(cases.values()))
-    return dict(zip(cases, results, strict=True))
+    return parity.oracle_answers(cases)
 
 
 def test_oracle_is_vllm_032(oracle: dict[str, dict[str, Any]]) -> None:
-    assert {result["vllm_version"] for result in oracle.values()} == {"0.32.0"}
-    assert not [name for name, result in oracle.items() if "error" in result]
+    parity.assert_vllm_032(oracle)
 
 
 @pytest.mark.parametrize("name", list(SPECS))
 def test_stream_matches_vllm(name: str, cases: dict[str, Any], oracle: dict[str, Any], qwen3_vocab: TokenVocab) -> None:
-    case, result = cases[name], oracle[name]
     deviations = [d for d in SPECS[name].deviations if d.path == "stream"]
     seen: set[tuple[str, str]] = set()
-    failures = {}
-    for sizes, theirs in zip(case["chunkings"], result["stream"], strict=True):
-        ours = onehop_answer(qwen3_vocab, case, sizes)
-        if diffs := compare(ours, reconcile(ours, theirs, "stream", deviations, seen=seen), reasoning_tokens=True):
-            failures[str(sizes[:12])] = diffs
-    assert not failures
+    check = parity.stream_check(deviations, seen=seen, reasoning_tokens=True)
+    assert not parity.stream_failures(qwen3_vocab, cases[name], oracle[name], check, label="{sizes}")
     expected = {(d.name, repr(value)) for d in deviations for value in d.vllm}
     assert seen == expected, "a listed vLLM value no longer occurs"
 
 
 @pytest.mark.parametrize("name", list(SPECS))
 def test_full_matches_vllm(name: str, cases: dict[str, Any], oracle: dict[str, Any], qwen3_vocab: TokenVocab) -> None:
-    ours = onehop_full(qwen3_vocab, cases[name])
     deviations = [d for d in SPECS[name].deviations if d.path == "full"]
-    theirs = reconcile(ours, oracle[name]["full"], "full", deviations)
-    assert not compare(ours, theirs, reasoning_tokens=True)
+    assert not parity.full_diffs(qwen3_vocab, cases[name], oracle[name], deviations, reasoning_tokens=True)

@@ -22,9 +22,10 @@ import pytest
 
 from engine.derender.vocab import TokenVocab
 from engine.qwen3.vocab import IM_END_ID
-from tests.support.parity import Deviation, reconcile
+from tests.support import parity
+from tests.support.parity import Deviation
 from tests.support.tools import WEATHER_TOOLS
-from tests.support.vllm_oracle import chunkings, compare, onehop_answer, onehop_full, run_oracle, vllm_python
+from tests.support.vllm_oracle import onehop_answer
 
 pytestmark = pytest.mark.vllm
 
@@ -137,20 +138,18 @@ def build_case(tokenizer: Any, tokenizer_dir: Path, spec: Spec, seed: int) -> di
     if spec.cut_after is not None:
         text = text[: text.index(spec.cut_after) + len(spec.cut_after)]
     output = list(tokenizer.encode(text, add_special_tokens=False)) + ([IM_END_ID] if spec.eos else [])
-    return {
-        "tokenizer": str(tokenizer_dir),
-        "tool_parser": "hermes",
-        "reasoning_parser": "qwen3",
-        "tools": TOOLS,
-        "tool_choice": "auto",
-        "parallel_tool_calls": None,
-        "chat_template_kwargs": {"enable_thinking": spec.enable_thinking},
-        "prompt_token_ids": prompt_ids(tokenizer, enable_thinking=spec.enable_thinking),
-        "output_token_ids": output,
-        "stop": list(spec.stop),
-        "chunkings": chunkings(len(output), seed),
-        "messages": USER,
-    }
+    return parity.oracle_case(
+        tokenizer_dir,
+        prompt_ids(tokenizer, enable_thinking=spec.enable_thinking),
+        output,
+        seed,
+        tool_parser="hermes",
+        reasoning_parser="qwen3",
+        tools=TOOLS,
+        messages=USER,
+        stop=spec.stop,
+        chat_template_kwargs={"enable_thinking": spec.enable_thinking},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -161,35 +160,23 @@ def cases(qwen3_tokenizer: Any, qwen3_tokenizer_dir: Path) -> dict[str, dict[str
 
 @pytest.fixture(scope="module")
 def oracle(cases: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    if vllm_python() is None:
-        pytest.skip("no vLLM venv: run scripts/setup_vllm.sh or set ONEHOP_VLLM_PYTHON")
-    results = run_oracle(list(cases.values()))
-    return dict(zip(cases, results, strict=True))
+    return parity.oracle_answers(cases)
 
 
 def test_oracle_is_vllm_032(oracle: dict[str, dict[str, Any]]) -> None:
-    assert {result["vllm_version"] for result in oracle.values()} == {"0.32.0"}
-    assert not [name for name, result in oracle.items() if "error" in result]
+    parity.assert_vllm_032(oracle)
 
 
 @pytest.mark.parametrize("name", list(SPECS))
 def test_stream_matches_vllm(name: str, cases: dict[str, Any], oracle: dict[str, Any], qwen3_vocab: TokenVocab) -> None:
-    case, result = cases[name], oracle[name]
-    deviations = DEVIATIONS.get(name, ())
-    failures = {}
-    for sizes, theirs in zip(case["chunkings"], result["stream"], strict=True):
-        ours = onehop_answer(qwen3_vocab, case, sizes)
-        adjusted = reconcile(ours, theirs, "stream", deviations)
-        if diffs := compare(ours, adjusted, stop_reason=True, json_arguments=name not in CUT_SHORT):
-            failures[str(sizes[:12])] = diffs
-    assert not failures
+    check = parity.stream_check(DEVIATIONS.get(name, ()), stop_reason=True, json_arguments=name not in CUT_SHORT)
+    assert not parity.stream_failures(qwen3_vocab, cases[name], oracle[name], check, label="{sizes}")
 
 
 @pytest.mark.parametrize("name", list(SPECS))
 def test_full_matches_vllm(name: str, cases: dict[str, Any], oracle: dict[str, Any], qwen3_vocab: TokenVocab) -> None:
-    ours = onehop_full(qwen3_vocab, cases[name])
-    theirs = reconcile(ours, oracle[name]["full"], "full", DEVIATIONS.get(name, ()))
-    assert not compare(ours, theirs, reasoning_tokens=True, stop_reason=True, json_arguments=name not in CUT_SHORT)
+    options = {"reasoning_tokens": True, "stop_reason": True, "json_arguments": name not in CUT_SHORT}
+    assert not parity.full_diffs(qwen3_vocab, cases[name], oracle[name], DEVIATIONS.get(name, ()), **options)
 
 
 @pytest.mark.parametrize("name", list(SPECS))

@@ -10,7 +10,7 @@ differs from DeepSeek's own is written in `tests.support.deepseek`.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,13 +30,12 @@ from engine.derender.parsers.registry import REASONING_PARSERS, TOOL_PARSERS
 from engine.derender.vocab import TokenVocab, vocab_for
 from engine.openai_schema import ChatCompletionRequest
 from tests.support.deepseek import EOS, deepseek_tokenizer_dir
-from tests.support.streams import FAMILY_CHUNKINGS, comparable_response, counter_ids, fixed, stream, whole
+from tests.support.streams import chunked_answer, comparable_response, counter_ids, fixed, stream, whole
 from tests.support.tools import WEATHER_TOOLS
 
 TOOLS = WEATHER_TOOLS
 USER = [{"role": "user", "content": "Weather in Paris?"}]
 HISTORY = [*USER, {"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "And Rome?"}]
-CHUNKINGS = FAMILY_CHUNKINGS
 PARIS = {"city": "Paris", "days": 2}
 UTC = {"tz": "UTC"}
 NON_ASCII = {"city": "Zürich 世界 🫠", "note": "Zeile 1\nZeile 2\t\"q\""}
@@ -106,17 +105,6 @@ def prompt_ids(tokenizer: Any, kind: str = "thinking", messages: list[Any] = USE
     kwargs: dict[str, Any] = {"thinking": kind == "thinking", "bare_turn": kind == "bare"}
     text = tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=False, **kwargs)
     return list(tokenizer.encode(text, add_special_tokens=False))
-
-
-def answer(vocab: TokenVocab, options: ChatOptions, ids: Sequence[int], prompt: Sequence[int], **finish: Any) -> dict[str, Any]:
-    """The non-streamed answer, after checking every chunking streams exactly it."""
-    reference = comparable_response(whole(vocab, options, ids, prompt_ids=prompt, **finish))
-    for sizes in CHUNKINGS:
-        folded = stream(vocab, options, ids, sizes, prompt_ids=prompt, **finish).folded
-        assert folded.as_comparable() == reference
-        headers = [c["index"] for d in folded.deltas for c in d.get("tool_calls", []) if c.get("id")]
-        assert headers == list(range(len(reference["tool_calls"])))  # one header per call, in order
-    return reference
 
 
 @dataclass(frozen=True)
@@ -306,7 +294,7 @@ def test_vector_in_every_chunking(name: str, vocab: TokenVocab, tokenizer: Any, 
     ids = enc(*vector.output) + ([eos] if vector.eos else [])
     options = chat_options(vector.tools, reasoning=vector.reasoning_parser, offered=vector.offered, **vector.request)
     prompt = prompt_ids(tokenizer, vector.prompt, vector.messages)
-    got = answer(vocab, options, ids, prompt, finish_reason="stop" if vector.eos else "length")
+    got = chunked_answer(vocab, options, ids, prompt, finish_reason="stop" if vector.eos else "length")
     assert (got["reasoning"], got["content"], got["finish_reason"]) == (vector.reasoning, vector.content, vector.finish)
     assert [(c["name"], _json_or_raw(c["arguments"])) for c in got["tool_calls"]] == vector.calls
     assert all(c["id"].startswith("chatcmpl-tool-") for c in got["tool_calls"])
@@ -323,7 +311,7 @@ def _json_or_raw(text: str) -> Any:
 def test_stop_string_inside_a_call(vocab: TokenVocab, tokenizer: Any, enc: Any, eos: int, tools: str) -> None:
     write = v3_call if tools == "deepseek_v3" else v31_call
     ids = enc("R.</think>", SB, write("get_weather", {"city": "Lyon", "days": 3}), SE) + [eos]
-    got = answer(vocab, chat_options(tools, stop=["Lyon"]), ids, prompt_ids(tokenizer), finish_reason="stop")
+    got = chunked_answer(vocab, chat_options(tools, stop=["Lyon"]), ids, prompt_ids(tokenizer), finish_reason="stop")
     assert [(c["name"], c["arguments"]) for c in got["tool_calls"]] == [("get_weather", '{"city": "')]
     # onehop: `stop`, not `tool_calls`, when a stop string cut the call short (chat.py).
     assert (got["reasoning"], got["content"], got["finish_reason"], got["stop_reason"]) == ("R.", None, "stop", "Lyon")
@@ -353,7 +341,7 @@ def test_forced_tool_choice_primes_the_call(vocab: TokenVocab, tokenizer: Any, e
     closing = "\n```" if tools == "deepseek_v3" else ""
     assert options.forced_prefix is not None and options.forced_prefix.startswith(SB + CB)
     prompt = prompt_ids(tokenizer) + enc(options.forced_prefix)
-    got = answer(vocab, options, enc(rest + closing, CE, SE) + [eos], prompt, finish_reason="stop")
+    got = chunked_answer(vocab, options, enc(rest + closing, CE, SE) + [eos], prompt, finish_reason="stop")
     assert [(c["name"], json.loads(c["arguments"])) for c in got["tool_calls"]] == expected
     assert (got["reasoning"], got["content"], got["finish_reason"]) == (None, None, "tool_calls")
 
@@ -366,7 +354,8 @@ def test_written_calls_parse_back(vocab: TokenVocab, tokenizer: Any, enc: Any, e
     reasoning = REASONING_PARSERS["deepseek_r1"].format_reasoning
     assert reasoning is not None
     text = reasoning("Check both.") + "On it." + factory.format_calls(calls)
-    got = answer(vocab, chat_options(tools), enc(text) + [eos], prompt_ids(tokenizer, "bare"), finish_reason="stop")
+    prompt = prompt_ids(tokenizer, "bare")
+    got = chunked_answer(vocab, chat_options(tools), enc(text) + [eos], prompt, finish_reason="stop")
     assert (got["reasoning"], got["content"]) == ("\nCheck both.\n", "\n\nOn it.")
     assert [(c["name"], json.loads(c["arguments"])) for c in got["tool_calls"]] == [
         ("get_weather", {"city": "Zürich", "days": 3}),

@@ -14,7 +14,7 @@ added as specials; how it differs from gpt-oss's is written in
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,8 @@ from engine.derender.text import TextParams
 from engine.derender.vocab import TokenVocab, vocab_for
 from engine.openai_schema import ChatCompletionRequest
 from tests.support.harmony_tokenizer import harmony_tokenizer
-from tests.support.streams import FAMILY_CHUNKINGS, comparable_response, counter_ids, stream, whole
+from tests.support.parity import Split, encode
+from tests.support.streams import FAMILY_CHUNKINGS, chunked_answer, comparable_response, counter_ids, stream
 from tests.support.tools import WEATHER_TOOLS
 
 TOOLS = WEATHER_TOOLS
@@ -39,13 +40,6 @@ CHUNKINGS = FAMILY_CHUNKINGS
 NEXT = f"{START}assistant"
 PARIS = {"city": "Paris", "days": 2}
 UTC = {"tz": "UTC"}
-
-
-@dataclass(frozen=True)
-class Split:
-    """Text whose marker spellings are written as ordinary tokens, not as the markers."""
-
-    text: str
 
 
 def analysis(text: str) -> str:
@@ -79,16 +73,7 @@ def vocab(tokenizer: Any) -> TokenVocab:
 
 @pytest.fixture(scope="module")
 def enc(tokenizer: Any) -> Callable[..., list[int]]:
-    def encode(*segments: str | Split) -> list[int]:
-        ids: list[int] = []
-        for segment in segments:
-            if isinstance(segment, Split):
-                ids += tokenizer.encode(segment.text, add_special_tokens=False, split_special_tokens=True)
-            else:
-                ids += tokenizer.encode(segment, add_special_tokens=False)
-        return ids
-
-    return encode
+    return lambda *segments: encode(tokenizer, segments)
 
 
 @pytest.fixture(scope="module")
@@ -118,19 +103,6 @@ def chat_options(
     parsed = msgspec.convert(body, ChatCompletionRequest)
     options = ChatOptions.from_request(parsed, reasoning_parser=reasoning, tool_parser=tool)
     return replace(options, text=TextParams(stop=tuple(stop or ()), skip_special_tokens=skip))
-
-
-def answer(
-    vocab: TokenVocab, options: ChatOptions, ids: Sequence[int], prompt: Sequence[int], **finish: Any
-) -> dict[str, Any]:
-    """The non-streamed answer, after checking every chunking streams exactly it."""
-    reference = comparable_response(whole(vocab, options, ids, prompt_ids=prompt, **finish))
-    for sizes in CHUNKINGS:
-        folded = stream(vocab, options, ids, sizes, prompt_ids=prompt, **finish).folded
-        assert folded.as_comparable() == reference
-        headers = [c["index"] for d in folded.deltas for c in d.get("tool_calls", []) if c.get("id")]
-        assert headers == list(range(len(reference["tool_calls"])))  # one header per call, in order
-    return reference
 
 
 def _json_or_raw(text: str) -> Any:
@@ -364,7 +336,7 @@ def test_vector_in_every_chunking(name: str, vocab: TokenVocab, enc: Any, ids_of
     finish = _finish(vector, ids_of)
     if "stop" in vector.request:
         finish = {"finish_reason": "length"}  # the stop string ends it, not the engine
-    got = answer(vocab, options, ids, prompt, **finish)
+    got = chunked_answer(vocab, options, ids, prompt, **finish)
     assert (got["reasoning"], got["content"], got["finish_reason"]) == (vector.reasoning, vector.content, vector.finish)
     assert [(c["name"], _json_or_raw(c["arguments"])) for c in got["tool_calls"]] == vector.calls
     assert all(c["id"].startswith("chatcmpl-tool-") for c in got["tool_calls"])
@@ -385,7 +357,7 @@ def test_reasoning_tokens_count_analysis_and_call_arguments(
 def test_forced_named_call_is_primed(vocab: TokenVocab, enc: Any, ids_of: Any, prompt: list[int]) -> None:
     options = chat_options(tool_choice={"type": "function", "function": {"name": "get_time"}})
     assert options.forced_prefix == f"{CHANNEL}commentary to=functions.get_time {CONSTRAIN}json{MESSAGE}"
-    got = answer(
+    got = chunked_answer(
         vocab, options, enc(json.dumps(UTC)) + [ids_of(CALL)], prompt, finish_reason="stop", stop_reason=ids_of(CALL)
     )
     assert [(c["name"], json.loads(c["arguments"])) for c in got["tool_calls"]] == [("get_time", UTC)]
@@ -396,7 +368,7 @@ def test_forced_required_call_names_itself(vocab: TokenVocab, enc: Any, ids_of: 
     options = chat_options(tool_choice="required")
     assert options.forced_prefix == f"{CHANNEL}commentary to=functions."
     output = enc(f"get_weather {CONSTRAIN}json{MESSAGE}{json.dumps(PARIS)}") + [ids_of(CALL)]
-    got = answer(vocab, options, output, prompt, finish_reason="stop", stop_reason=ids_of(CALL))
+    got = chunked_answer(vocab, options, output, prompt, finish_reason="stop", stop_reason=ids_of(CALL))
     assert [(c["name"], json.loads(c["arguments"])) for c in got["tool_calls"]] == [("get_weather", PARIS)]
 
 
@@ -404,7 +376,7 @@ def test_format_calls_reads_back(vocab: TokenVocab, enc: Any, ids_of: Any, promp
     calls = [ToolCallText("get_weather", NON_ASCII), ToolCallText("get_time", {})]
     text = harmony.format_reasoning("Plan.") + harmony.format_calls(calls)
     assert text.count(CALL) == 2 and f"{CALL}{NEXT}{CHANNEL}" in text
-    got = answer(
+    got = chunked_answer(
         vocab,
         chat_options(),
         enc(text[: -len(CALL)]) + [ids_of(CALL)],
@@ -493,7 +465,8 @@ def test_text_route_finds_markers_in_text(vocab: TokenVocab, enc: Any, ids_of: A
 
     options = chat_options(skip_special_tokens=False)
     output = enc(analysis("R."), NEXT, preamble("P."), NEXT, WEATHER)
-    expected = answer(vocab, options, output + [ids_of(CALL)], prompt, finish_reason="stop", stop_reason=ids_of(CALL))
+    finish = {"finish_reason": "stop", "stop_reason": ids_of(CALL)}
+    expected = chunked_answer(vocab, options, output + [ids_of(CALL)], prompt, **finish)
     text = vocab.backend.decode(output, skip_special_tokens=False)
     derender = ChatDerender(vocab, options, model="m", prompt_token_ids=prompt, new_tool_call_id=counter_ids())
     for at in range(0, len(text), 7):

@@ -12,7 +12,7 @@ so tests look ids up by token and never hard-code one.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,22 +34,15 @@ from engine.derender.parsers.json_arguments import ArgumentsText, coerce_text, c
 from engine.derender.vocab import TokenVocab, vocab_for
 from engine.openai_schema import ChatCompletionRequest
 from tests.support.kimi_k2 import OPEN_TURN, kimi_tokenizer_dir
-from tests.support.streams import FAMILY_CHUNKINGS, comparable_response, fixed, stream, whole
+from tests.support.parity import Split, encode
+from tests.support.streams import chunked_answer, comparable_response, fixed, stream
 from tests.support.tools import WEATHER_TOOLS
 
 TOOLS = WEATHER_TOOLS
 USER = [{"role": "user", "content": "Weather in Paris?"}]
 HISTORY = [*USER, {"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "And Rome?"}]
-CHUNKINGS = FAMILY_CHUNKINGS
 PARIS: dict[str, Any] = {"city": "Paris", "days": 2}
 UTC: dict[str, Any] = {"tz": "UTC"}
-
-
-@dataclass(frozen=True)
-class Split:
-    """Text whose marker spellings are written as ordinary tokens, not as the markers."""
-
-    text: str
 
 
 def call(
@@ -73,16 +66,7 @@ def vocab(tokenizer: Any) -> TokenVocab:
 
 @pytest.fixture(scope="module")
 def enc(tokenizer: Any) -> Callable[..., list[int]]:
-    def encode(*segments: str | Split) -> list[int]:
-        ids: list[int] = []
-        for segment in segments:
-            if isinstance(segment, Split):
-                ids += tokenizer.encode(segment.text, add_special_tokens=False, split_special_tokens=True)
-            else:
-                ids += tokenizer.encode(segment, add_special_tokens=False)
-        return ids
-
-    return encode
+    return lambda *segments: encode(tokenizer, segments)
 
 
 @pytest.fixture(scope="module")
@@ -108,19 +92,6 @@ def prompt_ids(tokenizer: Any, kind: str, messages: list[Any] = USER) -> list[in
     if kind == "open_turn":
         text += OPEN_TURN
     return list(tokenizer.encode(text, add_special_tokens=False))
-
-
-def answer(
-    vocab: TokenVocab, options: ChatOptions, ids: Sequence[int], prompt: Sequence[int], **finish: Any
-) -> dict[str, Any]:
-    """The non-streamed answer, after checking every chunking streams exactly it."""
-    reference = comparable_response(whole(vocab, options, ids, prompt_ids=prompt, **finish))
-    for sizes in CHUNKINGS:
-        folded = stream(vocab, options, ids, sizes, prompt_ids=prompt, **finish).folded
-        assert folded.as_comparable() == reference
-        headers = [c["index"] for d in folded.deltas for c in d.get("tool_calls", []) if c.get("id")]
-        assert headers == list(range(len(reference["tool_calls"])))  # one header per call, in order
-    return reference
 
 
 @dataclass(frozen=True)
@@ -323,7 +294,7 @@ def test_vector_in_every_chunking(name: str, vocab: TokenVocab, tokenizer: Any, 
     ids = enc(*vector.output) + ([im_end] if vector.eos else [])
     options = chat_options(tools=vector.tools, **vector.request)
     prompt = prompt_ids(tokenizer, vector.prompt, vector.messages)
-    got = answer(vocab, options, ids, prompt)
+    got = chunked_answer(vocab, options, ids, prompt)
     assert (got["reasoning"], got["content"], got["finish_reason"]) == (vector.reasoning, vector.content, vector.finish)
     calls = [(c["id"], c["name"], _json_or_raw(c["arguments"])) for c in got["tool_calls"]]
     assert calls == vector.calls
@@ -338,7 +309,7 @@ def _json_or_raw(text: str) -> Any:
 
 def test_stop_string_inside_a_call(vocab: TokenVocab, tokenizer: Any, enc: Any, im_end: int) -> None:
     ids = enc("R.</think>", SB, call("get_weather", {"city": "Lyon", "days": 3}, 0), SE) + [im_end]
-    got = answer(vocab, chat_options(stop=["Lyon"]), ids, prompt_ids(tokenizer, "pre_open"))
+    got = chunked_answer(vocab, chat_options(stop=["Lyon"]), ids, prompt_ids(tokenizer, "pre_open"))
     assert [(c["id"], c["arguments"]) for c in got["tool_calls"]] == [("functions.get_weather:0", '{"city": "')]
     # onehop: `stop`, not `tool_calls`, when a stop string cut the call short (chat.py).
     assert (got["content"], got["finish_reason"], got["stop_reason"]) == (None, "stop", "Lyon")
@@ -347,10 +318,11 @@ def test_stop_string_inside_a_call(vocab: TokenVocab, tokenizer: Any, enc: Any, 
 @pytest.mark.parametrize("skip", [True, False])
 def test_skip_special_tokens_either_way(vocab: TokenVocab, tokenizer: Any, enc: Any, im_end: int, skip: bool) -> None:
     ids = enc("R.</think>Hi<|im_user|> ", SB, call("get_time", UTC, 0), SE) + [im_end]
-    got = answer(vocab, chat_options(skip_special_tokens=skip), ids, prompt_ids(tokenizer, "pre_open"))
+    got = chunked_answer(vocab, chat_options(skip_special_tokens=skip), ids, prompt_ids(tokenizer, "pre_open"))
     assert (got["reasoning"], got["content"]) == ("R.", "Hi ")
     assert [c["arguments"] for c in got["tool_calls"]] == ['{"tz": "UTC"}']
-    off = answer(vocab, chat_options(tools=None, skip_special_tokens=skip), ids, prompt_ids(tokenizer, "pre_open"))
+    off_options = chat_options(tools=None, skip_special_tokens=skip)
+    off = chunked_answer(vocab, off_options, ids, prompt_ids(tokenizer, "pre_open"))
     assert off["content"] == f"Hi {SB}{call('get_time', UTC, 0)}{SE}"  # markers keep their text
 
 
@@ -380,7 +352,7 @@ def test_forced_tool_choice_primes_the_call(
         output = enc("get_time:0", AB, '{"tz": "UTC"}', CE, SE) + [im_end]
     assert options.forced_prefix is not None and options.forced_prefix.startswith(SB + CB + "functions.")
     prompt = prompt_ids(tokenizer, "pre_open") + enc(options.forced_prefix)
-    got = answer(vocab, options, output, prompt)
+    got = chunked_answer(vocab, options, output, prompt)
     expected = [weather(city="Oslo")] if tool_choice == "named" else [clock()]
     assert [(c["id"], c["name"], json.loads(c["arguments"])) for c in got["tool_calls"]] == expected
     assert (got["reasoning"], got["content"], got["finish_reason"]) == (None, None, "tool_calls")
@@ -389,7 +361,7 @@ def test_forced_tool_choice_primes_the_call(
 def test_written_calls_parse_back(vocab: TokenVocab, tokenizer: Any, enc: Any, im_end: int) -> None:
     calls = [ToolCallText("get_weather", {"city": "Zürich", "days": 3}), ToolCallText("get_time", {})]
     text = kimi_k2.format_reasoning("Check both.") + "On it." + kimi_k2.format_calls(calls)
-    got = answer(vocab, chat_options(), enc(text) + [im_end], prompt_ids(tokenizer, "open_turn"))
+    got = chunked_answer(vocab, chat_options(), enc(text) + [im_end], prompt_ids(tokenizer, "open_turn"))
     assert (got["reasoning"], got["content"]) == ("Check both.", "On it.")
     assert [(c["id"], json.loads(c["arguments"])) for c in got["tool_calls"]] == [
         ("functions.get_weather:0", {"city": "Zürich", "days": 3}),
@@ -460,7 +432,7 @@ def test_text_route_gives_the_token_route_answer(vocab: TokenVocab, tokenizer: A
     vector = VECTORS["parallel_calls"]
     ids = enc(*vector.output) + [im_end]
     prompt = prompt_ids(tokenizer, "pre_open")
-    expected = answer(vocab, chat_options(), ids, prompt)
+    expected = chunked_answer(vocab, chat_options(), ids, prompt)
     text = "".join(s if isinstance(s, str) else s.text for s in vector.output)
     for width in (1, 3, 7, 40):
         derender = ChatDerender(vocab, chat_options(), model="m", prompt_token_ids=prompt)

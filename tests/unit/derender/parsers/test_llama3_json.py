@@ -27,8 +27,8 @@ from engine.derender.parsers.registry import tool_factory
 from engine.derender.vocab import TokenVocab, vocab_for
 from engine.openai_schema import ChatCompletionRequest
 from tests.support.llama3 import EOT, OPEN_TURN, llama3_tokenizer_dir
-from tests.support.parity import Split
-from tests.support.streams import FAMILY_CHUNKINGS, comparable_response, stream, whole
+from tests.support.parity import Split, encode_fast
+from tests.support.streams import chunked_answer, comparable_response
 from tests.support.tools import WEATHER_TOOLS
 
 TOOLS = WEATHER_TOOLS
@@ -60,19 +60,7 @@ def vocab(tokenizer: Tokenizer) -> TokenVocab:
 @pytest.fixture(scope="module")
 def enc(tokenizer: Tokenizer) -> Callable[..., list[int]]:
     """Each segment encoded on its own; a `Split` segment's marker spellings as ordinary tokens."""
-
-    def encode(*segments: str | Split) -> list[int]:
-        ids: list[int] = []
-        for segment in segments:
-            text = segment.text if isinstance(segment, Split) else segment
-            tokenizer.encode_special_tokens = isinstance(segment, Split)
-            try:
-                ids += tokenizer.encode(text, add_special_tokens=False).ids
-            finally:
-                tokenizer.encode_special_tokens = False
-        return ids
-
-    return encode
+    return lambda *segments: encode_fast(tokenizer, segments)
 
 
 @pytest.fixture(scope="module")
@@ -102,13 +90,7 @@ def answer(
     """The non-streamed answer, after checking every chunking streams exactly it."""
     # The engine's finish: `stop` on the EOS (`<|eot_id|>` here, not the Qwen3 fixture's), else `length`.
     finish.setdefault("finish_reason", "stop" if ids and ids[-1] == vocab.token_id(EOT) else "length")
-    reference = comparable_response(whole(vocab, options, ids, prompt_ids=prompt, **finish))
-    for sizes in FAMILY_CHUNKINGS:
-        folded = stream(vocab, options, ids, sizes, prompt_ids=prompt, **finish).folded
-        assert folded.as_comparable() == reference
-        headers = [c["index"] for d in folded.deltas for c in d.get("tool_calls", []) if c.get("id")]
-        assert headers == list(range(len(reference["tool_calls"])))  # one header per call, in order
-    return reference
+    return chunked_answer(vocab, options, ids, prompt, **finish)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ look ids up by token and never hard-code one.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,7 @@ from engine.derender.vocab import TokenVocab, vocab_for
 from engine.openai_schema import ChatCompletionRequest
 from tests.support.minimax_m2 import EOS, minimax_tokenizer_dir
 from tests.support.parity import encode
-from tests.support.streams import FAMILY_CHUNKINGS, comparable_response, fixed, stream, whole
+from tests.support.streams import chunked_answer, comparable_response, fixed, stream
 
 TOOLS = [
     {
@@ -109,19 +109,6 @@ def chat_options(
         body["tools"] = tools
     parsed = msgspec.convert(body, ChatCompletionRequest)
     return ChatOptions.from_request(parsed, reasoning_parser=reasoning, tool_parser="minimax_m2")
-
-
-def answer(
-    vocab: TokenVocab, options: ChatOptions, ids: Sequence[int], prompt: Sequence[int], **finish: Any
-) -> dict[str, Any]:
-    """The non-streamed answer, after checking every chunking streams exactly it."""
-    reference = comparable_response(whole(vocab, options, ids, prompt_ids=prompt, **finish))
-    for sizes in FAMILY_CHUNKINGS:
-        folded = stream(vocab, options, ids, sizes, prompt_ids=prompt, **finish).folded
-        assert folded.as_comparable() == reference
-        headers = [c["index"] for d in folded.deltas for c in d.get("tool_calls", []) if c.get("id")]
-        assert headers == list(range(len(reference["tool_calls"])))  # one header per call, in order
-    return reference
 
 
 @dataclass(frozen=True)
@@ -254,7 +241,7 @@ def test_vectors_in_every_chunking(vocab: TokenVocab, enc: Any, eos: int, prompt
     for name, vector in VECTORS.items():
         ids = enc(*vector.output) + ([eos] if vector.eos else [])
         finish = "stop" if vector.eos else "length"
-        got = answer(vocab, chat_options(**vector.request), ids, prompt, finish_reason=finish)
+        got = chunked_answer(vocab, chat_options(**vector.request), ids, prompt, finish_reason=finish)
         calls = [(c["name"], json.loads(c["arguments"])) for c in got["tool_calls"]]
         seen = (got["reasoning"], got["content"], got["finish_reason"], calls)
         if seen != (vector.reasoning, vector.content, vector.finish, vector.calls):
@@ -264,7 +251,7 @@ def test_vectors_in_every_chunking(vocab: TokenVocab, enc: Any, eos: int, prompt
 
 def test_stop_string_inside_a_call(vocab: TokenVocab, enc: Any, eos: int, prompt: list[int]) -> None:
     ids = enc("R.</think>", block(invoke("get_weather", ("days", "2"), ("city", "Lyon")))) + [eos]
-    got = answer(vocab, chat_options(stop=["Lyon"]), ids, prompt, finish_reason="stop")
+    got = chunked_answer(vocab, chat_options(stop=["Lyon"]), ids, prompt, finish_reason="stop")
     assert [(c["name"], c["arguments"]) for c in got["tool_calls"]] == [("get_weather", '{"days": 2}')]
     # onehop: `stop`, not `tool_calls`, when a stop string cut the call short (chat.py).
     assert (got["content"], got["finish_reason"], got["stop_reason"]) == (None, "stop", "Lyon")
@@ -275,13 +262,13 @@ def test_prompt_that_closes_think_starts_in_content(tokenizer: Any, vocab: Token
         USER, tools=TOOLS, add_generation_prompt=True, tokenize=False, enable_thinking=False
     )
     closed = list(tokenizer.encode(text, add_special_tokens=False))
-    got = answer(vocab, chat_options(), enc("Sure. ", block(UTC)) + [eos], closed, finish_reason="stop")
+    got = chunked_answer(vocab, chat_options(), enc("Sure. ", block(UTC)) + [eos], closed, finish_reason="stop")
     assert (got["reasoning"], got["content"], len(got["tool_calls"])) == (None, "Sure. ", 1)
 
 
 def test_append_think_keeps_the_output_whole(vocab: TokenVocab, enc: Any, eos: int, prompt: list[int]) -> None:
     options = chat_options(reasoning="minimax_m2_append_think")
-    got = answer(vocab, options, enc("R.</think>\n\nHi ", block(UTC)) + [eos], prompt, finish_reason="stop")
+    got = chunked_answer(vocab, options, enc("R.</think>\n\nHi ", block(UTC)) + [eos], prompt, finish_reason="stop")
     assert (got["reasoning"], got["content"]) == (None, "<think>R.</think>\n\nHi ")
     assert [c["arguments"] for c in got["tool_calls"]] == ['{"tz": "UTC"}']
 
@@ -309,7 +296,7 @@ def test_forced_tool_choice_primes_the_call(vocab: TokenVocab, enc: Any, eos: in
         options = chat_options(tool_choice=tool_choice)
         assert options.forced_prefix is not None and options.forced_prefix.startswith(START)
         ids = enc(output, END) + [eos]
-        got = answer(vocab, options, ids, prompt + enc(options.forced_prefix), finish_reason="stop")
+        got = chunked_answer(vocab, options, ids, prompt + enc(options.forced_prefix), finish_reason="stop")
         assert [(c["name"], json.loads(c["arguments"])) for c in got["tool_calls"]] == [expected]
         assert (got["reasoning"], got["content"], got["finish_reason"]) == (None, None, "tool_calls")
 
@@ -320,7 +307,7 @@ def test_written_calls_parse_back(vocab: TokenVocab, enc: Any, eos: int, prompt:
         ToolCallText("get_time", {}),
     ]
     text = minimax_m2.format_reasoning("Check both.") + "On it." + minimax_m2.format_calls(calls)
-    got = answer(vocab, chat_options(), enc(text) + [eos], prompt, finish_reason="stop")
+    got = chunked_answer(vocab, chat_options(), enc(text) + [eos], prompt, finish_reason="stop")
     assert (got["reasoning"], got["content"]) == ("Check both.", "\n\nOn it.")
     assert [(c["name"], json.loads(c["arguments"])) for c in got["tool_calls"]] == [
         ("get_weather", {"city": "Zürich\nNord", "days": 3, "opts": {"x": [1, None]}}),
@@ -343,7 +330,7 @@ def test_string_values_stream_as_they_arrive(vocab: TokenVocab, enc: Any, eos: i
 def test_text_route_gives_the_token_route_answer(vocab: TokenVocab, enc: Any, eos: int, prompt: list[int]) -> None:
     """An engine in `text` mode sends text without ids: the markers are found by their strings."""
     text = "Two.</think>\n\n" + block(PARIS, UTC)
-    expected = answer(vocab, chat_options(), enc(text) + [eos], prompt, finish_reason="stop")
+    expected = chunked_answer(vocab, chat_options(), enc(text) + [eos], prompt, finish_reason="stop")
     for width in (1, 7, 40):
         derender = ChatDerender(vocab, chat_options(), model="m", prompt_token_ids=prompt)
         pieces = [text[i : i + width] for i in range(0, len(text), width)]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import gc
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,8 +28,8 @@ from engine.derender.parsers.mistral import JsonValueEnd, call_id
 from engine.derender.vocab import TokenVocab, vocab_for
 from engine.openai_schema import ChatCompletionRequest
 from tests.support.mistral import EOS, mistral_tokenizer_dir, mistral_v3_tokenizer_dir
-from tests.support.parity import Split
-from tests.support.streams import FAMILY_CHUNKINGS, comparable_response, fixed, stream, whole
+from tests.support.parity import Split, encode_fast
+from tests.support.streams import chunked_answer, comparable_response, fixed, stream
 from tests.support.tools import WEATHER_TOOLS
 
 TOOLS = WEATHER_TOOLS
@@ -62,22 +62,9 @@ def vocab(tokenizer: Tokenizer) -> Iterator[TokenVocab]:
     gc.unfreeze()
 
 
-def encode(tokenizer: Tokenizer, segments: Sequence[str | Split]) -> list[int]:
-    """Each segment encoded on its own; a `Split` spells its markers in ordinary tokens."""
-    ids: list[int] = []
-    for segment in segments:
-        tokenizer.encode_special_tokens = isinstance(segment, Split)
-        text = segment.text if isinstance(segment, Split) else segment
-        try:
-            ids += tokenizer.encode(text, add_special_tokens=False).ids
-        finally:
-            tokenizer.encode_special_tokens = False
-    return ids
-
-
 @pytest.fixture(scope="module")
 def enc(tokenizer: Tokenizer) -> Callable[..., list[int]]:
-    return lambda *segments: encode(tokenizer, segments)
+    return lambda *segments: encode_fast(tokenizer, segments)
 
 
 @pytest.fixture(scope="module")
@@ -101,19 +88,6 @@ def chat_options(
         body["tools"] = tools
     parsed = msgspec.convert(body, ChatCompletionRequest)
     return ChatOptions.from_request(parsed, reasoning_parser=reasoning, tool_parser=tool)
-
-
-def answer(
-    vocab: TokenVocab, options: ChatOptions, ids: Sequence[int], prompt: Sequence[int], **finish: Any
-) -> dict[str, Any]:
-    """The non-streamed answer, after checking every chunking streams exactly it."""
-    reference = comparable_response(whole(vocab, options, ids, prompt_ids=prompt, **finish))
-    for sizes in FAMILY_CHUNKINGS:
-        folded = stream(vocab, options, ids, sizes, prompt_ids=prompt, **finish).folded
-        assert folded.as_comparable() == reference
-        headers = [c["index"] for d in folded.deltas for c in d.get("tool_calls", []) if c.get("id")]
-        assert headers == list(range(len(reference["tool_calls"])))  # one header per call, in order
-    return reference
 
 
 @dataclass(frozen=True)
@@ -220,7 +194,7 @@ def test_vector_in_every_chunking(name: str, vocab: TokenVocab, enc: Any, eos: i
     vector = VECTORS[name]
     ids = enc(*vector.output) + ([eos] if vector.eos else [])
     options = chat_options(tools=vector.tools, reasoning=vector.reasoning_parser, **vector.request)
-    got = answer(vocab, options, ids, prompt, **_finish(vector.eos))
+    got = chunked_answer(vocab, options, ids, prompt, **_finish(vector.eos))
     assert (got["reasoning"], got["content"], got["finish_reason"]) == (vector.reasoning, vector.content, vector.finish)
     assert [(c["name"], _json_or_raw(c["arguments"])) for c in got["tool_calls"]] == vector.calls
     assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in got["tool_calls"])  # Mistral's id shape
@@ -235,7 +209,7 @@ def _json_or_raw(text: str) -> Any:
 
 def test_stop_string_inside_a_call(vocab: TokenVocab, enc: Any, eos: int, prompt: list[int]) -> None:
     ids = enc(call("get_weather", {"city": "Lyon", "days": 3})) + [eos]
-    got = answer(vocab, chat_options(stop=["Lyon"]), ids, prompt, finish_reason="stop", stop_reason="Lyon")
+    got = chunked_answer(vocab, chat_options(stop=["Lyon"]), ids, prompt, finish_reason="stop", stop_reason="Lyon")
     assert [(c["name"], c["arguments"]) for c in got["tool_calls"]] == [("get_weather", '{"city": "')]
     # onehop: `stop`, not `tool_calls`, when a stop string cut the call short (chat.py).
     assert (got["content"], got["finish_reason"], got["stop_reason"]) == (None, "stop", "Lyon")
@@ -244,10 +218,10 @@ def test_stop_string_inside_a_call(vocab: TokenVocab, enc: Any, eos: int, prompt
 @pytest.mark.parametrize("skip", [True, False])
 def test_skip_special_tokens_either_way(vocab: TokenVocab, enc: Any, eos: int, prompt: list[int], skip: bool) -> None:
     ids = enc(T, "R.", ET, "Hi[INST] ", TIME) + [eos]
-    got = answer(vocab, chat_options(skip_special_tokens=skip), ids, prompt, finish_reason="stop")
+    got = chunked_answer(vocab, chat_options(skip_special_tokens=skip), ids, prompt, finish_reason="stop")
     assert (got["reasoning"], got["content"]) == ("R.", "Hi")
     assert [c["arguments"] for c in got["tool_calls"]] == ['{"tz": "UTC"}']
-    off = answer(vocab, chat_options(tools=None, skip_special_tokens=skip), ids, prompt, finish_reason="stop")
+    off = chunked_answer(vocab, chat_options(tools=None, skip_special_tokens=skip), ids, prompt, finish_reason="stop")
     assert off["content"] == f"Hi {TIME}"  # markers keep their text, other special tokens never show
 
 
@@ -273,7 +247,7 @@ def test_forced_tool_choice_primes_the_call(
         output = enc("get_time", A, '{"tz": "UTC"}') + [eos]
     assert options.forced_prefix is not None and options.forced_prefix.startswith(TC)
     primed = prompt + enc(options.forced_prefix)
-    got = answer(vocab, options, output, primed, finish_reason="stop")
+    got = chunked_answer(vocab, options, output, primed, finish_reason="stop")
     expected = [weather(city="Oslo")] if tool_choice == "named" else [clock()]
     assert [(c["name"], json.loads(c["arguments"])) for c in got["tool_calls"]] == expected
     assert (got["reasoning"], got["content"], got["finish_reason"]) == (None, None, "tool_calls")
@@ -282,7 +256,7 @@ def test_forced_tool_choice_primes_the_call(
 def test_written_calls_parse_back(vocab: TokenVocab, enc: Any, eos: int, prompt: list[int]) -> None:
     calls = [ToolCallText("get_weather", {"city": "Zürich", "days": 3}), ToolCallText("get_time", {})]
     text = mistral.format_reasoning("Check both.") + "On it." + mistral.format_calls(calls)
-    got = answer(vocab, chat_options(), enc(text) + [eos], prompt, finish_reason="stop")
+    got = chunked_answer(vocab, chat_options(), enc(text) + [eos], prompt, finish_reason="stop")
     assert (got["reasoning"], got["content"]) == ("Check both.", "On it.")
     assert [(c["name"], json.loads(c["arguments"])) for c in got["tool_calls"]] == [
         ("get_weather", {"city": "Zürich", "days": 3}),
@@ -322,7 +296,7 @@ def test_text_route_gives_the_token_route_answer(vocab: TokenVocab, enc: Any, eo
     found by their strings, and the answer is the token route's."""
     vector = VECTORS["parallel_calls"]
     ids = enc(*vector.output) + [eos]
-    expected = answer(vocab, chat_options(), ids, prompt, finish_reason="stop")
+    expected = chunked_answer(vocab, chat_options(), ids, prompt, finish_reason="stop")
     text = "".join(s if isinstance(s, str) else s.text for s in vector.output)
     for width in (1, 3, 7, 40):
         derender = ChatDerender(vocab, chat_options(), model="m", prompt_token_ids=prompt)
@@ -383,8 +357,8 @@ LEGACY_VECTORS: dict[str, Vector] = {
 def test_legacy_vector_in_every_chunking(name: str, v3_vocab: TokenVocab, v3_tokenizer: Tokenizer) -> None:
     vector = LEGACY_VECTORS[name]
     eos_id = v3_tokenizer.token_to_id(EOS)
-    ids = encode(v3_tokenizer, vector.output) + ([eos_id] if vector.eos else [])
-    got = answer(v3_vocab, chat_options(reasoning=None), ids, [], **_finish(vector.eos))
+    ids = encode_fast(v3_tokenizer, vector.output) + ([eos_id] if vector.eos else [])
+    got = chunked_answer(v3_vocab, chat_options(reasoning=None), ids, [], **_finish(vector.eos))
     assert (got["reasoning"], got["content"], got["finish_reason"]) == (vector.reasoning, vector.content, vector.finish)
     assert [(c["name"], _json_or_raw(c["arguments"])) for c in got["tool_calls"]] == vector.calls
     assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in got["tool_calls"])

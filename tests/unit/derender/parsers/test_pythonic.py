@@ -11,7 +11,7 @@ up by token and never hard-code one.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,7 @@ from engine.derender.vocab import TokenVocab, vocab_for
 from engine.openai_schema import ChatCompletionRequest
 from tests.support.parity import Split
 from tests.support.pythonic import EOT, pythonic_tokenizer_dir
-from tests.support.streams import FAMILY_CHUNKINGS, comparable_response, stream, whole
+from tests.support.streams import chunked_answer, comparable_response
 from tests.support.tools import WEATHER_TOOLS
 
 TOOLS = WEATHER_TOOLS
@@ -76,17 +76,6 @@ def chat_options(*, tools: list[Any] | None = TOOLS, parser: str = "pythonic", *
         body["tools"] = tools
     parsed = msgspec.convert(body, ChatCompletionRequest)
     return ChatOptions.from_request(parsed, reasoning_parser=None, tool_parser=parser)
-
-
-def answer(vocab: TokenVocab, options: ChatOptions, ids: Sequence[int], **finish: Any) -> dict[str, Any]:
-    """The non-streamed answer, after checking every chunking streams exactly it."""
-    reference = comparable_response(whole(vocab, options, ids, **finish))
-    for sizes in FAMILY_CHUNKINGS:
-        folded = stream(vocab, options, ids, sizes, **finish).folded
-        assert folded.as_comparable() == reference
-        headers = [c["index"] for d in folded.deltas for c in d.get("tool_calls", []) if c.get("id")]
-        assert headers == list(range(len(reference["tool_calls"])))  # one header per call, in order
-    return reference
 
 
 @dataclass(frozen=True)
@@ -242,7 +231,7 @@ def test_vectors_in_every_chunking(vocab: TokenVocab, enc: Any, eot: int) -> Non
 def check_vector(vector: Vector, vocab: TokenVocab, enc: Any, eot: int) -> None:
     ids = enc(*vector.output) + ([eot] if vector.eos else [])
     options = chat_options(tools=vector.tools, parser=vector.parser, **vector.request)
-    got = answer(vocab, options, ids, finish_reason="stop" if vector.eos else "length")
+    got = chunked_answer(vocab, options, ids, finish_reason="stop" if vector.eos else "length")
     assert (got["content"], got["finish_reason"]) == (vector.content, vector.finish)
     assert [(c["name"], _json_or_raw(c["arguments"])) for c in got["tool_calls"]] == vector.calls
     assert all(c["id"].startswith("chatcmpl-tool-") for c in got["tool_calls"])
@@ -257,7 +246,7 @@ def _json_or_raw(text: str) -> Any:
 
 def test_stop_string_inside_a_call(vocab: TokenVocab, enc: Any, eot: int) -> None:
     ids = enc('[get_weather(city="Lyon", days=3)]') + [eot]
-    got = answer(vocab, chat_options(stop=["Lyon"]), ids, finish_reason="stop")
+    got = chunked_answer(vocab, chat_options(stop=["Lyon"]), ids, finish_reason="stop")
     assert [(c["name"], c["arguments"]) for c in got["tool_calls"]] == [("get_weather", '{"city": "')]
     # onehop: `stop`, not `tool_calls`, when a stop string cut the call short (chat.py).
     assert (got["content"], got["finish_reason"], got["stop_reason"]) == (None, "stop", "Lyon")
@@ -272,7 +261,7 @@ def test_forced_tool_choice_primes_the_call(vocab: TokenVocab, enc: Any, eot: in
         options = chat_options(tool_choice="required")
         output, expected = 'get_time(tz="UTC")]', [clock()]
     assert options.forced_prefix == ("[get_weather(" if tool_choice == "named" else "[")
-    got = answer(vocab, options, enc(output) + [eot], finish_reason="stop")
+    got = chunked_answer(vocab, options, enc(output) + [eot], finish_reason="stop")
     assert [(c["name"], json.loads(c["arguments"])) for c in got["tool_calls"]] == expected
     assert (got["content"], got["finish_reason"]) == (None, "tool_calls")
 
@@ -287,7 +276,7 @@ def test_written_calls_parse_back(vocab: TokenVocab, enc: Any, eot: int, parser:
     calls = [ToolCallText(name, args) for name, args in zip(("get_weather", "get_time", "x.y"), arguments)]
     text = pythonic.format_calls(calls)
     assert text.startswith("[get_weather(city=") and text.endswith(")]")
-    got = answer(vocab, chat_options(parser=parser), enc(text) + [eot], finish_reason="stop")
+    got = chunked_answer(vocab, chat_options(parser=parser), enc(text) + [eot], finish_reason="stop")
     assert [(c["name"], json.loads(c["arguments"])) for c in got["tool_calls"]] == [
         (c.name, c.arguments) for c in calls
     ]
@@ -335,7 +324,7 @@ def test_wrapper_markers_need_their_ids(vocab: TokenVocab) -> None:
 def test_text_route_gives_the_token_route_answer(vocab: TokenVocab, enc: Any, eot: int) -> None:
     """An engine in `text` mode sends text without ids: the answer is the token route's."""
     text = "[get_weather(city='Paris', days=2), get_time(tz=\"UTC\")]\nDone."
-    expected = answer(vocab, chat_options(), enc(text) + [eot], finish_reason="stop")
+    expected = chunked_answer(vocab, chat_options(), enc(text) + [eot], finish_reason="stop")
     for width in (1, 3, 7, 40):
         derender = ChatDerender(vocab, chat_options(), model="m")
         pieces = [text[i : i + width] for i in range(0, len(text), width)]
