@@ -83,16 +83,16 @@ class BrokenEngine:
                 events.insert(0, b'data: {"choices": [{"index": 0, "tok\n\n')
             elif fault.kind == "html":
                 await response.write(b"<html><body><h1>502 Bad Gateway</h1></body></html>\n")
-                return _end(response)
+                return response  # returned without `[DONE]`: aiohttp ends the chunked body cleanly
             elif fault.kind == "truncate":
-                return _end(response)
+                return response
             elif fault.kind == "reset":
                 assert request.transport is not None
                 request.transport.abort()
                 return response
             elif fault.kind == "stall":
                 await asyncio.sleep(STALL_S)
-                return _end(response)
+                return response
         for event in events:
             await response.write(event)
         await response.write_eof()
@@ -124,11 +124,6 @@ class BrokenEngine:
 
 def _kept(upstream: aiohttp.ClientResponse) -> dict[str, str]:
     return {k: v for k, v in upstream.headers.items() if k.lower() in ("content-type", "onehop-engine-summary")}
-
-
-def _end(response: web.StreamResponse) -> web.StreamResponse:
-    """The handler returns without `[DONE]`: aiohttp ends the chunked body cleanly."""
-    return response
 
 
 def _with_token(event: bytes) -> bytes:
