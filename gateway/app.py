@@ -11,6 +11,7 @@ import logging
 import signal
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -23,19 +24,22 @@ from engine.derender.parsers.detect import resolve
 from engine.openai_schema import ModelCard, ModelList
 from engine.telemetry import Tracing, extract
 from gateway.admission import Gate
-from gateway.auth import TENANT_KEY, KeyFileError, check_key, keys_from_env, load_key_file, needs_key
-from gateway.config import ConfigError, EngineEndpoint, GatewayConfig
-from gateway.engine_client import ABORT_TIMEOUT_S, EngineClient
+from gateway.auth import TENANT_KEY, check_key, keys_from_env, load_key_file, needs_key
+from gateway.config import ConfigError, EngineEndpoint, GatewayConfig, ModelConfig
+from gateway.engine_client import ABORT_TIMEOUT_S, EngineClient, EngineMismatch, Expected
 from gateway.errors import ERROR_KEY, Handler, gateway_error_middleware
 from gateway.feedback import EngineFeedback
-from gateway.observe import OPERATIONS, SPAN_KEY, STARTED_KEY
-from gateway.pipeline import REASON_KEY, ROUTE_KEY, handle_chat, handle_completion
+from gateway.observe import MODEL_KEY, OPERATIONS, SPAN_KEY, STARTED_KEY
+from gateway.pipeline import handle_chat, handle_completion
+from gateway.routing import REASON_KEY, ROUTE_KEY
+from gateway.runtime import ModelRuntime
 from gateway.metrics import GatewayMetrics
 from gateway.policy import Policy, PolicyError, load_policy
 from gateway.pool import Pool
 from gateway.reload import WatchedFile
 from gateway.render import LocalRenderer
 from gateway.state import GATEWAY, GatewayState
+from gateway.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode
@@ -44,34 +48,82 @@ POLICY_RESPONSE_HEADER = "onehop-policy"
 """Why the route was chosen: the rule, the cost comparison, or the override."""
 
 
-async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+@dataclass(frozen=True)
+class _ModelPlan:
+    """A model's settings (parsers settled) and pool clients; its runtime is built at start."""
+
+    config: ModelConfig
+    parses_locally: bool
+    engines: EngineClient
+    pools: dict[str, EngineClient]
+    prefill: EngineClient | None
+
+    def clients(self) -> list[EngineClient]:
+        out = [self.engines, *self.pools.values()]
+        return out if self.prefill is None else [*out, self.prefill]
+
+
+async def _runtime(plan: _ModelPlan) -> ModelRuntime:
+    """Load what serving the model needs (off the loop: tokenizer files are large)."""
+    config = plan.config
+    renderer, vocab = await asyncio.gather(
+        asyncio.to_thread(LocalRenderer, config.tokenizer), asyncio.to_thread(load_vocab, config.tokenizer)
+    )
+    assert config.route is not None and config.render is not None and config.reasoning_field is not None  # defaults filled
+    return ModelRuntime(
+        name=config.name,
+        renderer=renderer,
+        vocab=vocab,
+        reasoning_parser=config.reasoning_parser,  # type: ignore[arg-type]
+        tool_parser=config.tool_parser,  # type: ignore[arg-type]
+        reasoning_field=config.reasoning_field,
+        parses_locally=plan.parses_locally,
+        render=config.render,
+        remote_url=config.remote_url,
+        fixed_policy=Policy(default=config.route),
+        engines=plan.engines,
+        pools=plan.pools,
+        prefill=plan.prefill,
+    )
+
+
+async def _lifecycle(app: web.Application, plans: list[_ModelPlan]) -> AsyncIterator[None]:
     state = app[GATEWAY]
     config = state.config
-    state.fixed_policy = Policy(default=config.route)
-    loops: list[asyncio.Task[None]] = []
-    if config.policy is not None:
-        pools = set(config.pools)
-        state.policy_file = WatchedFile(config.policy, lambda path: policy_for(path, pools), "policy", (PolicyError,))
-        loops.append(asyncio.ensure_future(state.policy_file.watch(config.policy_poll_s)))
-    if config.auth.api_keys_file is not None:
-        state.key_file = WatchedFile(config.auth.api_keys_file, load_key_file, "API keys", (KeyFileError,))
-        loops.append(asyncio.ensure_future(state.key_file.watch(config.auth.poll_s)))
-    for engines in state.clients():
+    for engines in state.clients:
         await engines.start()
-        await engines.pool.resolve()
-        loops.append(asyncio.ensure_future(engines.watch_health()))
-        loops.append(asyncio.ensure_future(engines.pool.watch_dns(config.health.dns_interval_s)))
-    urls = [url for engines in state.clients() if engines is not state.prefill for url in engines.pool.urls()]
+    try:
+        for engines in state.clients:
+            await engines.pool.resolve()
+            await engines.check_engines()
+    except EngineMismatch as exc:
+        for engines in state.clients:
+            await engines.close()
+        raise ConfigError(f"refusing to start: {exc.message}") from exc
+    loops = Supervisor(lambda name: state.metrics.background_restarts.labels(name).inc())
+    if config.policy is not None:
+        pools = {name for plan in plans for name in plan.pools}
+        policy = config.policy
+        state.policy_file = await asyncio.to_thread(
+            WatchedFile, policy, lambda path: policy_for(path, pools), "policy"
+        )
+        loops.start("policy_file", lambda: state.policy_file.watch(config.policy_poll_s))  # type: ignore[union-attr]
+    if config.auth.api_keys_file is not None:
+        state.key_file = await asyncio.to_thread(WatchedFile, config.auth.api_keys_file, load_key_file, "API keys")
+        loops.start("key_file", lambda: state.key_file.watch(config.auth.poll_s))  # type: ignore[union-attr]
+    for engines in state.clients:
+        loops.start("health", engines.watch_health)
+        loops.start("dns", lambda engines=engines: engines.pool.watch_dns(config.health.dns_interval_s))  # type: ignore[misc]
+    prefill = {id(plan.prefill) for plan in plans}
+    urls = [url for engines in state.clients if id(engines) not in prefill for url in engines.pool.urls()]
     state.feedback = EngineFeedback(urls, config.feedback_interval_s)
-    loops.append(asyncio.ensure_future(state.feedback.run(state.engines.session)))
-    if state.renderer is None:
-        state.renderer = await asyncio.to_thread(LocalRenderer, state.config.tokenizer)
-    if state.vocab is None:
-        state.vocab = await asyncio.to_thread(load_vocab, state.config.tokenizer)
+    loops.start("feedback", lambda: state.feedback.run(state.clients[0].session))  # type: ignore[union-attr]
+    for plan in plans:
+        runtime = await _runtime(plan)
+        for name in plan.config.names():
+            state.models[name] = runtime
     yield
-    for task in loops:
-        task.cancel()
-    await asyncio.gather(*loops, return_exceptions=True)
+    await loops.stop()
     # Aborts still in flight need the engine session: let them finish (they are
     # bounded by ABORT_TIMEOUT_S) before it closes.
     pending = list(state.background)
@@ -80,9 +132,10 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     for task in pending:
         task.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
-    for engines in state.clients():
+    for engines in state.clients:
         await engines.close()
-    state.renderer.close()
+    for model in state.served():
+        model.renderer.close()
     await state.tracing.shutdown()
 
 
@@ -101,15 +154,6 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
 
 
 @web.middleware
-async def admission_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    gate = request.app[GATEWAY].gate
-    if gate is None or request.path not in _ENDPOINTS:
-        return await handler(request)
-    async with gate.slot():
-        return await handler(request)
-
-
-@web.middleware
 async def observe_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Metrics and the server span of every OpenAI request (named per the GenAI conventions)."""
     endpoint = _ENDPOINTS.get(request.path)
@@ -117,13 +161,12 @@ async def observe_middleware(request: web.Request, handler: Handler) -> web.Stre
         return await handler(request)
     state = request.app[GATEWAY]
     metrics = state.metrics
-    model = state.config.model
     operation = OPERATIONS[endpoint]
     request[STARTED_KEY] = started = time.perf_counter()
     metrics.in_flight.labels(endpoint).inc()
     status = "499"
     with state.tracing.tracer.start_as_current_span(
-        f"{operation} {model}",
+        operation,  # `{operation} {model}` once the model is known
         kind=SpanKind.SERVER,
         context=extract(request.headers),
         record_exception=False,
@@ -134,7 +177,6 @@ async def observe_middleware(request: web.Request, handler: Handler) -> web.Stre
             span.set_attributes(
                 {
                     "gen_ai.operation.name": operation,
-                    "gen_ai.request.model": model,
                     "http.request.method": request.method,
                     "url.path": request.path,
                 }
@@ -150,7 +192,7 @@ async def observe_middleware(request: web.Request, handler: Handler) -> web.Stre
         finally:
             route = request.get(ROUTE_KEY, "none")
             metrics.in_flight.labels(endpoint).dec()
-            metrics.requests.labels(endpoint, route, model, status).inc()
+            metrics.requests.labels(endpoint, route, request.get(MODEL_KEY, "none"), status).inc()
             metrics.e2e.labels(route).observe(time.perf_counter() - started)
             if span.is_recording():
                 _describe_answer(request, span, status)
@@ -181,64 +223,75 @@ def ascii_header(value: str) -> str:
     return value if value.isascii() else value.encode("ascii", "backslashreplace").decode("ascii")
 
 
-def resolve_parsers(config: GatewayConfig) -> tuple[GatewayConfig, bool]:
+def resolve_parsers(model: ModelConfig) -> tuple[ModelConfig, bool]:
     """Settle `auto` from the tokenizer folder; also whether the gateway can parse these
     families itself (if not, chat only takes routes where the engine parses)."""
-    found = resolve(config.tokenizer, config.reasoning_parser, config.tool_parser)
+    found = resolve(model.tokenizer, model.reasoning_parser, model.tool_parser)  # type: ignore[arg-type]
     local = (found.reasoning is None or found.reasoning in REASONING_PARSERS) and (
         found.tool is None or found.tool in TOOL_PARSERS
     )
     log.info(
-        "gateway parsers: reasoning %s, tool %s (%s)%s",
+        "model %s parsers: reasoning %s, tool %s (%s)%s",
+        model.name,
         found.reasoning,
         found.tool,
         found.why,
         "" if local else "; onehop lacks one of them, so chat takes only engine-parsed routes",
     )
-    return msgspec.structs.replace(config, reasoning_parser=found.reasoning, tool_parser=found.tool), local
+    return msgspec.structs.replace(model, reasoning_parser=found.reasoning, tool_parser=found.tool), local
 
 
-def create_app(config: GatewayConfig, *, renderer: LocalRenderer | None = None) -> web.Application:
-    config, parses_locally = resolve_parsers(config)
+def create_app(config: GatewayConfig) -> web.Application:
     # Outermost first: every answer (401 and 429 included) is observed and in OpenAI's shape.
-    middlewares = [observe_middleware, gateway_error_middleware, auth_middleware, admission_middleware]
+    middlewares = [observe_middleware, gateway_error_middleware, auth_middleware]
     app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
     tracing = Tracing(config.tracing, "onehop-gateway")
     metrics = GatewayMetrics()
 
-    def client(members: list[EngineEndpoint]) -> EngineClient:
+    def client(model: ModelConfig, members: list[EngineEndpoint], *, prefill: bool = False) -> EngineClient:
         return EngineClient(
             Pool(members, config.health, config.balancing, on_circuit=metrics.circuit),
             config.timeouts,
             config.health,
-            remote=config.remote_url is not None,
+            remote=model.remote_url is not None,
+            expected=Expected(
+                model=model.name,
+                names=frozenset(model.names()),
+                reasoning_parser=model.reasoning_parser,  # type: ignore[arg-type]
+                tool_parser=model.tool_parser,  # type: ignore[arg-type]
+                parsers=not prefill,
+            ),
             tracing=tracing,
             on_retry=lambda url: metrics.engine_retries.labels(url).inc(),
         )
 
-    app[GATEWAY] = GatewayState(
-        config=config,
-        engines=client(config.engines),
-        renderer=renderer,
-        tracing=tracing,
-        metrics=metrics,
-        parses_locally=parses_locally,
-    )
-    app[GATEWAY].pools = {name: client(members) for name, members in config.pools.items()}
-    if config.prefill_engines:
-        app[GATEWAY].prefill = client(config.prefill_engines)
-    state = app[GATEWAY]
-    state.gate = Gate(config.admission, state.metrics.admission_rejections.inc)
-    state.metrics.watch_admission(state.gate)
+    plans = []
+    for served in config.served_models():
+        model, parses_locally = resolve_parsers(served)
+        plans.append(
+            _ModelPlan(
+                config=model,
+                parses_locally=parses_locally,
+                engines=client(model, model.engines),
+                pools={name: client(model, members) for name, members in model.pools.items()},
+                prefill=client(model, model.prefill_engines, prefill=True) if model.prefill_engines else None,
+            )
+        )
+    gate = Gate(config.admission, metrics.admission_rejections.inc)
+    clients = [engines for plan in plans for engines in plan.clients()]
+    state = GatewayState(config=config, gate=gate, clients=clients, tracing=tracing, metrics=metrics)
+    app[GATEWAY] = state
+    metrics.watch_admission(gate)
     if config.auth.api_keys_env is not None:
         state.env_keys = keys_from_env(config.auth.api_keys_env)
         if not state.env_keys and config.auth.api_keys_file is None:
             raise ConfigError(f"auth.api_keys_env names {config.auth.api_keys_env}, which holds no key")
-    app.cleanup_ctx.append(_lifecycle)
+    app.cleanup_ctx.append(lambda app: _lifecycle(app, plans))
     app.on_response_prepare.append(_route_header)
     app.router.add_post("/v1/chat/completions", handle_chat)
     app.router.add_post("/v1/completions", handle_completion)
     app.router.add_get("/v1/models", handle_models)
+    app.router.add_get("/v1/models/{model}", handle_model)
     app.router.add_get("/health", handle_health)
     app.router.add_get("/metrics", handle_metrics)
     return app
@@ -249,10 +302,19 @@ async def handle_metrics(http: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
+def _card(model: ModelRuntime, created: int) -> ModelCard:
+    return ModelCard(id=model.name, root=model.name, created=created, max_model_len=model.engines.max_model_len())
+
+
 async def handle_models(http: web.Request) -> web.Response:
-    model = http.app[GATEWAY].config.model
-    body = ModelList(data=[ModelCard(id=model, root=model, created=int(time.time()))])
+    now = int(time.time())
+    body = ModelList(data=[_card(model, now) for model in http.app[GATEWAY].served()])
     return web.Response(body=_encode(body), content_type="application/json")
+
+
+async def handle_model(http: web.Request) -> web.Response:
+    model = http.app[GATEWAY].model(http.match_info["model"])
+    return web.Response(body=_encode(_card(model, int(time.time()))), content_type="application/json")
 
 
 async def handle_health(http: web.Request) -> web.Response:
@@ -272,7 +334,7 @@ async def _reload_on_sighup(app: web.Application) -> None:
         state = app[GATEWAY]
         for watched in (state.policy_file, state.key_file):
             if watched is not None:
-                watched.reload()
+                state.spawn(asyncio.to_thread(watched.reload))  # file reads stay off the loop
 
     asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload)
 

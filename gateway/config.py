@@ -101,12 +101,36 @@ class EngineEndpoint(Struct, forbid_unknown_fields=True, kw_only=True):
     """Every address the host name resolves to is an engine (a Kubernetes headless Service)."""
 
 
-class GatewayConfig(Struct, forbid_unknown_fields=True, kw_only=True):
-    model: str
-    """The model name clients send; requests for any other model get a 404."""
+class ModelConfig(Struct, forbid_unknown_fields=True, kw_only=True):
+    """One served model. Fields left unset take the gateway config's top-level value."""
+
+    name: Annotated[str, Meta(min_length=1)]
+    """The model name clients send and answers carry."""
+    aliases: list[Annotated[str, Meta(min_length=1)]] = []
+    """More names clients may send for this model."""
     tokenizer: str
     """Tokenizer (or model) folder: local render and the token route's derender."""
     engines: Annotated[list[EngineEndpoint], Meta(min_length=1)]
+    pools: dict[str, Annotated[list[EngineEndpoint], Meta(min_length=1)]] = {}
+    prefill_engines: list[EngineEndpoint] = []
+    route: Route | None = None
+    render: Literal["local", "remote"] | None = None
+    remote_url: str | None = None
+    reasoning_parser: str | None | msgspec.UnsetType = msgspec.UNSET
+    tool_parser: str | None | msgspec.UnsetType = msgspec.UNSET
+    reasoning_field: Literal["reasoning", "reasoning_content", "both"] | None = None
+
+    def names(self) -> list[str]:
+        return [self.name, *self.aliases]
+
+
+class GatewayConfig(Struct, forbid_unknown_fields=True, kw_only=True):
+    model: str | None = None
+    """Single-model shorthand: the model name clients send (with `tokenizer` and `engines`).
+    Several models: `models` instead."""
+    tokenizer: str | None = None
+    """Tokenizer (or model) folder: local render and the token route's derender."""
+    engines: list[EngineEndpoint] = []
     pools: dict[str, Annotated[list[EngineEndpoint], Meta(min_length=1)]] = {}
     """More engine pools, by name: a policy rule's `pool` sends its requests there
     (`engines` serves the rest). Each pool is balanced and health-checked on its own."""
@@ -114,6 +138,10 @@ class GatewayConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     """Disaggregated serving: requests (each prompt of a completion) are prefilled here
     (max_tokens=1), then decoded on `engines` with the KV cache the prefill engine hands
     over. Empty: no disaggregation."""
+    models: list[ModelConfig] = []
+    """Several models behind one base_url, each with its own tokenizer, parsers and pools;
+    the top-level route, render, remote_url and parser settings are their defaults.
+    Requests for a name no model answers to get a 404."""
     host: str = "127.0.0.1"
     port: Annotated[int, Meta(ge=0, le=65535)] = 8000
     route: Route = "derender"
@@ -147,9 +175,42 @@ class GatewayConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     auth: Auth = msgspec.field(default_factory=Auth)
 
     def __post_init__(self) -> None:
-        needs_remote = self.render == "remote" or self.route == "tokens-remote"
-        if needs_remote and not self.remote_url:
-            raise ConfigError("remote_url is required for render: remote or route: tokens-remote")
+        shorthand = [name for name in ("model", "tokenizer") if getattr(self, name) is not None]
+        shorthand += [name for name in ("engines", "pools", "prefill_engines") if getattr(self, name)]
+        if self.models and shorthand:
+            raise ConfigError(f"models is given, so {', '.join(shorthand)} belong inside each model")
+        if not self.models and (self.model is None or self.tokenizer is None or not self.engines):
+            raise ConfigError("give model, tokenizer and engines (one model) or models (several)")
+        seen: set[str] = set()
+        for model in self.served_models():
+            for name in model.names():
+                if name in seen:
+                    raise ConfigError(f"the model name {name!r} is given twice")
+                seen.add(name)
+            needs_remote = model.render == "remote" or model.route == "tokens-remote"
+            if needs_remote and not model.remote_url:
+                raise ConfigError(f"model {model.name!r}: remote_url is required for render: remote or route: tokens-remote")
+
+    def served_models(self) -> list[ModelConfig]:
+        """Every served model, with the top-level defaults filled in."""
+        if not self.models:
+            assert self.model is not None and self.tokenizer is not None
+            single = ModelConfig(
+                name=self.model, tokenizer=self.tokenizer, engines=self.engines, pools=self.pools, prefill_engines=self.prefill_engines
+            )
+            return [self._with_defaults(single)]
+        return [self._with_defaults(model) for model in self.models]
+
+    def _with_defaults(self, model: ModelConfig) -> ModelConfig:
+        return msgspec.structs.replace(
+            model,
+            route=model.route or self.route,
+            render=model.render or self.render,
+            remote_url=model.remote_url or self.remote_url,
+            reasoning_parser=self.reasoning_parser if model.reasoning_parser is msgspec.UNSET else model.reasoning_parser,
+            tool_parser=self.tool_parser if model.tool_parser is msgspec.UNSET else model.tool_parser,
+            reasoning_field=model.reasoning_field or self.reasoning_field,
+        )
 
 
 def load_config(path: str | Path) -> GatewayConfig:

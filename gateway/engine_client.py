@@ -76,9 +76,47 @@ def engine_error(status: int, body: bytes) -> GatewayError:
 
 class _Capabilities(msgspec.Struct):
     output_modes: list[str] = []
+    model: str | None = None
+    max_model_len: int | None = None
+    tokenizer: bool = False
+    reasoning_parser: str | None = None
+    tool_parser: str | None = None
 
 
 _CAPABILITIES = msgspec.json.Decoder(_Capabilities)
+
+
+class EngineMismatch(EngineUnavailable):
+    """The engine serves another model, or parses with other parsers, than the gateway expects of it."""
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What every engine of a pool must serve, as its capabilities tell (onehop engines;
+    stock vLLM has no capabilities document and is taken as configured)."""
+
+    model: str
+    names: frozenset[str]
+    """Served names the engine may report (the model's name and aliases)."""
+    reasoning_parser: str | None
+    tool_parser: str | None
+    parsers: bool = True
+    """Compare the parsers too (not for a tokens-only prefill pool: it parses nothing)."""
+
+    def mismatch(self, url: str, caps: _Capabilities) -> str | None:
+        """Why the engine at `url` does not serve what is expected; None when it does."""
+        if caps.model is not None and caps.model not in self.names:
+            return f"the engine at {url} serves model {caps.model!r}, but this pool is configured for model {self.model!r}"
+        if not (self.parsers and caps.tokenizer):
+            return None
+        engine = (caps.reasoning_parser, caps.tool_parser)
+        gateway = (self.reasoning_parser, self.tool_parser)
+        if engine != gateway:
+            return (
+                f"the engine at {url} parses model {self.model!r} with reasoning parser {engine[0]!r} and tool parser "
+                f"{engine[1]!r}, but the gateway's config for it says {gateway[0]!r} and {gateway[1]!r}"
+            )
+        return None
 
 
 class EngineClient:
@@ -89,10 +127,13 @@ class EngineClient:
         health: Health,
         *,
         remote: bool = False,
+        expected: Expected | None = None,
         tracing: Tracing | None = None,
         on_retry: Callable[[str], None] = lambda url: None,
     ) -> None:
         self.pool = pool
+        self.expected = expected
+        self._max_model_len: int | None = None
         self._tracer = tracing.tracer if tracing is not None else trace.NoOpTracer()
         self._routes: dict[str, frozenset[str]] = {}
         self._remote = remote
@@ -123,6 +164,24 @@ class EngineClient:
     def pick(self, prompt: Sequence[int] | None = None) -> Endpoint:
         """The engine for the next request (see `Pool.pick`; `prompt` for prefix affinity)."""
         return self.pool.pick(prompt=prompt)
+
+    async def pick_serving(self, prompt: Sequence[int] | None = None) -> tuple[Endpoint, frozenset[str]]:
+        """An engine and the routes it serves. One whose capabilities cannot be read (it
+        never answered since the gateway started) counts as a failure, and another is
+        picked, as a request that fails before its answer is retried elsewhere."""
+        tried: set[str] = set()
+        endpoint = self.pool.pick(prompt=prompt)
+        while True:
+            try:
+                return endpoint, await self.routes(endpoint.url)
+            except EngineUnavailable as exc:
+                self.pool.failed(endpoint)
+                tried.add(endpoint.url)
+                if len(tried) > self._health.retries:
+                    raise
+                log.warning("engine %s cannot be probed (%s); picking another", endpoint.url, exc)
+                self._on_retry(endpoint.url)
+                endpoint = self.pool.pick(tried, prompt=prompt)
 
     @asynccontextmanager
     async def open(
@@ -245,9 +304,31 @@ class EngineClient:
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise EngineUnavailable(f"cannot reach the engine: {exc}") from exc
         try:
-            return set(_CAPABILITIES.decode(body).output_modes)
+            caps = _CAPABILITIES.decode(body)
         except msgspec.DecodeError as exc:
             raise EngineFailed("the engine sent an invalid capabilities document") from exc
+        why = self.expected.mismatch(url, caps) if self.expected is not None else None
+        if why is not None:
+            log.error("%s: the engine is not used", why)
+            raise EngineMismatch(why)
+        if caps.max_model_len is not None:
+            self._max_model_len = caps.max_model_len
+        return set(caps.output_modes)
+
+    def max_model_len(self) -> int | None:
+        """The context length the pool's engines reported (None until one did, or from stock vLLM)."""
+        return self._max_model_len
+
+    async def check_engines(self) -> None:
+        """Read every engine's capabilities now: a mismatch stops the gateway (`EngineMismatch`);
+        an engine that does not answer yet is checked when it is first picked."""
+        for url in self.pool.urls():
+            try:
+                await self.routes(url)
+            except EngineMismatch:
+                raise
+            except (EngineUnavailable, EngineFailed) as exc:
+                log.warning("engine %s not checked at start (%s): it will be when first picked", url, exc.message)
 
     async def abort(self, url: str, request_id: str) -> None:
         """Best effort: the engine also aborts when the stream's connection closes."""

@@ -9,6 +9,7 @@ context, as vLLM does.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
@@ -91,11 +92,10 @@ def generate_body(
     stream: bool,
     include_usage: bool = False,
     continuous_usage: bool = False,
-    chat_request: bytes | None = None,
-    completion_request: bytes | None = None,
-    prompt_index: int = 0,
+    derender_fields: Mapping[str, Any] | None = None,
     kv_transfer_params: dict[str, Any] | None = None,
 ) -> bytes:
+    """`derender_fields`: what the derender route's engine also needs (the client's request)."""
     mode = ENGINE_MODE[route]
     body: dict[str, Any] = {
         "request_id": request_id,
@@ -108,12 +108,8 @@ def generate_body(
         body["model"] = model
     if kv_transfer_params is not None:
         body["kv_transfer_params"] = kv_transfer_params
-    if mode == "derender":
-        if chat_request is not None:
-            body["chat_request"] = msgspec.Raw(chat_request)
-        if completion_request is not None:
-            body["completion_request"] = msgspec.Raw(completion_request)
-            body["prompt_index"] = prompt_index
+    if mode == "derender" and derender_fields:
+        body.update(derender_fields)
     if stream and include_usage and route in ("derender", "tokens-remote"):
         # The engine counts usage on these routes; on text/tokens the gateway's derender does.
         body["stream_options"] = {"include_usage": True, "continuous_usage_stats": continuous_usage}

@@ -3,7 +3,9 @@
 Every `interval` the gateway scrapes each engine's `/metrics` and turns the
 growth of `onehop_engine_output_cpu_seconds_total` (all modes) into cores in
 use, plus the in-flight count. Engines without those metrics (stock vLLM)
-read as idle. A failed scrape keeps the last reading: feedback is advisory.
+read as idle. A failed scrape, or an answer that is not Prometheus text,
+keeps that engine's last reading: feedback is advisory, and one engine's
+failure never stops the others'.
 """
 
 from __future__ import annotations
@@ -83,7 +85,11 @@ class EngineFeedback:
         except (TimeoutError, aiohttp.ClientError) as exc:
             log.debug("metrics scrape of %s failed: %s", url, exc)
             return
-        sample = parse_sample(text, time.monotonic())
+        try:
+            sample = parse_sample(text, time.monotonic())
+        except ValueError as exc:  # not Prometheus text (an HTML page, a proxy's error): this engine only
+            log.warning("metrics of %s are not Prometheus text: %s", url, exc)
+            return
         before = self._last.get(url)
         self._last[url] = sample
         if before is not None:

@@ -56,6 +56,11 @@ class GatewayMetrics:
         self.disconnects = Counter(
             "onehop_gateway_client_disconnects", "Clients that left before the answer was complete, by route.", ["route"], registry=r
         )
+        self.background_restarts = Counter(
+            "onehop_gateway_background_restarts",
+            "Background loops (health, dns, feedback, policy_file, key_file) restarted after a failure.",
+            ["loop"], registry=r,
+        )
         self.engine_aborts = Counter(
             "onehop_gateway_engine_aborts", "Abort requests sent to engines for clients that left.", registry=r
         )

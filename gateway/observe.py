@@ -29,6 +29,8 @@ from gateway.state import GATEWAY, GatewayState
 OPERATIONS = {"chat": "chat", "completions": "text_completion"}
 """gen_ai.operation.name of each endpoint."""
 SPAN_KEY = web.RequestKey("onehop_span", Span)
+MODEL_KEY = web.RequestKey("onehop_model", str)
+"""The served model's name, once the request named a known one (a bounded metrics label)."""
 STARTED_KEY = web.RequestKey("onehop_started", float)
 """perf_counter() at the request's arrival, for time to first token."""
 
@@ -56,6 +58,13 @@ def measured(state: GatewayState, name: str, parent: Span) -> Iterator[Span]:
     with stage(state.tracing.tracer, name, parent) as span:
         yield span
     state.metrics.stage_seconds.labels(name).observe(time.perf_counter() - started)
+
+
+def describe_model(span: Span, operation: str, model: str | None) -> None:
+    """The model the request names, on the server span (GenAI: named `{operation} {model}`)."""
+    if span.is_recording() and model is not None:
+        span.update_name(f"{OPERATIONS[operation]} {model}")
+        span.set_attribute("gen_ai.request.model", model)
 
 
 def describe_request(

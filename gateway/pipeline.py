@@ -1,11 +1,19 @@
 """The one place that knows the whole flow of an OpenAI request through the gateway.
 
-    decode (msgspec) → refuse unsupported fields → check the model → render
-    once → pick the route → engine request → relay or derender → respond
+    read → decode → check → model → admit → render once → choose route and
+    engine → one engine request per prompt (prefill first when disaggregated)
+    → relay or derender → merge → respond
 
-A client that leaves cancels the handler: the engine stream is closed by its
-`async with`, and an abort is sent to the engine as well (in the background,
-bounded), so nothing keeps generating.
+Each endpoint is an adapter (`gateway.endpoints`) for the steps that differ;
+everything else happens here, once: the fan-out of several prompts (bounded,
+at the client's pace), aborts for a client that leaves, tracing. Retries
+before the first byte live in `EngineClient.open`; answers go out through
+`gateway.relay`'s responder.
+
+A client that leaves cancels the handler: the engine streams are closed by
+their `async with`, and an abort goes to every engine that holds one of the
+request's generations (in the background, bounded), so nothing keeps
+generating.
 """
 
 from __future__ import annotations
@@ -13,332 +21,369 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
+import aiohttp
 import msgspec
 from aiohttp import web
+from msgspec import UNSET
 from opentelemetry import trace
 
-from engine.derender.chat import ChatDerender, ChatOptions, forced_tool_prefix
-from engine.derender.parsers import bind_parsers
-from engine.openai_schema import (
-    CHAT_COMPLETION_REQUEST_DECODER,
-    COMPLETION_REQUEST_DECODER,
-    ChatCompletionRequest,
-    CompletionRequest,
-)
-from gateway import remote
-from gateway.completions import serve_completion
-from gateway.config import ROUTES, Route
-from gateway.auth import TENANT_KEY
+from engine.openai_schema import Usage
 from gateway.disagg import prefill
-from gateway.engine_client import EngineClient, Target
-from gateway.engine_request import chat_sampling, generate_body
-from gateway.errors import EngineUnavailable, InvalidRequest, ModelNotFound
-from gateway.observe import SPAN_KEY, describe_request, measured
-from gateway.policy import EngineState, NoRoute, RequestFeatures, decide
+from gateway.endpoints import CHAT, COMPLETIONS, Answer, Endpoint
+from gateway.engine_client import Target
+from gateway.engine_request import generate_body
+from gateway.errors import ClientGone, InvalidRequest
+from gateway.observe import MODEL_KEY, SPAN_KEY, DerenderWork, describe_model, describe_outcome, describe_request, measured
 from gateway.relay import (
-    ClientGone,
-    derender_json,
-    derender_stream,
+    derender_answer,
+    derendered,
+    encoded,
+    read_answer,
     relay_json,
     relay_stream,
-    remote_error,
+    relayed_answer,
+    relayed_chunks,
     remote_json,
     remote_stream,
+    respond_stream,
 )
+from gateway.routing import choose_route
+from gateway.runtime import ModelRuntime
 from gateway.state import GATEWAY, GatewayState
-from gateway.validate import check_chat, check_chat_limits, check_completion, check_completion_limits
 
-ROUTE_HEADER = "onehop-route"
-GATEWAY_PARSED = frozenset({"text", "tokens"})
-"""Routes on which the gateway itself parses reasoning and tool calls."""
-"""Request header that picks the route (when the config allows it); the response names the route taken."""
-ROUTE_KEY = web.RequestKey("onehop_route", str)
-REASON_KEY = web.RequestKey("onehop_policy_reason", str)
+T = TypeVar("T")
+_encode = msgspec.json.Encoder().encode
 
 
-def _decode(decoder: msgspec.json.Decoder, body: bytes, what: str) -> object:
-    try:
-        return decoder.decode(body)
-    except msgspec.DecodeError as exc:
-        raise InvalidRequest(f"invalid {what} request: {exc}") from exc
+async def handle_chat(http: web.Request) -> web.StreamResponse:
+    return await serve(http, CHAT)
 
 
-async def choose_route(
-    state: GatewayState, http: web.Request, features: RequestFeatures, prompt: Sequence[int]
-) -> Target:
-    """The route and engine for this request, in a `policy` span; the decision goes on the
-    server span too. A rule that names a pool moves the request there (and the route is
-    decided again against what that pool's engines serve)."""
-    with measured(state, "policy", http[SPAN_KEY]) as span:
-        engines = state.engines
-        endpoint = engines.pick(prompt)
-        route, basis, pool = await _decide(state, http, engines, endpoint.url, features)
-        if pool is not None:
-            engines = state.pools[pool]
-            endpoint = engines.pick(prompt)
-            route, basis, _ = await _decide(state, http, engines, endpoint.url, features)
-        reason = http[REASON_KEY]
-        if span.is_recording():
-            decision = {"onehop.route": route, "onehop.policy.rule": basis, "onehop.policy.reason": reason}
-            if pool is not None:
-                decision["onehop.pool"] = pool
-            span.set_attributes(decision)
-            http[SPAN_KEY].set_attributes({**decision, "onehop.engine.endpoint": endpoint.url})
-    state.metrics.policy_decisions.labels(route, basis).inc()
-    return Target(route, engines, endpoint)
+async def handle_completion(http: web.Request) -> web.StreamResponse:
+    return await serve(http, COMPLETIONS)
 
 
-async def _decide(
-    state: GatewayState, http: web.Request, engines: EngineClient, url: str, features: RequestFeatures
-) -> tuple[Route, str, str | None]:
-    """The override header if allowed, else the policy's decision; with its basis (rule name,
-    `cost`, `default` or `header`), a bounded label for metrics, and the rule's pool."""
-    available = await engines.routes(url)
-    if features.endpoint == "chat" and not state.parses_locally:
-        available = available - GATEWAY_PARSED  # a capability fallback: the engine must parse
-    wanted = http.headers.get(ROUTE_HEADER)
-    if wanted and state.config.route_header:
-        if wanted not in ROUTES:
-            raise InvalidRequest(f"{ROUTE_HEADER} must be one of {', '.join(ROUTES)}", param=ROUTE_HEADER)
-        if wanted not in available:
-            raise InvalidRequest(f"route {wanted!r} is not available on this engine", param=ROUTE_HEADER)
-        http[ROUTE_KEY], http[REASON_KEY] = wanted, f"{ROUTE_HEADER} header"
-        return wanted, "header", None  # type: ignore[return-value]
-    load = state.feedback.load(url) if state.feedback is not None else None
-    engine = EngineState(routes=available)
-    if load is not None:
-        engine = EngineState(routes=available, output_cpu_cores=load.output_cpu_cores, in_flight=load.in_flight)
-    policy = state.policy
-    try:
-        decision = decide(policy, features, engine)
-    except NoRoute as exc:
-        raise EngineUnavailable(str(exc)) from exc
-    http[ROUTE_KEY], http[REASON_KEY] = decision.route, decision.reason
-    basis = decision.rule if decision.rule is not None else ("cost" if policy.default == "cost" else "default")
-    pool = decision.pool if decision.pool is not None and state.pools.get(decision.pool) is not engines else None
-    return decision.route, basis, pool
-
-
-def _text_route_sampling(state: GatewayState, sampling: dict[str, Any]) -> dict[str, Any]:
-    """On the text route the gateway finds markers in text: families whose markers are
-    special tokens (Kimi, Harmony, DeepSeek) need the engine to keep special tokens' text,
-    as vLLM's renderer asks its engine for those parsers."""
-    vocab = state.vocab
-    parsers = bind_parsers(vocab, state.config.reasoning_parser, state.config.tool_parser) if vocab else None
-    if parsers is None or sampling.get("skip_special_tokens") is False or vocab is None:
-        return sampling
-    if any(token_id in vocab.special_ids for token_id in parsers.atomic_ids):
-        return {**sampling, "skip_special_tokens": False}
-    return sampling
-
-
-def chat_features(request: ChatCompletionRequest, prompt_tokens: int, http: web.Request) -> RequestFeatures:
-    kwargs = request.chat_template_kwargs or {}
-    return RequestFeatures(
-        endpoint="chat",
-        model=request.model or "",
-        stream=bool(request.stream),
-        logprobs=bool(request.logprobs),
-        top_logprobs=request.top_logprobs or 0,
-        n=request.n or 1,
-        max_tokens=request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens,
-        prompt_tokens=prompt_tokens,
-        tools=bool(request.tools),
-        reasoning=bool(kwargs.get("enable_thinking", True)),
-        headers={k.lower(): v for k, v in http.headers.items()},
-        tenant=http.get(TENANT_KEY),
+async def serve(http: web.Request, endpoint: Endpoint[Any]) -> web.StreamResponse:
+    state = http.app[GATEWAY]
+    body = await http.read()
+    request = endpoint.decode(body)
+    server = http[SPAN_KEY]
+    describe_model(server, endpoint.name, request.model)
+    endpoint.check(request, state.config.limits)
+    model = state.model(request.model)
+    http[MODEL_KEY] = model.name
+    described = endpoint.describe(request)
+    describe_request(
+        server, max_tokens=described.max_tokens, temperature=described.temperature, top_p=described.top_p,
+        n=described.n, seed=described.seed, stream=described.stream,
     )
+    response_id = f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
+    server.set_attribute("gen_ai.response.id", response_id)
+    if state.tracing.record_content and server.is_recording():
+        server.set_attribute("gen_ai.input.messages", endpoint.content(body))
+    async with state.admitted():
+        with measured(state, "render", server) as span:
+            prompts = await endpoint.render(model, request, body)
+            span.set_attribute("onehop.prompt_tokens", sum(len(p) for p in prompts))
+        target = await choose_route(state, model, http, endpoint.features(request, prompts, http), prompts[0])
+        exchange = Exchange(http, state, model, endpoint, request, body, prompts, target, response_id)
+        return await guard_disconnect(state, model, exchange.legs, exchange.run)
 
 
-def completion_features(request: CompletionRequest, prompts: list[list[int]], http: web.Request) -> RequestFeatures:
-    return RequestFeatures(
-        endpoint="completions",
-        model=request.model or "",
-        stream=bool(request.stream),
-        logprobs=request.logprobs is not None,
-        top_logprobs=request.logprobs or 0,
-        n=(request.n or 1) * len(prompts),
-        max_tokens=request.max_tokens,
-        prompt_tokens=sum(len(p) for p in prompts),
-        headers={k.lower(): v for k, v in http.headers.items()},
-        tenant=http.get(TENANT_KEY),
-    )
+@dataclass
+class Leg:
+    """One engine request: one prompt's generation (all its `n` choices)."""
 
+    index: int
+    request_id: str
+    prompt: list[int]
+    sent_to: str
+    """The engine that holds the generation (after any retries): aborts go there."""
+    prefilled_on: list[str] = field(default_factory=list)
+    """The prefill engine, when disaggregated: aborts go there too."""
+    kv: dict[str, Any] | None = None
 
-def check_model(state: GatewayState, model: str | None) -> None:
-    if model is not None and model != state.config.model:
-        raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
+    def engines(self) -> list[str]:
+        return [self.sent_to, *self.prefilled_on]
 
 
 async def guard_disconnect(
-    state: GatewayState, urls: Callable[[], list[str]], request_id: str, work: Callable[[], Awaitable[web.StreamResponse]]
+    state: GatewayState, model: ModelRuntime, legs: Sequence[Leg], work: Callable[[], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
-    """Run `work`; if the client leaves mid-way, abort the engine requests too (on the engines
-    `urls()` names: those that answered, after any retries; prefill and decode)."""
+    """Run `work`; if the client leaves mid-way, abort every leg's engine requests too."""
     try:
         return await work()
     except asyncio.CancelledError:
-        for url in urls():
-            state.abort(url, request_id)
+        _abort(state, model, legs)
         raise
     except ClientGone as gone:  # it left between two writes, before its cancellation arrived
-        for url in urls():
-            state.abort(url, request_id)
+        _abort(state, model, legs)
         trace.get_current_span().set_attribute("onehop.client_disconnected", True)  # the server span
         return gone.response
 
 
-async def handle_chat(http: web.Request) -> web.StreamResponse:
-    state = http.app[GATEWAY]
-    body = await http.read()
-    request = _decode(CHAT_COMPLETION_REQUEST_DECODER, body, "chat completion")
-    assert isinstance(request, ChatCompletionRequest)
-    check_chat(request)
-    check_chat_limits(request, state.config.limits)
-    check_model(state, request.model)
-    sampling = chat_sampling(request)
-    assert state.renderer is not None
-    server = http[SPAN_KEY]
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    stream = bool(request.stream)
-    max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-    describe_request(
-        server, max_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p,
-        n=request.n, seed=request.seed, stream=stream,
-    )
-    server.set_attribute("gen_ai.response.id", request_id)
-    if state.tracing.record_content and server.is_recording():
-        server.set_attribute("gen_ai.input.messages", _raw_field(body, _Messages))
-    with measured(state, "render", server) as span:
-        prompt = await render_chat(state, request, body)
-        forced = forced_tool_prefix(request, state.config.tool_parser)
-        if forced is not None:
-            prompt = prompt + state.renderer.encode(forced)
-        span.set_attribute("onehop.prompt_tokens", len(prompt))
-    target = await choose_route(state, http, chat_features(request, len(prompt), http), prompt)
-    route, engines, endpoint = target.route, target.engines, target.endpoint
-    options = request.stream_options
-    engines_used = [endpoint.url]
+def _abort(state: GatewayState, model: ModelRuntime, legs: Sequence[Leg]) -> None:
+    for leg in legs:
+        for url in leg.engines():
+            state.abort(model.engines, url, leg.request_id)
 
-    async def work() -> web.StreamResponse:
-        kv = None
-        if state.prefill is not None:
-            kv = await prefill(state.prefill, state.tracing.tracer, prompt, request_id, server, engines_used.append)
-        engine_body = generate_body(
-            request_id=request_id,
-            model=None,
-            prompt_ids=prompt,
-            sampling=_text_route_sampling(state, sampling) if route == "text" else sampling,
-            route=route,
-            stream=stream,
-            include_usage=bool(options and options.include_usage),
-            continuous_usage=bool(options and options.continuous_usage_stats),
-            chat_request=body,
-            kv_transfer_params=kv,
+
+class Exchange:
+    """The engine side of one client request, on the route the policy chose."""
+
+    def __init__(
+        self,
+        http: web.Request,
+        state: GatewayState,
+        model: ModelRuntime,
+        endpoint: Endpoint[Any],
+        request: Any,
+        body: bytes,
+        prompts: list[list[int]],
+        target: Target,
+        response_id: str,
+    ) -> None:
+        self.http = http
+        self.state = state
+        self.endpoint = endpoint
+        self.request = request
+        self.body = body
+        self.target = target
+        self.route = target.route
+        self.stream = bool(request.stream)
+        options = request.stream_options if self.stream else None
+        self.client_usage = bool(options and options.include_usage)
+        continuous = self.client_usage and bool(options and options.continuous_usage_stats)
+        several = len(prompts) > 1
+        self.answer = Answer(
+            model=model,
+            model_name=request.model or model.name,
+            response_id=response_id,
+            created=int(time.time()),
+            include_usage=self.client_usage or several,  # several answers: usage is summed here
+            continuous_usage=continuous,
         )
-        first = engines.first_event_timeout()
-        async with engines.open(endpoint, engine_body, stream=stream, request_id=request_id, parent=server) as (
-            engines_used[0],
-            engine,
+        self.sampling = endpoint.sampling(request, model, target.route)
+        self.legs = [
+            Leg(i, response_id if not several else f"{response_id}-{i}", prompt, target.endpoint.url)
+            for i, prompt in enumerate(prompts)
+        ]
+        self.mode = "tokens" if target.route in ("tokens", "tokens-remote") else "text"
+        self.work = DerenderWork(http, self.route) if target.route in ("text", "tokens") else None
+        self._derender: Any = None
+        if self.route == "tokens-remote" and several:
+            raise InvalidRequest("the tokens-remote route serves one prompt per request", param="prompt")
+
+    # ------------------------------------------------------------ engine requests
+
+    def _engine_body(self, leg: Leg) -> bytes:
+        return generate_body(
+            request_id=leg.request_id,
+            model=None,
+            prompt_ids=leg.prompt,
+            sampling=self.sampling,
+            route=self.route,
+            stream=self.stream,
+            include_usage=self.answer.include_usage,
+            continuous_usage=self.answer.continuous_usage,
+            derender_fields=self.endpoint.engine_fields(self.body, leg.index),
+            kv_transfer_params=leg.kv,
+        )
+
+    @asynccontextmanager
+    async def _open(self, leg: Leg) -> AsyncIterator[aiohttp.ClientResponse]:
+        engines, server = self.target.engines, self.http[SPAN_KEY]
+        body = self._engine_body(leg)
+        async with engines.open(self.target.endpoint, body, stream=self.stream, request_id=leg.request_id, parent=server) as (
+            url,
+            response,
         ):
-            if route == "derender":
-                response = await (relay_stream(http, engine, first, request_id) if stream else relay_json(http, engine))
-            elif route == "tokens-remote":
-                remote = _remote_derender(state, body, prompt)
-                response = await (remote_stream(http, engine, remote, first, request_id) if stream else remote_json(engine, remote))
+            leg.sent_to = url
+            yield response
+
+    async def _prefill(self) -> None:
+        """Disaggregated: every prompt is prefilled (concurrently), then decoded with its KV hand-off."""
+        pool = self.answer.model.prefill
+        if pool is None:
+            return
+        tracer, server = self.state.tracing.tracer, self.http[SPAN_KEY]
+        handovers = await all_of(
+            [prefill(pool, tracer, leg.prompt, leg.request_id, server, leg.prefilled_on.append) for leg in self.legs]
+        )
+        for leg, kv in zip(self.legs, handovers, strict=True):
+            leg.kv = kv
+
+    async def run(self) -> web.StreamResponse:
+        await self._prefill()
+        try:
+            return await (self._respond_stream() if self.stream else self._respond_json())
+        finally:
+            if self.work is not None:
+                self.work.finish(self._derender if len(self.legs) == 1 else None)
+
+    # ------------------------------------------------------------ one engine request
+
+    def _new_derender(self, leg: Leg) -> Any:
+        derender = self.endpoint.derender(self.request, self.answer, leg.prompt, leg.index)
+        if len(self.legs) == 1:
+            self._derender = derender  # describes the outcome on the server span
+        return derender
+
+    async def _respond_stream(self) -> web.StreamResponse:
+        http, first, rid = self.http, self.target.engines.first_event_timeout(), self.answer.response_id
+        if len(self.legs) > 1:
+            frames = encoded(self._merged(merged([self._chunks(leg) for leg in self.legs])))
+            return await respond_stream(http, self.route, rid, frames)
+        leg = self.legs[0]
+        async with self._open(leg) as engine:
+            if self.route == "derender":
+                return await relay_stream(http, engine, first, rid)
+            if self.route == "tokens-remote":
+                remote = self.endpoint.remote_derender(self.answer, self.body, leg.prompt)
+                return await remote_stream(http, engine, remote, first, rid)
+            assert self.work is not None
+            frames = encoded(derendered(engine, self._new_derender(leg), self.mode, first, self.work))
+            return await respond_stream(http, self.route, rid, frames)
+
+    async def _respond_json(self) -> web.Response:
+        if len(self.legs) > 1:
+            return self._merged_answer(await all_of([self._answer(leg) for leg in self.legs]))
+        leg = self.legs[0]
+        async with self._open(leg) as engine:
+            if self.route == "derender":
+                return await relay_json(self.http, engine)
+            if self.route == "tokens-remote":
+                remote = self.endpoint.remote_derender(self.answer, self.body, leg.prompt)
+                return await remote_json(engine, remote)
+            raw = await read_answer(engine)
+        assert self.work is not None
+        body = _encode(derender_answer(raw, self._new_derender(leg), self.mode, self.work))
+        return web.Response(body=body, content_type="application/json")
+
+    # ------------------------------------------------------------ several engine requests
+
+    async def _chunks(self, leg: Leg) -> AsyncIterator[Any]:
+        """One leg's OpenAI chunk objects (its usage chunk included), for merging."""
+        first = self.target.engines.first_event_timeout()
+        async with self._open(leg) as engine:
+            if self.route == "derender":
+                chunks = relayed_chunks(engine, first, self.endpoint.chunk_decoder)
             else:
-                derender = _chat_derender(state, request, prompt, request_id)
-                mode = "tokens" if route == "tokens" else "text"
-                response = await (
-                    derender_stream(http, engine, derender, mode, first, request_id) if stream else derender_json(http, engine, derender, mode)
-                )
-        return response
+                assert self.work is not None
+                chunks = derendered(engine, self._new_derender(leg), self.mode, first, self.work)
+            async with aclosing(chunks):
+                async for chunk in chunks:
+                    yield chunk
 
-    return await guard_disconnect(state, lambda: engines_used, request_id, work)
+    async def _answer(self, leg: Leg) -> Any:
+        async with self._open(leg) as engine:
+            raw = await read_answer(engine)
+        if self.route == "derender":
+            return relayed_answer(raw, self.endpoint.answer_decoder)
+        assert self.work is not None
+        return derender_answer(raw, self._new_derender(leg), self.mode, self.work)
+
+    async def _merged(self, chunks: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        """Several legs' chunks as one stream: one id, usage summed into one last chunk."""
+        rid, created = self.answer.response_id, self.answer.created
+        usages: list[Usage] = []
+        last_usage: Any = None
+        reasons: dict[int, str | None] = {}
+        async for chunk in chunks:
+            if not chunk.choices:
+                if chunk.usage not in (None, UNSET):
+                    usages.append(chunk.usage)
+                    last_usage = chunk
+                continue
+            for choice in chunk.choices:
+                if choice.finish_reason is not None:
+                    reasons[choice.index] = choice.finish_reason
+            chunk.id, chunk.created = rid, created
+            yield chunk
+        if usages:
+            total = sum_usage(usages)
+            describe_outcome(self.http[SPAN_KEY], [reasons[i] for i in sorted(reasons)], total.prompt_tokens, total.completion_tokens or 0)
+            if self.client_usage:
+                yield msgspec.structs.replace(last_usage, id=rid, created=created, usage=total)
+
+    def _merged_answer(self, answers: list[Any]) -> web.Response:
+        merged_answer = msgspec.structs.replace(
+            answers[0],
+            id=self.answer.response_id,
+            created=self.answer.created,
+            choices=[choice for answer in answers for choice in answer.choices],
+            usage=sum_usage([answer.usage for answer in answers]),
+        )
+        usage = merged_answer.usage
+        reasons = [choice.finish_reason for choice in merged_answer.choices]
+        describe_outcome(self.http[SPAN_KEY], reasons, usage.prompt_tokens, usage.completion_tokens or 0)
+        return web.Response(body=_encode(merged_answer), content_type="application/json")
 
 
-async def render_chat(state: GatewayState, request: ChatCompletionRequest, body: bytes) -> list[int]:
-    """Local chat template, or vLLM's /render when the config says so."""
-    if state.config.render == "local":
-        assert state.renderer is not None
-        return await state.renderer.chat(request)
-    assert state.config.remote_url is not None
+def sum_usage(usages: Sequence[Usage]) -> Usage:
+    prompt = sum(u.prompt_tokens for u in usages)
+    completion = sum(u.completion_tokens or 0 for u in usages)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+class _Failed:
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+_END = object()
+
+
+async def merged(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[T]:
+    """The items of several streams as they come, at the reader's pace: the queue holds at
+    most one item per stream, so a stream whose item is unread waits (and so does its
+    engine, through TCP). The first failure of any stream ends the whole, and stops the rest."""
+    queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=len(streams))
+
+    async def pump(stream: AsyncIterator[T]) -> None:
+        try:
+            async with aclosing(stream):  # type: ignore[type-var]
+                async for item in stream:
+                    await queue.put(item)
+        except Exception as exc:  # handed to the reader, which raises it in its own task
+            await queue.put(_Failed(exc))
+            return
+        await queue.put(_END)
+
+    tasks = [asyncio.ensure_future(pump(stream)) for stream in streams]
     try:
-        rendered = await remote.render_chat(state.engines.session, state.config.remote_url, body)
-    except remote.RemoteServiceError as exc:
-        raise remote_error(exc) from exc
-    return rendered.token_ids
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is _END:
+                running -= 1
+            elif isinstance(item, _Failed):
+                raise item.error
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _remote_derender(state: GatewayState, body: bytes, prompt: list[int]) -> remote.RemoteChatDerender:
-    if state.config.remote_url is None:
-        raise InvalidRequest("the tokens-remote route needs remote_url in the gateway config", param=ROUTE_HEADER)
-    return remote.RemoteChatDerender(
-        state.engines.session, state.config.remote_url, model=state.config.model, chat_request=body, prompt_token_ids=prompt
-    )
-
-
-def _chat_derender(state: GatewayState, request: ChatCompletionRequest, prompt: list[int], request_id: str) -> ChatDerender:
-    # The text options come from the same request fields the engine's sampling params were built from.
-    assert state.vocab is not None
-    options = ChatOptions.from_request(
-        request,
-        reasoning_parser=state.config.reasoning_parser,
-        tool_parser=state.config.tool_parser,
-        reasoning_field=state.config.reasoning_field,
-    )
-    stream_options = request.stream_options
-    include_usage = bool(stream_options and stream_options.include_usage)
-    return ChatDerender(
-        state.vocab,
-        options,
-        model=request.model or state.config.model,
-        n=request.n or 1,
-        prompt_token_ids=prompt,
-        response_id=request_id,
-        created=int(time.time()),
-        include_usage=include_usage,
-        continuous_usage=bool(stream_options and stream_options.continuous_usage_stats),
-    )
-
-
-async def handle_completion(http: web.Request) -> web.StreamResponse:
-    state = http.app[GATEWAY]
-    body = await http.read()
-    request = _decode(COMPLETION_REQUEST_DECODER, body, "completion")
-    assert isinstance(request, CompletionRequest)
-    check_completion(request)
-    check_completion_limits(request, state.config.limits)
-    check_model(state, request.model)
-    assert state.renderer is not None
-    server = http[SPAN_KEY]
-    describe_request(
-        server, max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
-        n=request.n, seed=request.seed, stream=bool(request.stream),
-    )
-    if state.tracing.record_content and server.is_recording():
-        server.set_attribute("gen_ai.input.messages", _raw_field(body, _Prompt))
-    with measured(state, "render", server) as span:
-        prompts = await state.renderer.completion_prompts(request)
-        span.set_attribute("onehop.prompt_tokens", sum(len(p) for p in prompts))
-    target = await choose_route(state, http, completion_features(request, prompts, http), prompts[0])
-    return await serve_completion(http, state, request, body, prompts, target)
-
-
-
-class _Messages(msgspec.Struct):
-    messages: msgspec.Raw = msgspec.Raw(b"[]")
-
-
-class _Prompt(msgspec.Struct):
-    prompt: msgspec.Raw = msgspec.Raw(b'""')
-
-
-def _raw_field(body: bytes, kind: type[_Messages] | type[_Prompt]) -> str:
-    """The request's messages or prompt as sent, for `record_content` only."""
-    value = msgspec.json.decode(body, type=kind)
-    raw = value.messages if isinstance(value, _Messages) else value.prompt
-    return bytes(raw).decode("utf-8", "replace")
+async def all_of(work: Sequence[Awaitable[T]]) -> list[T]:
+    """Every result, in order; the first failure cancels the rest and is raised as itself."""
+    tasks = [asyncio.ensure_future(item) for item in work]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in tasks:
+            if task.done() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+        return [task.result() for task in tasks]
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

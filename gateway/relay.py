@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any, Protocol
 
 import aiohttp
@@ -48,7 +49,7 @@ from gateway.errors import (
     error_json,
 )
 from gateway.observe import SPAN_KEY, DerenderWork, StreamTimer, describe_outcome
-from gateway.remote import RemoteChatDerender, RemoteServiceError
+from gateway.remote import RemoteChatDerender, RemoteCompletionDerender, RemoteServiceError
 from gateway.sse import DONE, DONE_FRAME, SSEReader, frame
 
 log = logging.getLogger(__name__)
@@ -119,10 +120,11 @@ async def respond_stream(
     stream: ClientStream | None = None
     tail = DONE_FRAME if done else b""
     try:
-        async for data in frames:
-            if stream is None:
-                stream = await open_stream(http, route)
-            await stream.send(data)
+        async with aclosing(frames):  # a client that leaves closes them at once, not at collection
+            async for data in frames:
+                if stream is None:
+                    stream = await open_stream(http, route)
+                await stream.send(data)
     except ClientGone:
         raise
     except Exception as exc:
@@ -361,44 +363,47 @@ def feed_choice(derender: Derender, mode: str, choice: Any) -> Any:
     )
 
 
-async def _derendered(
+async def derendered(
     engine: aiohttp.ClientResponse, derender: Derender, mode: str, first_timeout: float, work: DerenderWork
-) -> AsyncIterator[bytes]:
+) -> AsyncIterator[Any]:
+    """The text and token routes, streaming: engine chunks in, OpenAI chunk objects out
+    (the role chunks with the first output, the usage chunk last)."""
     started = False
-    try:
-        async for payload in engine_payloads(engine, first_timeout):
-            work.begin()
-            try:
-                chunks = feed_chunk(derender, mode, payload)
-            finally:
-                work.end()
-            if not started:  # the role chunk goes with the first output (once it is known good), as the engine's does
-                started = True
-                for chunk in derender.start():
-                    yield frame(_encode(chunk))
-            for chunk in chunks:
-                yield frame(_encode(chunk))
-        if not started:
+    async for payload in engine_payloads(engine, first_timeout):
+        work.begin()
+        try:
+            chunks = feed_chunk(derender, mode, payload)
+        finally:
+            work.end()
+        if not started:  # the role chunk goes with the first output (once it is known good), as the engine's does
+            started = True
             for chunk in derender.start():
-                yield frame(_encode(chunk))
-        usage = derender.usage_chunk()
-        if usage is not None:
-            yield frame(_encode(usage))
-    finally:
-        work.finish(derender)
+                yield chunk
+        for chunk in chunks:
+            yield chunk
+    if not started:
+        for chunk in derender.start():
+            yield chunk
+    usage = derender.usage_chunk()
+    if usage is not None:
+        yield usage
 
 
-async def derender_stream(
-    http: web.Request,
-    engine: aiohttp.ClientResponse,
-    derender: Derender,
-    mode: str,
-    first_timeout: float,
-    request_id: str,
-) -> web.StreamResponse:
-    """The text and token routes, streaming: engine chunks in, OpenAI chunks out."""
-    frames = _derendered(engine, derender, mode, first_timeout, DerenderWork(http, mode))
-    return await respond_stream(http, mode, request_id, frames)
+async def encoded(chunks: AsyncIterator[Any]) -> AsyncIterator[bytes]:
+    """OpenAI chunk objects → SSE frames."""
+    async for chunk in chunks:
+        yield frame(_encode(chunk))
+
+
+async def relayed_chunks(
+    engine: aiohttp.ClientResponse, first_timeout: float, decoder: msgspec.json.Decoder[Any]
+) -> AsyncIterator[Any]:
+    """The derender route's chunks as objects, for answers merged from several engine requests."""
+    async for payload in engine_payloads(engine, first_timeout):
+        try:
+            yield decoder.decode(payload)
+        except msgspec.DecodeError as exc:
+            raise EngineFailed(f"the engine sent an invalid chunk: {exc}: {payload[:120]!r}") from exc
 
 
 def whole_choices(body: bytes, mode: str) -> list[Any]:
@@ -408,27 +413,31 @@ def whole_choices(body: bytes, mode: str) -> list[Any]:
         raise EngineFailed(f"the engine sent an invalid answer: {exc}") from exc
 
 
-async def derender_json(http: web.Request, engine: aiohttp.ClientResponse, derender: Derender, mode: str) -> web.Response:
+def derender_answer(raw: bytes, derender: Derender, mode: str, work: DerenderWork) -> Any:
     """The text and token routes, non-streaming: all of each choice in one step."""
-    raw = await read_answer(engine)
-    work = DerenderWork(http, mode)
     work.begin()
     try:
         for choice in whole_choices(raw, mode):
             feed_choice(derender, mode, choice)
-        body = _encode(derender.response())
+        return derender.response()
     except GatewayError:
         raise
     except Exception as exc:  # what the engine sent could not be made into an answer: a 502
         raise stream_error(exc) from exc
     finally:
         work.end()
-        work.finish(derender)
-    return web.Response(body=body, content_type="application/json")
+
+
+def relayed_answer(raw: bytes, decoder: msgspec.json.Decoder[Any]) -> Any:
+    """The derender route's JSON answer as an object, for answers merged from several engine requests."""
+    try:
+        return decoder.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise EngineFailed(f"the engine sent an invalid answer: {exc}: {raw[:120]!r}") from exc
 
 
 async def _remote_chunks(
-    engine: aiohttp.ClientResponse, remote: RemoteChatDerender, first_timeout: float
+    engine: aiohttp.ClientResponse, remote: RemoteChatDerender | RemoteCompletionDerender, first_timeout: float
 ) -> AsyncIterator[bytes]:
     async for payload in engine_payloads(engine, first_timeout):
         if payload.startswith(b'{"error"'):
@@ -439,13 +448,13 @@ async def _remote_chunks(
 
 
 async def remote_stream(
-    http: web.Request, engine: aiohttp.ClientResponse, remote: RemoteChatDerender, first_timeout: float, request_id: str
+    http: web.Request, engine: aiohttp.ClientResponse, remote: RemoteChatDerender | RemoteCompletionDerender, first_timeout: float, request_id: str
 ) -> web.StreamResponse:
     """The tokens-remote route: every engine chunk goes through vLLM's stateless derender."""
     return await respond_stream(http, "tokens-remote", request_id, _remote_chunks(engine, remote, first_timeout))
 
 
-async def remote_json(engine: aiohttp.ClientResponse, remote: RemoteChatDerender) -> web.Response:
+async def remote_json(engine: aiohttp.ClientResponse, remote: RemoteChatDerender | RemoteCompletionDerender) -> web.Response:
     try:
         body = await remote.whole(await read_answer(engine))
     except RemoteServiceError as exc:

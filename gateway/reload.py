@@ -3,7 +3,9 @@
 A new value is decoded completely before it replaces the old one (one
 attribute assignment), so a request sees either version whole; requests
 already past the check keep what they saw. A file that does not load keeps
-the old value and logs why. Replace files atomically (write a sibling, then
+the old value and logs why, whatever went wrong (bad YAML, bytes that are
+not UTF-8, a file that vanished): the watcher never stops. Files are read
+on a worker thread, never on the event loop. Replace files atomically (write a sibling, then
 rename; a Kubernetes ConfigMap update does this): a file caught half-written
 may decode as a different, valid one.
 """
@@ -23,11 +25,11 @@ T = TypeVar("T")
 
 
 class WatchedFile(Generic[T]):
-    def __init__(self, path: str | Path, load: Callable[[Path], T], what: str, errors: tuple[type[Exception], ...]) -> None:
+    def __init__(self, path: str | Path, load: Callable[[Path], T], what: str) -> None:
+        """Load the file now (blocking: call it off the loop); a file that does not load is an error."""
         self.path = Path(path)
         self._load = load
         self._what = what
-        self._errors = errors
         self._stamp = self._read_stamp()
         self.current: T = load(self.path)
         self.reloads = 0
@@ -45,9 +47,9 @@ class WatchedFile(Generic[T]):
         self._stamp = self._read_stamp()
         try:
             value = self._load(self.path)
-        except self._errors as exc:
+        except Exception as exc:  # any failure keeps the last good value: a watcher must not stop
             self.rejected += 1
-            log.error("%s not reloaded, keeping the previous one: %s", self._what, exc)
+            log.error("%s not reloaded from %s, keeping the previous one: %s: %s", self._what, self.path, type(exc).__name__, exc)
             return False
         self.current = value
         self.reloads += 1
@@ -60,5 +62,5 @@ class WatchedFile(Generic[T]):
     async def watch(self, interval: float) -> None:
         while True:
             await asyncio.sleep(interval)
-            if self.changed():
-                self.reload()
+            if await asyncio.to_thread(self.changed):
+                await asyncio.to_thread(self.reload)

@@ -1,66 +1,72 @@
-"""What one gateway process holds: config, renderer, engine pools, keys, background tasks."""
+"""What one gateway process holds: config, the served models, engine pools, keys, background tasks."""
 
 from __future__ import annotations
 
 import asyncio
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from engine.derender.vocab import TokenVocab
 from engine.telemetry import Tracing, TracingConfig
 from gateway.admission import Gate
 from gateway.auth import Keys
 from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient
+from gateway.errors import ModelNotFound
 from gateway.feedback import EngineFeedback
 from gateway.metrics import GatewayMetrics
 from gateway.policy import Policy
 from gateway.reload import WatchedFile
-from gateway.render import LocalRenderer
+from gateway.runtime import ModelRuntime
+
 
 @dataclass
 class GatewayState:
     config: GatewayConfig
-    engines: EngineClient
-    """The main pool (config `engines`)."""
-    renderer: LocalRenderer | None = None
-    vocab: TokenVocab | None = None
+    gate: Gate
+    clients: list[EngineClient]
+    """Every pool's client (main, named, prefill) of every model: started, watched and closed together."""
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     tracing: Tracing = field(default_factory=lambda: Tracing(TracingConfig(), "onehop-gateway"))
-    fixed_policy: Policy = field(default_factory=Policy)
-    """The policy when no file is configured (the config's route, with capability fallbacks)."""
     policy_file: WatchedFile[Policy] | None = None
     feedback: EngineFeedback | None = None
-    gate: Gate | None = None
-    pools: dict[str, EngineClient] = field(default_factory=dict)
-    """Named pools (config `pools`), for policy rules that name one."""
-    prefill: EngineClient | None = None
-    """The prefill pool's client when serving is disaggregated."""
     key_file: WatchedFile[Keys] | None = None
     env_keys: Keys = field(default_factory=dict)
-    parses_locally: bool = True
-    """onehop implements the configured parsers, so the text and tokens routes can parse chat."""
+    models: dict[str, ModelRuntime] = field(default_factory=dict)
+    """Each served model under every name it answers to; built once at start."""
     background: set[asyncio.Task[None]] = field(default_factory=set)
     """Aborts sent after a client left; kept referenced until done."""
 
-    @property
-    def policy(self) -> Policy:
-        return self.policy_file.current if self.policy_file is not None else self.fixed_policy
+    def policy(self, model: ModelRuntime) -> Policy:
+        """The policy file's, as last loaded; without one, the model's fixed route."""
+        return self.policy_file.current if self.policy_file is not None else model.fixed_policy
 
-    def clients(self) -> list[EngineClient]:
-        """Every pool's client: the main one, the named ones, the prefill one."""
-        out = [self.engines, *self.pools.values()]
-        return out if self.prefill is None else [*out, self.prefill]
+    def model(self, name: str | None) -> ModelRuntime:
+        """The model a request names; a request that names none gets the first configured."""
+        if name is None:
+            return next(iter(self.models.values()))
+        found = self.models.get(name)
+        if found is None:
+            raise ModelNotFound(f"The model `{name}` does not exist.", param="model")
+        return found
+
+    def served(self) -> list[ModelRuntime]:
+        """Each model once, in config order."""
+        return list({id(model): model for model in self.models.values()}.values())
+
+    def admitted(self) -> AbstractAsyncContextManager[None]:
+        """A served-at-once slot, held to the answer's last byte (a 429 when none comes in time)."""
+        return self.gate.slot()
 
     def api_keys(self) -> Keys:
         """The keys accepted now: the environment's and the file's, as last loaded."""
         return {**self.env_keys, **(self.key_file.current if self.key_file is not None else {})}
 
-    def abort(self, url: str, request_id: str) -> None:
+    def abort(self, engines: EngineClient, url: str, request_id: str) -> None:
         """Tell the engine to stop a request whose client left (in the background)."""
         self.metrics.engine_aborts.inc()
-        self.spawn(self.engines.abort(url, request_id))  # the session reaches any pool's engines
+        self.spawn(engines.abort(url, request_id))
 
     def spawn(self, coro: object) -> None:
         task = asyncio.ensure_future(coro)  # type: ignore[arg-type]

@@ -298,7 +298,7 @@ class Requests:
             route="derender",
             stream=True,
             include_usage=True,
-            chat_request=self.chat,
+            derender_fields={"chat_request": msgspec.Raw(self.chat)},
         )
 
 

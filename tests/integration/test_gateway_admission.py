@@ -143,6 +143,21 @@ async def test_api_keys_from_a_file_reload_and_the_environment(
             while state.key_file is not None and state.key_file.rejected == 0 and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             assert await models("key-two") == 200
+            # So does a file that is not even text; and the watcher goes on: a later good file
+            # is loaded, and the key it no longer holds is revoked.
+            assert state.key_file is not None
+            rejected = state.key_file.rejected
+            keys.write_bytes(b"\xff\xfe key-\x80\n")
+            deadline = time.monotonic() + 5
+            while state.key_file.rejected == rejected and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert state.key_file.rejected == rejected + 1 and await models("key-two") == 200
+            replacement.write_text("key-three\n")
+            replacement.rename(keys)
+            deadline = time.monotonic() + 5
+            while await models("key-three") != 200 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert await models("key-three") == 200 and await models("key-two") == 401
 
 
 async def test_prompt_text_stays_out_of_the_logs(

@@ -52,7 +52,8 @@ async def test_span_tree_crosses_gateway_and_engine(qwen3_tokenizer_dir: Path) -
         answers = await _run(qwen3_tokenizer_dir, receiver)
     streamed, whole = answers
     servers = _server_spans(receiver)
-    assert [s.name for s in servers] == ["chat sim", "chat sim", "chat sim"]
+    # Named by the model the request asks for (GenAI conventions), served or not.
+    assert [s.name for s in servers] == ["chat sim", "chat sim", "chat nope"]
     relayed, derendered, missing = servers
 
     # The streaming request on the derender route: GenAI attributes and onehop's own.
@@ -100,6 +101,7 @@ async def test_span_tree_crosses_gateway_and_engine(qwen3_tokenizer_dir: Path) -
 
     # A refused request: error.type on the server span, no engine work.
     assert missing.attributes["error.type"] == "ModelNotFound"
+    assert missing.attributes["gen_ai.request.model"] == "nope"
     assert missing.attributes["http.response.status_code"] == 404
     assert receiver.children(missing) == []
 

@@ -18,8 +18,10 @@ from engine.state import ENGINE, EngineState
 
 @asynccontextmanager
 async def engine_server(tokenizer_dir: Path, **config: Any) -> AsyncIterator[tuple[str, EngineState]]:
-    """Start the engine on a free port with the sim backend (unless told otherwise)."""
+    """Start the engine on a free port with the sim backend (unless told otherwise), serving
+    the model `sim` (the name `gateway_server` configures)."""
     config.setdefault("backend", "sim")
+    config.setdefault("served_model_name", "sim")
     server = TestServer(create_app(EngineConfig(model=str(tokenizer_dir), **config)), handler_cancellation=True)
     await server.start_server()
     try:

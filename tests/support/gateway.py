@@ -20,7 +20,14 @@ async def gateway_server(tokenizer_dir: Path, engine_url: str | list[str], **con
     yield its `/v1` base URL and state."""
     urls = [engine_url] if isinstance(engine_url, str) else engine_url
     gateway = GatewayConfig(model="sim", tokenizer=str(tokenizer_dir), engines=[EngineEndpoint(url=u) for u in urls], **config)
-    server = TestServer(create_app(gateway), handler_cancellation=True)
+    async with configured_gateway(gateway) as running:
+        yield running
+
+
+@asynccontextmanager
+async def configured_gateway(config: GatewayConfig) -> AsyncIterator[tuple[str, GatewayState]]:
+    """Start the gateway with exactly this config on a free port; yield its `/v1` base URL and state."""
+    server = TestServer(create_app(config), handler_cancellation=True)
     await server.start_server()
     try:
         yield str(server.make_url("/v1")), server.app[GATEWAY]

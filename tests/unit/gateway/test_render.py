@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -50,4 +51,50 @@ def test_render_equals_the_chat_template(renderer: LocalRenderer, qwen3_tokenize
 @given(st.lists(st.sampled_from(["<|im_start|>", "user\n", " héllo", "🫠", "\n\n", "<|im_end|>", "<think>", "a\u0301", "  "]), max_size=20))
 def test_segmented_encode_equals_whole_encode(renderer: LocalRenderer, parts: list[str]) -> None:
     text = "".join(parts)
-    assert renderer.encode(text) == list(renderer.tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids)
+    assert renderer.encode_sync(text) == list(renderer.tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+async def test_a_huge_render_does_not_hold_up_a_small_one(qwen3_tokenizer_dir: Path) -> None:
+    """Renders run several at once, and long text is tokenized with the GIL released: a
+    small request sent while a multi-megabyte one renders is done first."""
+    renderer = LocalRenderer(qwen3_tokenizer_dir, workers=2)
+    try:
+        huge = msgspec.convert({"messages": [{"role": "user", "content": "many words here. " * 100_000}]}, ChatCompletionRequest)
+        small = msgspec.convert({"messages": [{"role": "user", "content": "hi"}]}, ChatCompletionRequest)
+        done: list[str] = []
+
+        async def render(name: str, request: ChatCompletionRequest) -> list[int]:
+            ids = await renderer.chat(request)
+            done.append(name)
+            return ids
+
+        big = asyncio.ensure_future(render("huge", huge))
+        await asyncio.sleep(0.05)  # the huge one is on a worker
+        small_ids = await render("small", small)
+        assert done == ["small"], "the small render waited for the huge one"
+        assert len(await big) > 200_000 and small_ids == renderer.chat_sync(small)
+        assert done == ["small", "huge"]
+    finally:
+        renderer.close()
+
+
+async def test_the_forced_tool_prefix_is_encoded_with_the_render(renderer: LocalRenderer) -> None:
+    request = msgspec.convert(CASES[2], ChatCompletionRequest)
+    suffix = "<tool_call>\n"
+    ids = await renderer.chat(request, suffix=suffix)
+    assert ids == renderer.chat_sync(request) + renderer.encode_sync(suffix)
+
+
+def test_the_turn_cache_is_bounded_in_bytes(qwen3_tokenizer_dir: Path) -> None:
+    renderer = LocalRenderer(qwen3_tokenizer_dir, workers=1, cache_bytes=64 * 1024)
+    try:
+        for i in range(400):
+            turn = f"<|im_start|>user\nmessage number {i} " + "words " * 40 + "<|im_end|>\n"
+            assert renderer.encode_sync(turn) == list(renderer.tokenizer.backend_tokenizer.encode(turn).ids)
+            assert renderer.cached_bytes <= 64 * 1024
+        assert renderer.cached_bytes > 32 * 1024  # it does cache
+        huge = "<|im_start|>user\n" + "word " * 20_000
+        renderer.encode_sync(huge)
+        assert huge not in renderer._segments  # over an eighth of the cache: not kept
+    finally:
+        renderer.close()

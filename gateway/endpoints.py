@@ -1,0 +1,309 @@
+"""What differs between OpenAI endpoints, as small adapters the one pipeline drives.
+
+An `Endpoint` decodes and checks its request, renders it to prompts (one for
+chat, one per prompt for completions), turns it into sampling parameters and
+the engine's derender-route fields, and makes the stateful derender of the
+text and tokens routes. The flow itself (`gateway.pipeline`) is the same for
+every endpoint; a new endpoint is one more adapter here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+import msgspec
+from aiohttp import web
+
+from engine.derender.chat import ChatDerender, ChatOptions, forced_tool_prefix
+from engine.derender.completion import CompletionDerender, CompletionOptions
+from engine.derender.parsers import bind_parsers
+from engine.openai_schema import (
+    CHAT_COMPLETION_CHUNK_DECODER,
+    CHAT_COMPLETION_DECODER,
+    CHAT_COMPLETION_REQUEST_DECODER,
+    COMPLETION_CHUNK_DECODER,
+    COMPLETION_DECODER,
+    COMPLETION_REQUEST_DECODER,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
+from gateway import remote
+from gateway.auth import TENANT_KEY
+from gateway.config import Limits, Route
+from gateway.engine_request import chat_sampling, completion_sampling
+from gateway.errors import InvalidRequest
+from gateway.policy import RequestFeatures
+from gateway.relay import remote_error
+from gateway.runtime import ModelRuntime
+from gateway.validate import check_chat, check_chat_limits, check_completion, check_completion_limits
+
+R = TypeVar("R", ChatCompletionRequest, CompletionRequest)
+RemoteDerender = remote.RemoteChatDerender | remote.RemoteCompletionDerender
+
+
+@dataclass(frozen=True, slots=True)
+class Described:
+    """A request's settings as the trace records them (GenAI conventions)."""
+
+    max_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    n: int | None
+    seed: int | None
+    stream: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """What every engine request of one client request shares: ids, usage wishes, the model."""
+
+    model: ModelRuntime
+    model_name: str
+    """The name the answer carries (the client's, which may be an alias)."""
+    response_id: str
+    created: int
+    include_usage: bool
+    continuous_usage: bool
+
+
+class CompletionsDerender(CompletionDerender):
+    """CompletionDerender with the chat-derender surface the relay expects (no role chunks)."""
+
+    def start(self) -> list[Any]:
+        return []
+
+
+class Endpoint(Protocol[R]):
+    name: str
+    """The endpoint's label (metrics, the policy's `endpoint`)."""
+    id_prefix: str
+    chunk_decoder: msgspec.json.Decoder[Any]
+    answer_decoder: msgspec.json.Decoder[Any]
+
+    def decode(self, body: bytes) -> R: ...
+
+    def check(self, request: R, limits: Limits) -> None: ...
+
+    def describe(self, request: R) -> Described: ...
+
+    def content(self, body: bytes) -> str:
+        """The request's input as sent, for `record_content` only."""
+        ...
+
+    async def render(self, model: ModelRuntime, request: R, body: bytes) -> list[list[int]]: ...
+
+    def features(self, request: R, prompts: list[list[int]], http: web.Request) -> RequestFeatures: ...
+
+    def sampling(self, request: R, model: ModelRuntime, route: Route) -> dict[str, Any]: ...
+
+    def engine_fields(self, body: bytes, index: int) -> dict[str, Any]:
+        """What the derender route's engine request carries besides the prompt (the client's request)."""
+        ...
+
+    def derender(self, request: R, answer: Answer, prompt: list[int], index: int) -> Any: ...
+
+    def remote_derender(self, answer: Answer, body: bytes, prompt: list[int]) -> RemoteDerender:
+        """vLLM's stateless derender of this endpoint (the tokens-remote route)."""
+        ...
+
+
+def decode(decoder: msgspec.json.Decoder[Any], body: bytes, what: str) -> Any:
+    try:
+        return decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"invalid {what} request: {exc}") from exc
+
+
+class _Messages(msgspec.Struct):
+    messages: msgspec.Raw = msgspec.Raw(b"[]")
+
+
+class _Prompt(msgspec.Struct):
+    prompt: msgspec.Raw = msgspec.Raw(b'""')
+
+
+def _headers(http: web.Request) -> dict[str, str]:
+    return {k.lower(): v for k, v in http.headers.items()}
+
+
+class Chat:
+    name = "chat"
+    id_prefix = "chatcmpl"
+    chunk_decoder = CHAT_COMPLETION_CHUNK_DECODER
+    answer_decoder = CHAT_COMPLETION_DECODER
+
+    def decode(self, body: bytes) -> ChatCompletionRequest:
+        request: ChatCompletionRequest = decode(CHAT_COMPLETION_REQUEST_DECODER, body, "chat completion")
+        return request
+
+    def check(self, request: ChatCompletionRequest, limits: Limits) -> None:
+        check_chat(request)
+        check_chat_limits(request, limits)
+
+    def describe(self, request: ChatCompletionRequest) -> Described:
+        return Described(_max_tokens(request), request.temperature, request.top_p, request.n, request.seed, bool(request.stream))
+
+    def content(self, body: bytes) -> str:
+        return bytes(msgspec.json.decode(body, type=_Messages).messages).decode("utf-8", "replace")
+
+    async def render(self, model: ModelRuntime, request: ChatCompletionRequest, body: bytes) -> list[list[int]]:
+        """Local chat template or vLLM's /render, then the forced tool-call opening, if any."""
+        forced = forced_tool_prefix(request, model.tool_parser)
+        if model.render == "local":
+            return [await model.renderer.chat(request, suffix=forced)]
+        assert model.remote_url is not None  # the config refuses render: remote without it
+        try:
+            rendered = await remote.render_chat(model.engines.session, model.remote_url, body)
+        except remote.RemoteServiceError as exc:
+            raise remote_error(exc) from exc
+        suffix = await model.renderer.encode(forced) if forced is not None else []
+        return [rendered.token_ids + suffix]
+
+    def features(self, request: ChatCompletionRequest, prompts: list[list[int]], http: web.Request) -> RequestFeatures:
+        kwargs = request.chat_template_kwargs or {}
+        return RequestFeatures(
+            endpoint="chat",
+            model=request.model or "",
+            stream=bool(request.stream),
+            logprobs=bool(request.logprobs),
+            top_logprobs=request.top_logprobs or 0,
+            n=request.n or 1,
+            max_tokens=_max_tokens(request),
+            prompt_tokens=len(prompts[0]),
+            tools=bool(request.tools),
+            reasoning=bool(kwargs.get("enable_thinking", True)),
+            headers=_headers(http),
+            tenant=http.get(TENANT_KEY),
+        )
+
+    def sampling(self, request: ChatCompletionRequest, model: ModelRuntime, route: Route) -> dict[str, Any]:
+        sampling = chat_sampling(request)
+        return _keep_special_tokens(model, sampling) if route == "text" else sampling
+
+    def engine_fields(self, body: bytes, index: int) -> dict[str, Any]:
+        return {"chat_request": msgspec.Raw(body)}
+
+    def derender(self, request: ChatCompletionRequest, answer: Answer, prompt: list[int], index: int) -> ChatDerender:
+        # The text options come from the same request fields the engine's sampling params were built from.
+        model = answer.model
+        options = ChatOptions.from_request(
+            request,
+            reasoning_parser=model.reasoning_parser,
+            tool_parser=model.tool_parser,
+            reasoning_field=model.reasoning_field,
+        )
+        return ChatDerender(
+            model.vocab,
+            options,
+            model=answer.model_name,
+            n=request.n or 1,
+            prompt_token_ids=prompt,
+            response_id=answer.response_id,
+            created=answer.created,
+            include_usage=answer.include_usage,
+            continuous_usage=answer.continuous_usage,
+        )
+
+    def remote_derender(self, answer: Answer, body: bytes, prompt: list[int]) -> remote.RemoteChatDerender:
+        model = answer.model
+        if model.remote_url is None:
+            raise InvalidRequest("the tokens-remote route needs remote_url in the gateway config", param="onehop-route")
+        return remote.RemoteChatDerender(
+            model.engines.session, model.remote_url, model=model.name, chat_request=body, prompt_token_ids=prompt
+        )
+
+
+class Completions:
+    name = "completions"
+    id_prefix = "cmpl"
+    chunk_decoder = COMPLETION_CHUNK_DECODER
+    answer_decoder = COMPLETION_DECODER
+
+    def decode(self, body: bytes) -> CompletionRequest:
+        request: CompletionRequest = decode(COMPLETION_REQUEST_DECODER, body, "completion")
+        return request
+
+    def check(self, request: CompletionRequest, limits: Limits) -> None:
+        check_completion(request)
+        check_completion_limits(request, limits)
+
+    def describe(self, request: CompletionRequest) -> Described:
+        return Described(request.max_tokens, request.temperature, request.top_p, request.n, request.seed, bool(request.stream))
+
+    def content(self, body: bytes) -> str:
+        return bytes(msgspec.json.decode(body, type=_Prompt).prompt).decode("utf-8", "replace")
+
+    async def render(self, model: ModelRuntime, request: CompletionRequest, body: bytes) -> list[list[int]]:
+        if model.render == "local":
+            return await model.renderer.completion_prompts(request)
+        assert model.remote_url is not None
+        try:
+            rendered = await remote.render_completion(model.engines.session, model.remote_url, body)
+        except remote.RemoteServiceError as exc:
+            raise remote_error(exc) from exc
+        return [item.token_ids for item in rendered]
+
+    def features(self, request: CompletionRequest, prompts: list[list[int]], http: web.Request) -> RequestFeatures:
+        return RequestFeatures(
+            endpoint="completions",
+            model=request.model or "",
+            stream=bool(request.stream),
+            logprobs=request.logprobs is not None,
+            top_logprobs=request.logprobs or 0,
+            n=(request.n or 1) * len(prompts),
+            max_tokens=request.max_tokens,
+            prompt_tokens=sum(len(p) for p in prompts),
+            headers=_headers(http),
+            tenant=http.get(TENANT_KEY),
+        )
+
+    def sampling(self, request: CompletionRequest, model: ModelRuntime, route: Route) -> dict[str, Any]:
+        return completion_sampling(request)
+
+    def engine_fields(self, body: bytes, index: int) -> dict[str, Any]:
+        return {"completion_request": msgspec.Raw(body), "prompt_index": index}
+
+    def derender(self, request: CompletionRequest, answer: Answer, prompt: list[int], index: int) -> CompletionsDerender:
+        n = request.n or 1
+        return CompletionsDerender(
+            answer.model.vocab,
+            CompletionOptions.from_request(request),
+            model=answer.model_name,
+            n=n,
+            first_index=index * n,  # OpenAI numbers choices prompt_index * n + i
+            prompt_token_ids=prompt,
+            response_id=answer.response_id,
+            created=answer.created,
+            include_usage=answer.include_usage,
+            continuous_usage=answer.continuous_usage,
+        )
+
+    def remote_derender(self, answer: Answer, body: bytes, prompt: list[int]) -> remote.RemoteCompletionDerender:
+        model = answer.model
+        if model.remote_url is None:
+            raise InvalidRequest("the tokens-remote route needs remote_url in the gateway config", param="onehop-route")
+        return remote.RemoteCompletionDerender(
+            model.engines.session, model.remote_url, model=model.name, completion_request=body, prompt_token_ids=prompt
+        )
+
+
+def _max_tokens(request: ChatCompletionRequest) -> int | None:
+    return request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+
+
+def _keep_special_tokens(model: ModelRuntime, sampling: dict[str, Any]) -> dict[str, Any]:
+    """On the text route the gateway finds markers in text: families whose markers are
+    special tokens (Kimi, Harmony, DeepSeek) need the engine to keep special tokens' text,
+    as vLLM's renderer asks its engine for those parsers."""
+    if sampling.get("skip_special_tokens") is False:
+        return sampling
+    vocab = model.vocab
+    parsers = bind_parsers(vocab, model.reasoning_parser, model.tool_parser)
+    if parsers is not None and any(token_id in vocab.special_ids for token_id in parsers.atomic_ids):
+        return {**sampling, "skip_special_tokens": False}
+    return sampling
+
+
+CHAT = Chat()
+COMPLETIONS = Completions()
