@@ -87,41 +87,49 @@ async def _runtime(plan: _ModelPlan) -> ModelRuntime:
     )
 
 
-async def _lifecycle(app: web.Application, plans: list[_ModelPlan]) -> AsyncIterator[None]:
-    state = app[GATEWAY]
+async def _start(state: GatewayState, plans: list[_ModelPlan], loops: Supervisor) -> None:
+    """Everything before the first request: engines resolved and checked, files loaded,
+    each model's runtime built, background loops running."""
     config = state.config
-    for engines in state.clients:
-        await engines.start()
     try:
         for engines in state.clients:
             await engines.pool.resolve()
-            await engines.check_engines()
+            await engines.check_engines(strict=True)
     except EngineMismatch as exc:
-        for engines in state.clients:
-            await engines.close()
         raise ConfigError(f"refusing to start: {exc.message}") from exc
-    loops = Supervisor(lambda name: state.metrics.background_restarts.labels(name).inc())
     if config.policy is not None:
         pools = {name for plan in plans for name in plan.pools}
-        policy = config.policy
-        state.policy_file = await asyncio.to_thread(
-            WatchedFile, policy, lambda path: policy_for(path, pools), "policy"
-        )
-        loops.start("policy_file", lambda: state.policy_file.watch(config.policy_poll_s))  # type: ignore[union-attr]
+        policy = await asyncio.to_thread(WatchedFile, config.policy, lambda path: policy_for(path, pools), "policy")
+        state.policy_file = policy
+        loops.start("policy_file", lambda: policy.watch(config.policy_poll_s))
     if config.auth.api_keys_file is not None:
-        state.key_file = await asyncio.to_thread(WatchedFile, config.auth.api_keys_file, load_key_file, "API keys")
-        loops.start("key_file", lambda: state.key_file.watch(config.auth.poll_s))  # type: ignore[union-attr]
-    for engines in state.clients:
-        loops.start("health", engines.watch_health)
-        loops.start("dns", lambda engines=engines: engines.pool.watch_dns(config.health.dns_interval_s))  # type: ignore[misc]
-    prefill = {id(plan.prefill) for plan in plans}
-    urls = [url for engines in state.clients if id(engines) not in prefill for url in engines.pool.urls()]
-    state.feedback = EngineFeedback(urls, config.feedback_interval_s)
-    loops.start("feedback", lambda: state.feedback.run(state.clients[0].session))  # type: ignore[union-attr]
+        keys = await asyncio.to_thread(WatchedFile, config.auth.api_keys_file, load_key_file, "API keys")
+        state.key_file = keys
+        loops.start("key_file", lambda: keys.watch(config.auth.poll_s))
     for plan in plans:
         runtime = await _runtime(plan)
         for name in plan.config.names():
             state.models[name] = runtime
+    for engines in state.clients:
+        loops.start("health", engines.watch_health)
+        loops.start("dns", lambda engines=engines: engines.watch_dns(config.health.dns_interval_s))  # type: ignore[misc]
+    loops.start("feedback", lambda: state.feedback.run(state.clients[0].session))
+
+
+async def _lifecycle(app: web.Application, plans: list[_ModelPlan]) -> AsyncIterator[None]:
+    state = app[GATEWAY]
+    loops = Supervisor(lambda name: state.metrics.background_restarts.labels(name).inc())
+    for engines in state.clients:
+        await engines.start()
+    try:
+        await _start(state, plans, loops)
+    except BaseException:
+        await loops.stop()
+        for engines in state.clients:
+            await engines.close()
+        for model in state.served():
+            model.renderer.close()
+        raise
     yield
     await loops.stop()
     # Aborts still in flight need the engine session: let them finish (they are
@@ -279,7 +287,9 @@ def create_app(config: GatewayConfig) -> web.Application:
         )
     gate = Gate(config.admission, metrics.admission_rejections.inc)
     clients = [engines for plan in plans for engines in plan.clients()]
-    state = GatewayState(config=config, gate=gate, clients=clients, tracing=tracing, metrics=metrics)
+    decoding = [engines for plan in plans for engines in plan.clients() if engines is not plan.prefill]
+    feedback = EngineFeedback(lambda: [url for engines in decoding for url in engines.pool.urls()], config.feedback_interval_s)
+    state = GatewayState(config=config, gate=gate, clients=clients, feedback=feedback, tracing=tracing, metrics=metrics)
     app[GATEWAY] = state
     metrics.watch_admission(gate)
     if config.auth.api_keys_env is not None:

@@ -93,7 +93,9 @@ class Endpoint(Protocol[R]):
 
     async def render(self, model: ModelRuntime, request: R, body: bytes) -> list[list[int]]: ...
 
-    def features(self, request: R, prompts: list[list[int]], http: web.Request) -> RequestFeatures: ...
+    def features(self, request: R, model: str, prompts: list[list[int]], http: web.Request) -> RequestFeatures:
+        """What the policy looks at; `model` is the served name (an alias resolved)."""
+        ...
 
     def sampling(self, request: R, model: ModelRuntime, route: Route) -> dict[str, Any]: ...
 
@@ -160,11 +162,11 @@ class Chat:
         suffix = await model.renderer.encode(forced) if forced is not None else []
         return [rendered.token_ids + suffix]
 
-    def features(self, request: ChatCompletionRequest, prompts: list[list[int]], http: web.Request) -> RequestFeatures:
+    def features(self, request: ChatCompletionRequest, model: str, prompts: list[list[int]], http: web.Request) -> RequestFeatures:
         kwargs = request.chat_template_kwargs or {}
         return RequestFeatures(
             endpoint="chat",
-            model=request.model or "",
+            model=model,
             stream=bool(request.stream),
             logprobs=bool(request.logprobs),
             top_logprobs=request.top_logprobs or 0,
@@ -244,10 +246,10 @@ class Completions:
             raise remote_error(exc) from exc
         return [item.token_ids for item in rendered]
 
-    def features(self, request: CompletionRequest, prompts: list[list[int]], http: web.Request) -> RequestFeatures:
+    def features(self, request: CompletionRequest, model: str, prompts: list[list[int]], http: web.Request) -> RequestFeatures:
         return RequestFeatures(
             endpoint="completions",
-            model=request.model or "",
+            model=model,
             stream=bool(request.stream),
             logprobs=request.logprobs is not None,
             top_logprobs=request.logprobs or 0,

@@ -319,16 +319,28 @@ class EngineClient:
         """The context length the pool's engines reported (None until one did, or from stock vLLM)."""
         return self._max_model_len
 
-    async def check_engines(self) -> None:
-        """Read every engine's capabilities now: a mismatch stops the gateway (`EngineMismatch`);
-        an engine that does not answer yet is checked when it is first picked."""
+    async def check_engines(self, *, strict: bool) -> None:
+        """Read the capabilities of every engine not read yet. `strict` (at start): a mismatch
+        raises `EngineMismatch`, and the gateway does not start; otherwise (new addresses
+        after a DNS change) it is logged, and the engine is never used. An engine that does
+        not answer yet is checked when it is first picked."""
         for url in self.pool.urls():
             try:
                 await self.routes(url)
             except EngineMismatch:
-                raise
+                if strict:
+                    raise
             except (EngineUnavailable, EngineFailed) as exc:
-                log.warning("engine %s not checked at start (%s): it will be when first picked", url, exc.message)
+                log.warning("engine %s not checked yet (%s): it will be when first picked", url, exc.message)
+
+    async def watch_dns(self, interval: float) -> None:
+        """Look `resolve: true` host names up again every `interval`, and check new engines."""
+        if not self.pool.resolves():
+            return
+        while True:
+            await asyncio.sleep(interval)
+            await self.pool.resolve()
+            await self.check_engines(strict=False)
 
     async def abort(self, url: str, request_id: str) -> None:
         """Best effort: the engine also aborts when the stream's connection closes."""

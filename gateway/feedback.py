@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -61,7 +62,8 @@ def load_between(before: Sample, after: Sample) -> Load:
 class EngineFeedback:
     """The latest `Load` of every engine, refreshed by `run()`."""
 
-    def __init__(self, urls: list[str], interval: float) -> None:
+    def __init__(self, urls: Callable[[], list[str]], interval: float) -> None:
+        """`urls()` names the engines to scrape now (pools change with DNS)."""
         self._urls = urls
         self._interval = interval
         self._last: dict[str, Sample] = {}
@@ -72,7 +74,7 @@ class EngineFeedback:
 
     async def run(self, session: aiohttp.ClientSession) -> None:
         while True:
-            await asyncio.gather(*(self.scrape(session, url) for url in self._urls))
+            await asyncio.gather(*(self.scrape(session, url) for url in self._urls()))
             await asyncio.sleep(self._interval)
 
     async def scrape(self, session: aiohttp.ClientSession, url: str) -> None:

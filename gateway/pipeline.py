@@ -90,7 +90,7 @@ async def serve(http: web.Request, endpoint: Endpoint[Any]) -> web.StreamRespons
         with measured(state, "render", server) as span:
             prompts = await endpoint.render(model, request, body)
             span.set_attribute("onehop.prompt_tokens", sum(len(p) for p in prompts))
-        target = await choose_route(state, model, http, endpoint.features(request, prompts, http), prompts[0])
+        target = await choose_route(state, model, http, endpoint.features(request, model.name, prompts, http), prompts[0])
         exchange = Exchange(http, state, model, endpoint, request, body, prompts, target, response_id)
         return await guard_disconnect(state, model, exchange.legs, exchange.run)
 

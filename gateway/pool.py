@@ -159,9 +159,6 @@ class Pool:
                 urls.append(f"{url.scheme}://{host}:{port}")
         self._set_urls(urls)
 
-    async def watch_dns(self, interval: float) -> None:
-        if not any(m.resolve for m in self.members):
-            return
-        while True:
-            await self.resolve()
-            await asyncio.sleep(interval)
+    def resolves(self) -> bool:
+        """Whether any member is a host name to look up again (`resolve: true`)."""
+        return any(m.resolve for m in self.members)

@@ -72,10 +72,8 @@ def _decide(
             raise InvalidRequest(f"route {wanted!r} is not available on this engine", param=ROUTE_HEADER)
         http[ROUTE_KEY], http[REASON_KEY] = wanted, f"{ROUTE_HEADER} header"
         return wanted, "header", None  # type: ignore[return-value]
-    load = state.feedback.load(url) if state.feedback is not None else None
-    engine = EngineState(routes=available)
-    if load is not None:
-        engine = EngineState(routes=available, output_cpu_cores=load.output_cpu_cores, in_flight=load.in_flight)
+    load = state.feedback.load(url)
+    engine = EngineState(routes=available, output_cpu_cores=load.output_cpu_cores, in_flight=load.in_flight)
     policy = state.policy(model)
     try:
         decision = decide(policy, features, engine)

@@ -27,10 +27,11 @@ class GatewayState:
     gate: Gate
     clients: list[EngineClient]
     """Every pool's client (main, named, prefill) of every model: started, watched and closed together."""
+    feedback: EngineFeedback
+    """Live load of every decoding engine, for the cost policy."""
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     tracing: Tracing = field(default_factory=lambda: Tracing(TracingConfig(), "onehop-gateway"))
     policy_file: WatchedFile[Policy] | None = None
-    feedback: EngineFeedback | None = None
     key_file: WatchedFile[Keys] | None = None
     env_keys: Keys = field(default_factory=dict)
     models: dict[str, ModelRuntime] = field(default_factory=dict)

@@ -1,7 +1,8 @@
 """The gateway's background loops, under one supervisor that keeps them running.
 
 Health checks, DNS refreshes, feedback scraping and file watching each run
-forever. A loop that fails (or returns) is logged with its traceback, counted
+forever (a loop with nothing to do returns at once, and is done). A loop
+that fails is logged with its traceback, counted
 in `onehop_gateway_background_restarts_total{loop}` and started again after
 `restart_s`: one engine answering garbage, or one unreadable file, must not
 stop the work for every other engine or for the next good file.
@@ -32,7 +33,7 @@ class Supervisor:
         while True:
             try:
                 await loop()
-                log.error("background loop %s returned; starting it again", name)
+                return  # nothing (more) to do: a pool with no name to resolve, say
             except Exception:
                 log.exception("background loop %s failed; starting it again in %s s", name, self._restart_s)
             self._on_restart(name)

@@ -191,3 +191,54 @@ async def test_a_pool_that_serves_another_model_or_other_parsers_is_refused(qwen
         wrong_parsers = GatewayConfig(model="kimi", tokenizer=str(kimi_dir), engines=[EngineEndpoint(url=kimi_url)], **KIMI)
         message = await _refused(wrong_parsers)
         assert kimi_url in message and "tool parser None" in message and "'kimi_k2'" in message
+
+
+MODEL_POLICY = """
+rules:
+  - name: qwen-tokens
+    match: {model: qwen}
+    route: tokens
+  - name: kimi-batch
+    match: {model: kimi, header: {name: x-batch, equals: "1"}}
+    route: text
+    pool: batch
+default: derender
+"""
+
+
+async def test_policy_rules_match_the_model_and_send_to_its_pools(qwen3_tokenizer_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "policy.yaml").write_text(MODEL_POLICY)
+    kimi_dir = _kimi_dir()
+    async with (
+        engine_server(qwen3_tokenizer_dir, served_model_name="qwen", **QWEN) as (qwen_url, _),
+        engine_server(kimi_dir, served_model_name="kimi", **KIMI) as (kimi_url, _),
+        engine_server(kimi_dir, served_model_name="kimi", **KIMI) as (batch_url, _),
+        aiohttp.ClientSession() as session,
+    ):
+        config = GatewayConfig(
+            models=[
+                ModelConfig(name="qwen", tokenizer=str(qwen3_tokenizer_dir), engines=[EngineEndpoint(url=qwen_url)], **QWEN),
+                ModelConfig(
+                    name="kimi", aliases=["moonshot"], tokenizer=str(kimi_dir), engines=[EngineEndpoint(url=kimi_url)],
+                    pools={"batch": [EngineEndpoint(url=batch_url)]}, **KIMI,
+                ),
+            ],
+            policy=str(tmp_path / "policy.yaml"),
+            route_header=False,
+        )
+        async with (
+            configured_gateway(config) as (base, _),
+            openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0) as client,
+        ):
+            for model, headers, route, rule in (
+                ("qwen", {}, "tokens", "qwen-tokens"),
+                ("kimi", {}, "derender", "default"),
+                ("moonshot", {"x-batch": "1"}, "text", "kimi-batch"),  # an alias matches as its model
+                ("qwen", {"x-batch": "1"}, "tokens", "qwen-tokens"),
+            ):
+                raw = await client.chat.completions.with_raw_response.create(
+                    model=model, messages=MESSAGES, max_tokens=4, extra_headers=headers
+                )
+                assert (raw.headers["onehop-route"], rule in raw.headers["onehop-policy"]) == (route, True), model
+        served = {name: await _served(session, url) for name, url in (("qwen", qwen_url), ("kimi", kimi_url), ("batch", batch_url))}
+        assert served == {"qwen": 2, "kimi": 1, "batch": 1}

@@ -30,3 +30,46 @@ def test_remote_route_needs_a_url(tmp_path: Path) -> None:
     path.write_text("model: m\ntokenizer: t\nengines: [{url: 'http://x'}]\nroute: tokens-remote\n")
     with pytest.raises(ConfigError, match="remote_url"):
         load_config(path)
+
+
+MODELS = """
+route: tokens
+tool_parser: hermes
+models:
+  - name: a
+    aliases: [alpha]
+    tokenizer: /t/a
+    engines: [{url: 'http://a'}]
+  - name: b
+    tokenizer: /t/b
+    engines: [{url: 'http://b'}]
+    route: derender
+    tool_parser: null
+"""
+
+
+def test_several_models_take_the_top_level_settings_as_defaults(tmp_path: Path) -> None:
+    path = tmp_path / "models.yaml"
+    path.write_text(MODELS)
+    a, b = load_config(path).served_models()
+    assert (a.name, a.names(), a.route, a.tool_parser, a.reasoning_parser) == ("a", ["a", "alpha"], "tokens", "hermes", "auto")
+    assert (b.route, b.tool_parser, b.render) == ("derender", None, "local")
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        (MODELS + "model: c\n", "model belong inside each model"),
+        (MODELS + "engines: [{url: 'http://c'}]\n", "engines belong inside each model"),
+        (MODELS.replace("name: b", "name: alpha"), "'alpha' is given twice"),
+        (MODELS.replace("    route: derender\n", "    route: derender\n    rotue: text\n"), "rotue"),
+        (MODELS.replace("    route: derender\n", "    route: tokens-remote\n"), "model 'b': remote_url is required"),
+        ("tokenizer: t\nengines: [{url: 'http://x'}]\n", "give model, tokenizer and engines"),
+        ("models: []\n", "give model, tokenizer and engines"),
+    ],
+)
+def test_a_models_config_that_cannot_be_served_is_refused(tmp_path: Path, text: str, error: str) -> None:
+    path = tmp_path / "models.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=error):
+        load_config(path)

@@ -56,7 +56,7 @@ async def test_one_engine_answering_html_does_not_stop_the_others_feedback() -> 
     for server in servers:
         await server.start_server()
     urls = [str(server.make_url("")).rstrip("/") for server in servers]
-    feedback = EngineFeedback(urls, 0.01)
+    feedback = EngineFeedback(lambda: urls, 0.01)
     try:
         async with aiohttp.ClientSession() as session:
             run = asyncio.ensure_future(feedback.run(session))
