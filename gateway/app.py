@@ -29,7 +29,7 @@ from gateway.config import ConfigError, EngineEndpoint, GatewayConfig, ModelConf
 from gateway.engine_client import ABORT_TIMEOUT_S, EngineClient, EngineMismatch, Expected
 from gateway.errors import ERROR_KEY, Handler, gateway_error_middleware
 from gateway.feedback import EngineFeedback
-from gateway.observe import MODEL_KEY, OPERATIONS, SPAN_KEY, STARTED_KEY
+from gateway.observe import GONE_KEY, MODEL_KEY, OPERATIONS, SPAN_KEY, STARTED_KEY
 from gateway.pipeline import handle_chat, handle_completion
 from gateway.routing import REASON_KEY, ROUTE_KEY
 from gateway.runtime import ModelRuntime
@@ -191,7 +191,10 @@ async def observe_middleware(request: web.Request, handler: Handler) -> web.Stre
             )
         try:
             response = await handler(request)
-            status = str(response.status)
+            if request.get(GONE_KEY):  # it left mid-stream: the 200 it was sent is not what it got
+                metrics.disconnects.labels(request.get(ROUTE_KEY, "none")).inc()
+            else:
+                status = str(response.status)
             return response
         except asyncio.CancelledError:
             metrics.disconnects.labels(request.get(ROUTE_KEY, "none")).inc()

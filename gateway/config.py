@@ -19,6 +19,8 @@ CONNECT_TIMEOUT_S = 5.0
 FIRST_TOKEN_TIMEOUT_S = 120.0
 IDLE_TIMEOUT_S = 60.0
 REQUEST_TIMEOUT_S = 600.0
+CLIENT_BODY_TIMEOUT_S = 30.0
+CLIENT_WRITE_TIMEOUT_S = 60.0
 MAX_BODY_BYTES = 16 * 1024 * 1024
 
 
@@ -35,6 +37,11 @@ class Timeouts(Struct, forbid_unknown_fields=True, kw_only=True):
     """Streams: longest silence between two events."""
     request_s: Annotated[float, Meta(gt=0)] = REQUEST_TIMEOUT_S
     """Non-streaming requests: the whole generation."""
+    client_body_s: Annotated[float, Meta(gt=0)] = CLIENT_BODY_TIMEOUT_S
+    """Reading a client's request body, headers to last byte (nginx's client_body_timeout): a 408."""
+    client_write_s: Annotated[float, Meta(gt=0)] = CLIENT_WRITE_TIMEOUT_S
+    """Streams: longest wait for a client to take what was sent (nginx's send_timeout); then the
+    stream is closed and its engine request aborted, as for a client that left."""
 
 
 class Admission(Struct, forbid_unknown_fields=True, kw_only=True):

@@ -97,7 +97,13 @@ class Endpoint(Protocol[R]):
         """What the policy looks at; `model` is the served name (an alias resolved)."""
         ...
 
-    def sampling(self, request: R, model: ModelRuntime, route: Route) -> dict[str, Any]: ...
+    def sampling(self, request: R) -> dict[str, Any]:
+        """The engine's sampling parameters, checked (before anything costly is done)."""
+        ...
+
+    def route_sampling(self, sampling: dict[str, Any], model: ModelRuntime, route: Route) -> dict[str, Any]:
+        """`sampling` as the chosen route needs it."""
+        ...
 
     def engine_fields(self, body: bytes, index: int) -> dict[str, Any]:
         """What the derender route's engine request carries besides the prompt (the client's request)."""
@@ -179,8 +185,10 @@ class Chat:
             tenant=http.get(TENANT_KEY),
         )
 
-    def sampling(self, request: ChatCompletionRequest, model: ModelRuntime, route: Route) -> dict[str, Any]:
-        sampling = chat_sampling(request)
+    def sampling(self, request: ChatCompletionRequest) -> dict[str, Any]:
+        return chat_sampling(request)
+
+    def route_sampling(self, sampling: dict[str, Any], model: ModelRuntime, route: Route) -> dict[str, Any]:
         return _keep_special_tokens(model, sampling) if route == "text" else sampling
 
     def engine_fields(self, body: bytes, index: int) -> dict[str, Any]:
@@ -260,8 +268,11 @@ class Completions:
             tenant=http.get(TENANT_KEY),
         )
 
-    def sampling(self, request: CompletionRequest, model: ModelRuntime, route: Route) -> dict[str, Any]:
+    def sampling(self, request: CompletionRequest) -> dict[str, Any]:
         return completion_sampling(request)
+
+    def route_sampling(self, sampling: dict[str, Any], model: ModelRuntime, route: Route) -> dict[str, Any]:
+        return sampling  # no parsers: the route changes nothing
 
     def engine_fields(self, body: bytes, index: int) -> dict[str, Any]:
         return {"completion_request": msgspec.Raw(body), "prompt_index": index}

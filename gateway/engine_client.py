@@ -144,13 +144,17 @@ class EngineClient:
 
     async def start(self) -> None:
         timeouts = self._timeouts
-        self._stream_timeout = aiohttp.ClientTimeout(total=None, connect=timeouts.connect_s, sock_read=timeouts.idle_s)
+        # No sock_read: it would also cut a first event that takes longer than idle_s; the
+        # relay times each read itself (first_token_s, then idle_s).
+        self._stream_timeout = aiohttp.ClientTimeout(total=None, connect=timeouts.connect_s)
         self._json_timeout = aiohttp.ClientTimeout(total=timeouts.request_s, connect=timeouts.connect_s)
         # Idle connections are dropped before the server drops them (vLLM's uvicorn
         # closes them after 5 s): reusing one the server is closing fails the request
         # before it is sent, most often when the gateway's loop is busy.
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
-        self._session = aiohttp.ClientSession(timeout=self._stream_timeout, connector=connector)
+        # Everything else on the session (vLLM's render/derender services, probes) keeps a read bound.
+        default = aiohttp.ClientTimeout(total=None, connect=timeouts.connect_s, sock_read=timeouts.idle_s)
+        self._session = aiohttp.ClientSession(timeout=default, connector=connector)
 
     async def close(self) -> None:
         if self._session is not None:
@@ -179,9 +183,20 @@ class EngineClient:
                 tried.add(endpoint.url)
                 if len(tried) > self._health.retries:
                     raise
-                log.warning("engine %s cannot be probed (%s); picking another", endpoint.url, exc)
+                other = self._another(tried, prompt)
+                if other is None:
+                    raise
+                log.warning("engine %s cannot be probed (%s); picking %s", endpoint.url, exc, other.url)
                 self._on_retry(endpoint.url)
-                endpoint = self.pool.pick(tried, prompt=prompt)
+                endpoint = other
+
+    def _another(self, tried: set[str], prompt: Sequence[int] | None = None) -> Endpoint | None:
+        """An engine not tried yet, if any (with none left the last failure is the answer,
+        naming its cause, rather than "every circuit is open")."""
+        try:
+            return self.pool.pick(tried, prompt=prompt)
+        except EngineUnavailable:
+            return None
 
     @asynccontextmanager
     async def open(
@@ -215,9 +230,12 @@ class EngineClient:
                 tried.add(current.url)
                 if len(tried) > self._health.retries:
                     raise
-                log.warning("engine %s failed before answering (%s); retrying elsewhere", current.url, exc)
+                other = self._another(tried)
+                if other is None:
+                    raise
+                endpoint = other
+                log.warning("engine %s failed before answering (%s); retrying on %s", current.url, exc, endpoint.url)
                 self._on_retry(current.url)
-                endpoint = self.pool.pick(tried)  # EngineUnavailable when no other engine is left
             finally:
                 current.outstanding -= 1
 
@@ -276,8 +294,9 @@ class EngineClient:
         finally:
             span.end()
 
-    def first_event_timeout(self) -> float:
-        return self._timeouts.first_token_s
+    @property
+    def timeouts(self) -> Timeouts:
+        return self._timeouts
 
     async def routes(self, url: str) -> frozenset[str]:
         """Routes this engine can serve, probed once: a onehop engine lists its output modes;
@@ -301,8 +320,10 @@ class EngineClient:
                     body = await response.read()
                     if response.status != 200:
                         raise EngineUnavailable(f"the engine's capabilities answer was {response.status}")
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            raise EngineUnavailable(f"cannot reach the engine: {exc}") from exc
+        except TimeoutError as exc:
+            raise EngineUnavailable(f"the engine's capabilities did not come within {PROBE_TIMEOUT_S} s") from exc
+        except aiohttp.ClientError as exc:
+            raise EngineUnavailable(f"cannot reach the engine: {exc or type(exc).__name__}") from exc
         try:
             caps = _CAPABILITIES.decode(body)
         except msgspec.DecodeError as exc:

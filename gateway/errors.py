@@ -5,6 +5,7 @@
     ├── Unauthorized        401
     ├── ModelNotFound       404
     ├── RouteNotFound       404
+    ├── RequestTimeout      408   the request body did not arrive in time
     ├── PayloadTooLarge     413
     ├── Unprocessable       422   well-formed but impossible (e.g. prompt longer than the context)
     ├── RateLimited         429
@@ -37,6 +38,8 @@ class GatewayError(Exception):
     type = "InternalServerError"
     headers: dict[str, str] | None = None
     """Extra response headers (e.g. `Retry-After` on a 429)."""
+    close_connection = False
+    """The connection cannot serve another request (its body was never read to the end)."""
 
     def __init__(self, message: str, *, param: str | None = None, status: int | None = None) -> None:
         super().__init__(message)
@@ -64,6 +67,12 @@ class ModelNotFound(GatewayError):
 class RouteNotFound(GatewayError):
     status = 404
     type = "NotFoundError"
+
+
+class RequestTimeout(GatewayError):
+    status = 408
+    type = "RequestTimeoutError"
+    close_connection = True
 
 
 class PayloadTooLarge(GatewayError):
@@ -130,7 +139,10 @@ async def gateway_error_middleware(request: web.Request, handler: Handler) -> we
         if error.status >= 500:
             log.exception("request failed: %s %s", request.method, request.path)
     request[ERROR_KEY] = type(error).__name__
-    return web.Response(status=error.status, body=error_json(error), content_type="application/json", headers=error.headers)
+    response = web.Response(status=error.status, body=error_json(error), content_type="application/json", headers=error.headers)
+    if error.close_connection:
+        response.force_close()
+    return response
 
 
 class ClientGone(Exception):

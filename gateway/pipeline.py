@@ -30,15 +30,14 @@ import aiohttp
 import msgspec
 from aiohttp import web
 from msgspec import UNSET
-from opentelemetry import trace
 
 from engine.openai_schema import Usage
 from gateway.disagg import prefill
 from gateway.endpoints import CHAT, COMPLETIONS, Answer, Endpoint
 from gateway.engine_client import Target
 from gateway.engine_request import generate_body
-from gateway.errors import ClientGone, InvalidRequest
-from gateway.observe import MODEL_KEY, SPAN_KEY, DerenderWork, describe_model, describe_outcome, describe_request, measured
+from gateway.errors import ClientGone, InvalidRequest, RequestTimeout
+from gateway.observe import GONE_KEY, MODEL_KEY, SPAN_KEY, DerenderWork, describe_model, describe_outcome, describe_request, measured
 from gateway.relay import (
     derender_answer,
     derendered,
@@ -70,11 +69,12 @@ async def handle_completion(http: web.Request) -> web.StreamResponse:
 
 async def serve(http: web.Request, endpoint: Endpoint[Any]) -> web.StreamResponse:
     state = http.app[GATEWAY]
-    body = await http.read()
+    body = await read_body(http, state.config.timeouts.client_body_s)
     request = endpoint.decode(body)
     server = http[SPAN_KEY]
     describe_model(server, endpoint.name, request.model)
     endpoint.check(request, state.config.limits)
+    sampling = endpoint.sampling(request)
     model = state.model(request.model)
     http[MODEL_KEY] = model.name
     described = endpoint.describe(request)
@@ -91,8 +91,18 @@ async def serve(http: web.Request, endpoint: Endpoint[Any]) -> web.StreamRespons
             prompts = await endpoint.render(model, request, body)
             span.set_attribute("onehop.prompt_tokens", sum(len(p) for p in prompts))
         target = await choose_route(state, model, http, endpoint.features(request, model.name, prompts, http), prompts[0])
-        exchange = Exchange(http, state, model, endpoint, request, body, prompts, target, response_id)
-        return await guard_disconnect(state, model, exchange.legs, exchange.run)
+        exchange = Exchange(http, state, model, endpoint, request, body, prompts, sampling, target, response_id)
+        return await guard_disconnect(http, state, model, exchange.legs, exchange.run)
+
+
+async def read_body(http: web.Request, limit_s: float) -> bytes:
+    """The request body, within `limit_s`: a client that trickles it holds a connection
+    and a buffer, so it gets a 408 (no admission slot is taken before the body is in)."""
+    try:
+        async with asyncio.timeout(limit_s):
+            return await http.read()
+    except TimeoutError as exc:
+        raise RequestTimeout(f"the request body did not arrive within client_body_s={limit_s} s") from exc
 
 
 @dataclass
@@ -113,7 +123,11 @@ class Leg:
 
 
 async def guard_disconnect(
-    state: GatewayState, model: ModelRuntime, legs: Sequence[Leg], work: Callable[[], Awaitable[web.StreamResponse]]
+    http: web.Request,
+    state: GatewayState,
+    model: ModelRuntime,
+    legs: Sequence[Leg],
+    work: Callable[[], Awaitable[web.StreamResponse]],
 ) -> web.StreamResponse:
     """Run `work`; if the client leaves mid-way, abort every leg's engine requests too."""
     try:
@@ -123,7 +137,8 @@ async def guard_disconnect(
         raise
     except ClientGone as gone:  # it left between two writes, before its cancellation arrived
         _abort(state, model, legs)
-        trace.get_current_span().set_attribute("onehop.client_disconnected", True)  # the server span
+        http[GONE_KEY] = True
+        http[SPAN_KEY].set_attribute("onehop.client_disconnected", True)
         return gone.response
 
 
@@ -145,6 +160,7 @@ class Exchange:
         request: Any,
         body: bytes,
         prompts: list[list[int]],
+        sampling: dict[str, Any],
         target: Target,
         response_id: str,
     ) -> None:
@@ -168,7 +184,7 @@ class Exchange:
             include_usage=self.client_usage or several,  # several answers: usage is summed here
             continuous_usage=continuous,
         )
-        self.sampling = endpoint.sampling(request, model, target.route)
+        self.sampling = endpoint.route_sampling(sampling, model, target.route)
         self.legs = [
             Leg(i, response_id if not several else f"{response_id}-{i}", prompt, target.endpoint.url)
             for i, prompt in enumerate(prompts)
@@ -235,7 +251,7 @@ class Exchange:
         return derender
 
     async def _respond_stream(self) -> web.StreamResponse:
-        http, first, rid = self.http, self.target.engines.first_event_timeout(), self.answer.response_id
+        http, first, rid = self.http, self.target.engines.timeouts, self.answer.response_id
         if len(self.legs) > 1:
             frames = encoded(self._merged(merged([self._chunks(leg) for leg in self.legs])))
             return await respond_stream(http, self.route, rid, frames)
@@ -269,7 +285,7 @@ class Exchange:
 
     async def _chunks(self, leg: Leg) -> AsyncIterator[Any]:
         """One leg's OpenAI chunk objects (its usage chunk included), for merging."""
-        first = self.target.engines.first_event_timeout()
+        first = self.target.engines.timeouts
         async with self._open(leg) as engine:
             if self.route == "derender":
                 chunks = relayed_chunks(engine, first, self.endpoint.chunk_decoder)
@@ -294,17 +310,18 @@ class Exchange:
         usages: list[Usage] = []
         last_usage: Any = None
         reasons: dict[int, str | None] = {}
-        async for chunk in chunks:
-            if not chunk.choices:
-                if chunk.usage not in (None, UNSET):
-                    usages.append(chunk.usage)
-                    last_usage = chunk
-                continue
-            for choice in chunk.choices:
-                if choice.finish_reason is not None:
-                    reasons[choice.index] = choice.finish_reason
-            chunk.id, chunk.created = rid, created
-            yield chunk
+        async with aclosing(chunks):  # type: ignore[type-var]
+            async for chunk in chunks:
+                if not chunk.choices:
+                    if chunk.usage not in (None, UNSET):
+                        usages.append(chunk.usage)
+                        last_usage = chunk
+                    continue
+                for choice in chunk.choices:
+                    if choice.finish_reason is not None:
+                        reasons[choice.index] = choice.finish_reason
+                chunk.id, chunk.created = rid, created
+                yield chunk
         if usages:
             total = sum_usage(usages)
             describe_outcome(self.http[SPAN_KEY], [reasons[i] for i in sorted(reasons)], total.prompt_tokens, total.completion_tokens or 0)

@@ -348,8 +348,10 @@ def policy_from_text(text: str, name: str = "policy.yaml") -> Policy:
         mark = getattr(exc, "problem_mark", None)
         line = mark.line + 1 if mark is not None else 1
         raise PolicyError(f"{name}:{line}: {getattr(exc, 'problem', None) or exc}") from exc
+    if raw is None:  # an empty file, or one caught half-written: never a silent "no rules"
+        raise PolicyError(f"{name}:1: the policy is empty (for no rules, write `default: <route>`)")
     try:
-        return msgspec.convert({} if raw is None else raw, Policy)
+        return msgspec.convert(raw, Policy)
     except msgspec.ValidationError as exc:
         line, path, msg = _explain_error(exc, root)
         raise PolicyError(f"{name}:{line}: {path}: {msg}" if path else f"{name}:{line}: {msg}") from exc

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from typing import Any, Protocol
 
@@ -48,9 +48,11 @@ from gateway.errors import (
     GatewayError,
     error_json,
 )
+from gateway.config import Timeouts as StreamTimeouts
 from gateway.observe import SPAN_KEY, DerenderWork, StreamTimer, describe_outcome
 from gateway.remote import RemoteChatDerender, RemoteCompletionDerender, RemoteServiceError
 from gateway.sse import DONE, DONE_FRAME, SSEReader, frame
+from gateway.state import GATEWAY
 
 log = logging.getLogger(__name__)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -71,26 +73,48 @@ class Derender(Protocol):
     def response(self) -> Any: ...
 
 
+STALL_CHECK_BYTES = 64 * 1024
+"""Unsent bytes past which a write may wait for the client (asyncio's high-water mark):
+only then is the write timed, so a client that keeps up costs no timer."""
+
+
 class ClientStream:
-    """The SSE answer to the client: a reset means it left (`ClientGone`); content writes are timed."""
+    """The SSE answer to the client: a reset means it left (`ClientGone`); content writes are
+    timed; a client that takes nothing for `client_write_s` is cut off as if it had left."""
 
-    __slots__ = ("_timer", "response")
+    __slots__ = ("_stall_s", "_timer", "_transport", "response")
 
-    def __init__(self, response: web.StreamResponse, timer: StreamTimer) -> None:
+    def __init__(self, http: web.Request, response: web.StreamResponse, timer: StreamTimer, stall_s: float) -> None:
         self.response = response
         self._timer = timer
+        self._transport = http.transport
+        self._stall_s = stall_s
 
-    async def send(self, data: bytes) -> None:
+    async def _write(self, data: bytes) -> None:
+        transport = self._transport
         try:
-            await self.response.write(data)
+            if transport is None or transport.get_write_buffer_size() < STALL_CHECK_BYTES:
+                await self.response.write(data)
+                return
+            async with asyncio.timeout(self._stall_s):
+                await self.response.write(data)
         except ConnectionResetError as exc:
             raise ClientGone(self.response) from exc
+        except TimeoutError as exc:
+            # It holds a slot and an engine request and reads nothing: let both go.
+            log.warning("client read nothing for client_write_s=%s s: its stream is closed", self._stall_s)
+            if transport is not None:
+                transport.abort()
+            raise ClientGone(self.response) from exc
+
+    async def send(self, data: bytes) -> None:
+        await self._write(data)
         self._timer.wrote()
 
     async def close(self, tail: bytes = DONE_FRAME) -> web.StreamResponse:
         """Write the last frames (an error event, `[DONE]`) and end the stream."""
+        await self._write(tail)
         try:
-            await self.response.write(tail)
             await self.response.write_eof()
         except ConnectionResetError as exc:
             raise ClientGone(self.response) from exc
@@ -103,7 +127,8 @@ async def open_stream(http: web.Request, route: str) -> ClientStream:
         await response.prepare(http)
     except ConnectionResetError as exc:  # it left before the headers went out
         raise ClientGone(response) from exc
-    return ClientStream(response, StreamTimer(http, route))
+    stall_s = http.app[GATEWAY].config.timeouts.client_write_s
+    return ClientStream(http, response, StreamTimer(http, route), stall_s)
 
 
 async def respond_stream(
@@ -165,18 +190,24 @@ _ENGINE_DATA_ERRORS = (DerenderError, OutputFinished)
 """What the derender raises for engine output that breaks the protocol."""
 
 
-async def pieces(engine: aiohttp.ClientResponse, first_timeout: float) -> AsyncIterator[bytes]:
-    """Raw bytes of an engine stream; the first must come within `first_timeout` (later ones: idle_s)."""
+async def pieces(engine: aiohttp.ClientResponse, timeouts: StreamTimeouts) -> AsyncIterator[bytes]:
+    """Raw bytes of an engine stream: the first within `first_token_s` of the request,
+    each later one within `idle_s` of the one before. Only the reads are timed: a client
+    that is slow to take what was read is not the engine's stall."""
+    content = engine.content
     try:
-        async with asyncio.timeout(first_timeout):
-            first = await engine.content.readany()
+        async with asyncio.timeout(timeouts.first_token_s):
+            piece = await content.readany()
     except TimeoutError as exc:
-        raise EngineTimeout(f"the engine sent nothing within {first_timeout} s") from exc
-    if not first:
-        return
-    yield first
-    async for piece in engine.content.iter_any():
+        raise EngineTimeout(f"the engine sent nothing within first_token_s={timeouts.first_token_s} s") from exc
+    idle = timeouts.idle_s
+    while piece:
         yield piece
+        try:
+            async with asyncio.timeout(idle):
+                piece = await content.readany()
+        except TimeoutError as exc:
+            raise EngineTimeout(f"the engine stream stalled: nothing for idle_s={idle} s") from exc
 
 
 ENGINE_COMMENT = b": onehop-engine-"
@@ -260,9 +291,9 @@ DONE_EVENT = b"data: " + DONE
 _JSON_OBJECT = msgspec.json.Decoder(msgspec.Struct)
 
 
-async def _relayed(http: web.Request, engine: aiohttp.ClientResponse, first_timeout: float) -> AsyncIterator[bytes]:
+async def _relayed(http: web.Request, engine: aiohttp.ClientResponse, timeouts: StreamTimeouts) -> AsyncIterator[bytes]:
     events = EngineEvents()
-    async for piece in pieces(engine, first_timeout):
+    async for piece in pieces(engine, timeouts):
         out = events.feed(piece)
         if out:
             yield out
@@ -271,10 +302,10 @@ async def _relayed(http: web.Request, engine: aiohttp.ClientResponse, first_time
 
 
 async def relay_stream(
-    http: web.Request, engine: aiohttp.ClientResponse, first_timeout: float, request_id: str
+    http: web.Request, engine: aiohttp.ClientResponse, timeouts: StreamTimeouts, request_id: str
 ) -> web.StreamResponse:
     """The derender route: the engine's SSE events, checked, as they come (its `[DONE]` included)."""
-    return await respond_stream(http, "derender", request_id, _relayed(http, engine, first_timeout), done=False)
+    return await respond_stream(http, "derender", request_id, _relayed(http, engine, timeouts), done=False)
 
 
 def _describe_summary(http: web.Request, summary: EngineSummary | None) -> None:
@@ -313,11 +344,11 @@ async def relay_json(http: web.Request, engine: aiohttp.ClientResponse) -> web.R
     return web.Response(body=body, content_type="application/json")
 
 
-async def engine_payloads(engine: aiohttp.ClientResponse, first_timeout: float) -> AsyncIterator[bytes]:
+async def engine_payloads(engine: aiohttp.ClientResponse, timeouts: StreamTimeouts) -> AsyncIterator[bytes]:
     """The `data:` payloads of an engine stream, up to its `[DONE]`; a stream that ends
     without one was cut short (an empty or partial answer must not pass for a whole one)."""
     reader = SSEReader()
-    async for piece in pieces(engine, first_timeout):
+    async for piece in pieces(engine, timeouts):
         for payload in reader.feed(piece):
             if payload == DONE:
                 return
@@ -364,12 +395,12 @@ def feed_choice(derender: Derender, mode: str, choice: Any) -> Any:
 
 
 async def derendered(
-    engine: aiohttp.ClientResponse, derender: Derender, mode: str, first_timeout: float, work: DerenderWork
+    engine: aiohttp.ClientResponse, derender: Derender, mode: str, timeouts: StreamTimeouts, work: DerenderWork
 ) -> AsyncIterator[Any]:
     """The text and token routes, streaming: engine chunks in, OpenAI chunk objects out
     (the role chunks with the first output, the usage chunk last)."""
     started = False
-    async for payload in engine_payloads(engine, first_timeout):
+    async for payload in engine_payloads(engine, timeouts):
         work.begin()
         try:
             chunks = feed_chunk(derender, mode, payload)
@@ -389,17 +420,18 @@ async def derendered(
         yield usage
 
 
-async def encoded(chunks: AsyncIterator[Any]) -> AsyncIterator[bytes]:
-    """OpenAI chunk objects → SSE frames."""
-    async for chunk in chunks:
-        yield frame(_encode(chunk))
+async def encoded(chunks: AsyncGenerator[Any, None]) -> AsyncIterator[bytes]:
+    """OpenAI chunk objects → SSE frames (closing `chunks` when closed, so what feeds them stops at once)."""
+    async with aclosing(chunks):
+        async for chunk in chunks:
+            yield frame(_encode(chunk))
 
 
 async def relayed_chunks(
-    engine: aiohttp.ClientResponse, first_timeout: float, decoder: msgspec.json.Decoder[Any]
+    engine: aiohttp.ClientResponse, timeouts: StreamTimeouts, decoder: msgspec.json.Decoder[Any]
 ) -> AsyncIterator[Any]:
     """The derender route's chunks as objects, for answers merged from several engine requests."""
-    async for payload in engine_payloads(engine, first_timeout):
+    async for payload in engine_payloads(engine, timeouts):
         try:
             yield decoder.decode(payload)
         except msgspec.DecodeError as exc:
@@ -437,9 +469,9 @@ def relayed_answer(raw: bytes, decoder: msgspec.json.Decoder[Any]) -> Any:
 
 
 async def _remote_chunks(
-    engine: aiohttp.ClientResponse, remote: RemoteChatDerender | RemoteCompletionDerender, first_timeout: float
+    engine: aiohttp.ClientResponse, remote: RemoteChatDerender | RemoteCompletionDerender, timeouts: StreamTimeouts
 ) -> AsyncIterator[bytes]:
-    async for payload in engine_payloads(engine, first_timeout):
+    async for payload in engine_payloads(engine, timeouts):
         if payload.startswith(b'{"error"'):
             raise EngineFailed(f"the engine failed mid-stream: {payload[:300].decode('utf-8', 'replace')}")
         chunk = await remote.chunk(payload)
@@ -448,10 +480,10 @@ async def _remote_chunks(
 
 
 async def remote_stream(
-    http: web.Request, engine: aiohttp.ClientResponse, remote: RemoteChatDerender | RemoteCompletionDerender, first_timeout: float, request_id: str
+    http: web.Request, engine: aiohttp.ClientResponse, remote: RemoteChatDerender | RemoteCompletionDerender, timeouts: StreamTimeouts, request_id: str
 ) -> web.StreamResponse:
     """The tokens-remote route: every engine chunk goes through vLLM's stateless derender."""
-    return await respond_stream(http, "tokens-remote", request_id, _remote_chunks(engine, remote, first_timeout))
+    return await respond_stream(http, "tokens-remote", request_id, _remote_chunks(engine, remote, timeouts))
 
 
 async def remote_json(engine: aiohttp.ClientResponse, remote: RemoteChatDerender | RemoteCompletionDerender) -> web.Response:

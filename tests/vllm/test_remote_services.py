@@ -642,3 +642,35 @@ async def test_gateway_serves_chat_through_stock_vllm(vllm_url: str, model: str,
     assert answers["tokens"] == answers["text"] == answers["tokens-remote"] == remote_render
     assert answers["tokens"]["finish"] == "length"
     assert answers["tokens"]["reasoning"] or answers["tokens"]["content"]
+
+
+async def _completion(client: Any, model: str, route: str, stream: bool) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {
+        "model": model,
+        "prompt": "Hello there, general",
+        "temperature": 0,
+        "max_tokens": 16,
+        "extra_body": {"ignore_eos": True},
+        "extra_headers": {"onehop-route": route},
+    }
+    if not stream:
+        completion = await client.completions.create(**kwargs)
+        return {"text": completion.choices[0].text, "finish": completion.choices[0].finish_reason, "tokens": completion.usage.completion_tokens}
+    text, finish = "", None
+    async for chunk in await client.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            text += choice.text
+            finish = choice.finish_reason or finish
+    return {"text": text, "finish": finish, "tokens": 16}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_gateway_serves_completions_through_stock_vllm(vllm_url: str, model: str, tiny_model_dir: Path, stream: bool) -> None:
+    """Completions take the same pipeline: vLLM's own stateless completion derender
+    (tokens-remote) and its /v1/completions/render agree with onehop's on this output."""
+    async with _gateway(vllm_url, model, tiny_model_dir, "local") as client:
+        answers = {route: await _completion(client, model, route, stream) for route in ("tokens", "text", "tokens-remote")}
+    async with _gateway(vllm_url, model, tiny_model_dir, "remote") as client:
+        remote_render = await _completion(client, model, "tokens", stream)
+    assert answers["tokens"] == answers["text"] == answers["tokens-remote"] == remote_render
+    assert answers["tokens"]["finish"] == "length" and answers["tokens"]["text"]

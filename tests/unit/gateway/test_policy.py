@@ -184,8 +184,11 @@ def test_example_config_decodes() -> None:
     assert policy.cost == Policy().cost
 
 
-def test_empty_policy_is_all_defaults() -> None:
-    assert policy_from_text("") == Policy()
+def test_an_empty_policy_is_refused_not_read_as_no_rules() -> None:
+    for text in ("", "\n# only a comment\n"):
+        with pytest.raises(PolicyError, match="the policy is empty"):
+            policy_from_text(text)
+    assert policy_from_text("default: cost\n") == Policy()
 
 
 BAD_CASES = [

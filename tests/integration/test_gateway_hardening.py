@@ -1,0 +1,176 @@
+"""Slow, silent and careless clients, and engines slower than a timeout: each bounded.
+
+Real gateways and sim engines on loopback; slow clients are raw sockets. Waits
+are bounded in time and count; outcomes are asserted, never durations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.config import Admission, Timeouts
+from tests.support.engine import engine_server
+from tests.support.gateway import gateway_server
+
+MESSAGES = [{"role": "user", "content": "Tell me a long story."}]
+
+
+def _host_port(base: str) -> tuple[str, int]:
+    hostport = base.split("//", 1)[1].split("/", 1)[0]
+    host, port = hostport.rsplit(":", 1)
+    return host, int(port)
+
+
+async def _read_response(reader: asyncio.StreamReader, limit_s: float) -> tuple[bytes, bytes]:
+    """One HTTP/1.1 response with a Content-Length body: (head, body)."""
+    async with asyncio.timeout(limit_s):
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:"))
+        return head, await reader.readexactly(length)
+
+
+async def test_a_trickled_body_gets_a_408_and_holds_no_slot(qwen3_tokenizer_dir: Path) -> None:
+    """The slot is taken once the body is in; a body that does not come in `client_body_s` is a 408."""
+    async with (
+        engine_server(qwen3_tokenizer_dir) as (engine_url, _),
+        gateway_server(
+            qwen3_tokenizer_dir, engine_url, admission=Admission(max_concurrency=1, max_queue=0),
+            timeouts=Timeouts(client_body_s=1.0),
+        ) as (base, _),
+        openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0) as client,
+    ):
+        host, port = _host_port(base)
+        slow = []
+        for _ in range(4):  # more trickling clients than slots
+            reader, writer = await asyncio.open_connection(host, port)
+            writer.write(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 100000\r\n\r\n{"
+            )
+            await writer.drain()
+            slow.append((reader, writer))
+        # While they trickle, others are served: the one slot is free.
+        for _ in range(3):
+            answer = await client.chat.completions.create(model="sim", messages=MESSAGES, max_tokens=4)
+            assert answer.choices[0].finish_reason == "length"
+        for reader, writer in slow:
+            head, body = await _read_response(reader, 10)
+            writer.close()
+            assert head.startswith(b"HTTP/1.1 408") and b"Connection: close" in head, head
+            error = json.loads(body)["error"]
+            assert error["type"] == "RequestTimeoutError" and "client_body_s" in error["message"]
+
+
+async def test_a_client_that_reads_nothing_is_cut_off_and_its_engine_request_aborted(qwen3_tokenizer_dir: Path) -> None:
+    async with (
+        engine_server(qwen3_tokenizer_dir) as (engine_url, engine),
+        gateway_server(
+            qwen3_tokenizer_dir, engine_url, admission=Admission(max_concurrency=1, max_queue=0),
+            timeouts=Timeouts(client_write_s=0.5),
+        ) as (base, state),
+        openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0) as client,
+    ):
+        host, port = _host_port(base)
+        sock = socket.create_connection((host, port))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # its buffers fill fast
+        body = json.dumps(
+            {"model": "sim", "messages": MESSAGES, "max_tokens": 30000, "ignore_eos": True, "stream": True, "logprobs": True,
+             "top_logprobs": 20}
+        ).encode()
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+        )
+        try:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 30
+            while not state.metrics.engine_aborts._value.get() and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+            assert state.metrics.engine_aborts._value.get() == 1, "the stream of a client that reads nothing was not cut"
+            while engine.backend.running() and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+            assert not engine.backend.running()
+            # Its slot is free again.
+            answer = await client.chat.completions.create(model="sim", messages=MESSAGES, max_tokens=4)
+            assert answer.choices[0].finish_reason == "length"
+        finally:
+            sock.close()
+
+
+@pytest.mark.parametrize("route", ["derender", "tokens"])
+async def test_a_first_token_slower_than_idle_s_is_waited_for(qwen3_tokenizer_dir: Path, route: str) -> None:
+    """`first_token_s` bounds the first event and `idle_s` only the gaps after it."""
+    async with (
+        engine_server(qwen3_tokenizer_dir, backend_options={"ttft_ms": 1200}) as (engine_url, _),
+        gateway_server(qwen3_tokenizer_dir, engine_url, timeouts=Timeouts(first_token_s=10, idle_s=0.4)) as (base, _),
+        openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0) as client,
+    ):
+        stream = await client.chat.completions.create(
+            model="sim", messages=MESSAGES, max_tokens=6, stream=True, extra_headers={"onehop-route": route}
+        )
+        chunks = [chunk async for chunk in stream]
+        assert chunks[-1].choices[0].finish_reason == "length"
+
+
+async def test_completions_with_max_tokens_zero_is_a_400(qwen3_tokenizer_dir: Path) -> None:
+    async with (
+        engine_server(qwen3_tokenizer_dir) as (engine_url, _),
+        gateway_server(qwen3_tokenizer_dir, engine_url, policy=None) as (base, _),
+        openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0) as client,
+    ):
+        for create in (
+            lambda: client.completions.create(model="sim", prompt="hi", max_tokens=0),
+            lambda: client.chat.completions.create(model="sim", messages=MESSAGES, max_tokens=0),
+        ):
+            with pytest.raises(openai.BadRequestError, match="max_tokens"):
+                await create()
+
+
+def _requests_by_status(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "onehop_gateway_requests":
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    status = sample.labels["status"]
+                    out[status] = out.get(status, 0.0) + sample.value
+    return out
+
+
+async def test_streams_the_client_cut_are_counted_as_499(qwen3_tokenizer_dir: Path) -> None:
+    async with (
+        engine_server(qwen3_tokenizer_dir, backend_options={"itl_ms": 10}) as (engine_url, _),
+        gateway_server(qwen3_tokenizer_dir, engine_url) as (base, state),
+        aiohttp.ClientSession() as session,
+    ):
+        for _ in range(5):
+            body: dict[str, Any] = {"model": "sim", "messages": MESSAGES, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+            response = await session.post(base + "/chat/completions", json=body)
+            await response.content.readany()
+            response.close()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while _requests_by_status(state.metrics.render().decode()).get("499", 0) < 5 and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        assert _requests_by_status(state.metrics.render().decode()) == {"499": 5}
+
+
+async def test_a_lone_engine_that_fails_is_named_as_the_cause(qwen3_tokenizer_dir: Path, unused_tcp_port: int) -> None:
+    async with (
+        gateway_server(qwen3_tokenizer_dir, f"http://127.0.0.1:{unused_tcp_port}") as (base, _),
+        openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0) as client,
+    ):
+        with pytest.raises(openai.InternalServerError) as failed:
+            await client.chat.completions.create(model="sim", messages=MESSAGES, max_tokens=4)
+        message = failed.value.body["message"]  # type: ignore[index]
+        assert "cannot reach the engine" in message and "Connect call failed" in message, message
+        assert "circuit" not in message
