@@ -121,6 +121,8 @@ def decode(decoder: msgspec.json.Decoder[Any], body: bytes, what: str) -> Any:
         return decoder.decode(body)
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"invalid {what} request: {exc}") from exc
+    except RecursionError as exc:  # msgspec's own bound, far deeper than any we accept
+        raise InvalidRequest(f"invalid {what} request: JSON nested too deeply") from exc
 
 
 class _Messages(msgspec.Struct):

@@ -13,6 +13,9 @@ from gateway.errors import InvalidRequest
 
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
+MAX_JSON_DEPTH = 64
+"""Nesting a free-form JSON value (a tool's parameters, chat_template_kwargs, ...) may have:
+deeper values exhaust recursion in the template engine and the encoders (985 levels did)."""
 
 # (field, test that it asks for something unsupported, why)
 _Rule = tuple[str, Callable[[Any], bool], str]
@@ -68,6 +71,39 @@ def _has_media(request: ChatCompletionRequest) -> bool:
     return False
 
 
+def json_depth(value: Any, limit: int) -> int:
+    """How deep `value` nests (0 for a scalar), counted iteratively up to `limit` + 1."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        depth += 1
+        if depth > deepest:
+            deepest = depth
+            if deepest > limit:
+                return deepest
+        stack.extend((child, depth) for child in children)
+    return deepest
+
+
+_FREE_FORM = ("chat_template_kwargs", "response_format", "structured_outputs", "mm_processor_kwargs", "media_io_kwargs")
+
+
+def _check_depths(request: Any) -> None:
+    """Every free-form JSON value of the request is at most MAX_JSON_DEPTH deep (a 400 naming it)."""
+    values = [(name, getattr(request, name, None)) for name in _FREE_FORM]
+    values += [(f"tools[{i}].function.parameters", tool.function.parameters) for i, tool in enumerate(getattr(request, "tools", None) or ())]
+    for name, value in values:
+        if value is not None and json_depth(value, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+            raise InvalidRequest(f"{name} nests deeper than {MAX_JSON_DEPTH} levels", param=name)
+
+
 def _apply(rules: list[_Rule], request: Any) -> None:
     for name, asks, why in rules:
         if asks(request):
@@ -82,6 +118,7 @@ def _check_counts(n: int | None, top_logprobs: int | None) -> None:
 
 
 def check_chat(request: ChatCompletionRequest) -> None:
+    _check_depths(request)
     _apply(_COMMON + _CHAT, request)
     if not request.messages:
         raise InvalidRequest("messages must not be empty", param="messages")
@@ -91,6 +128,7 @@ def check_chat(request: ChatCompletionRequest) -> None:
 
 
 def check_completion(request: CompletionRequest) -> None:
+    _check_depths(request)
     _apply(_COMMON + _COMPLETION, request)
     _check_counts(request.n, request.logprobs)
 

@@ -174,3 +174,33 @@ async def test_a_lone_engine_that_fails_is_named_as_the_cause(qwen3_tokenizer_di
         message = failed.value.body["message"]  # type: ignore[index]
         assert "cannot reach the engine" in message and "Connect call failed" in message, message
         assert "circuit" not in message
+
+
+def _nested(depth: int) -> str:
+    """JSON text of an object nested `depth` levels deep (written out: encoders recurse)."""
+    return '{"a":' * depth + "1" + "}" * depth
+
+
+@pytest.mark.parametrize("depth", [65, 985, 5000])
+async def test_deeply_nested_json_is_a_400_naming_the_field(qwen3_tokenizer_dir: Path, depth: int) -> None:
+    async with (
+        engine_server(qwen3_tokenizer_dir) as (engine_url, _),
+        gateway_server(qwen3_tokenizer_dir, engine_url) as (base, _),
+        aiohttp.ClientSession() as session,
+    ):
+        deep = _nested(depth)
+        for path, body in (
+            ("/chat/completions", '{"model": "sim", "messages": %s, "chat_template_kwargs": {"x": %s}}' % (json.dumps(MESSAGES), deep)),
+            ("/chat/completions", '{"model": "sim", "messages": %s, "tools": [{"type": "function", "function": {"name": "f", '
+             '"parameters": %s}}]}' % (json.dumps(MESSAGES), deep)),
+            ("/completions", '{"model": "sim", "prompt": "hi", "response_format": {"type": "text", "x": %s}}' % deep),
+        ):
+            async with session.post(base + path, data=body.encode(), headers={"Content-Type": "application/json"}) as response:
+                assert response.status == 400, await response.text()
+                error = (await response.json())["error"]
+                assert "nest" in error["message"]
+        # Nesting a real schema has (a few levels) is fine.
+        tool = {"type": "function", "function": {"name": "f", "parameters": json.loads(_nested(8))}}
+        body = {"model": "sim", "messages": MESSAGES, "tools": [tool], "max_tokens": 2}
+        async with session.post(base + "/chat/completions", json=body) as response:
+            assert response.status == 200, await response.text()
