@@ -51,7 +51,7 @@ from gateway.errors import (
 from gateway.config import Timeouts as StreamTimeouts
 from gateway.observe import SPAN_KEY, DerenderWork, StreamTimer, describe_outcome
 from gateway.remote import RemoteChatDerender, RemoteCompletionDerender, RemoteServiceError
-from gateway.sse import DONE, DONE_FRAME, SSEReader, frame
+from gateway.sse import DONE, DONE_FRAME, MAX_EVENT_BYTES, SSEError, SSEReader, frame
 from gateway.state import GATEWAY
 
 log = logging.getLogger(__name__)
@@ -212,8 +212,6 @@ async def pieces(engine: aiohttp.ClientResponse, timeouts: StreamTimeouts) -> As
 
 ENGINE_COMMENT = b": onehop-engine-"
 """Comments the engine writes for the gateway (its summary, its CPU time): never the client's."""
-MAX_EVENT_BYTES = 64 * 1024 * 1024
-"""An engine event longer than this is not one: the stream is refused rather than buffered."""
 
 
 class EngineEvents:
@@ -225,10 +223,12 @@ class EngineEvents:
     after the good events before it went out: nothing valid is held back.
     """
 
-    __slots__ = ("_buffer", "_broken", "done", "summary")
+    __slots__ = ("_broken", "_parts", "_size", "done", "summary")
 
     def __init__(self) -> None:
-        self._buffer = b""
+        self._parts: list[bytes] = []
+        """A partial event, as it arrived: joined once, when its end comes (never re-scanned)."""
+        self._size = 0
         self._broken: EngineFailed | None = None
         self.done = False
         self.summary: EngineSummary | None = None
@@ -236,14 +236,17 @@ class EngineEvents:
     def feed(self, data: bytes) -> bytes:
         if self._broken is not None:
             raise self._broken
-        buffer = self._buffer + data if self._buffer else data
-        end = buffer.rfind(b"\n\n")
-        if end < 0:
-            if len(buffer) > MAX_EVENT_BYTES:
+        parts = self._parts
+        if data.rfind(b"\n\n") < 0 and not (parts and parts[-1].endswith(b"\n") and data.startswith(b"\n")):
+            parts.append(data)
+            self._size += len(data)
+            if self._size > MAX_EVENT_BYTES:
                 raise EngineFailed(f"the engine sent an event over {MAX_EVENT_BYTES} bytes")
-            self._buffer = buffer
             return b""
-        whole, self._buffer = buffer[: end + 2], buffer[end + 2 :]
+        buffer = b"".join((*parts, data)) if parts else data
+        end = buffer.rfind(b"\n\n")
+        whole, rest = buffer[: end + 2], buffer[end + 2 :]
+        self._parts, self._size = ([rest], len(rest)) if rest else ([], 0)
         if self.done:
             return b""  # the client's answer is complete: whatever follows is not sent
         events = whole.split(b"\n\n")
@@ -348,15 +351,18 @@ async def engine_payloads(engine: aiohttp.ClientResponse, timeouts: StreamTimeou
     """The `data:` payloads of an engine stream, up to its `[DONE]`; a stream that ends
     without one was cut short (an empty or partial answer must not pass for a whole one)."""
     reader = SSEReader()
-    async for piece in pieces(engine, timeouts):
-        for payload in reader.feed(piece):
+    try:
+        async for piece in pieces(engine, timeouts):
+            for payload in reader.feed(piece):
+                if payload == DONE:
+                    return
+                yield payload
+        for payload in reader.flush():
             if payload == DONE:
                 return
             yield payload
-    for payload in reader.flush():
-        if payload == DONE:
-            return
-        yield payload
+    except SSEError as exc:
+        raise EngineFailed(f"the engine's stream is not SSE: {exc}") from exc
     raise EngineFailed("the engine stream ended before [DONE]")
 
 
