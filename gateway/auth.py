@@ -57,9 +57,10 @@ def keys_from_env(name: str) -> Keys:
 
 def check_key(header: str | None, known: Keys) -> str | None:
     """The key's tenant; Unauthorized unless the header carries one of the known keys."""
-    if not header or not header.startswith("Bearer "):
+    scheme, _, credentials = (header or "").strip().partition(" ")
+    if scheme.lower() != "bearer" or not credentials.strip():  # the scheme is case-insensitive (RFC 9110)
         raise Unauthorized("missing API key: send `Authorization: Bearer <key>`")
-    given = _digest(header[len("Bearer "):].strip())
+    given = _digest(credentials.strip())
     matched = False
     tenant = None
     for key, owner in known.items():  # every key is compared: no early exit

@@ -5,8 +5,10 @@
     ├── Unauthorized        401
     ├── ModelNotFound       404
     ├── RouteNotFound       404
+    ├── MethodNotAllowed    405
     ├── RequestTimeout      408   the request body did not arrive in time
     ├── PayloadTooLarge     413
+    ├── UnsupportedMediaType 415  a body that is not JSON (a form, text/plain)
     ├── Unprocessable       422   well-formed but impossible (e.g. prompt longer than the context)
     ├── RateLimited         429
     ├── EngineUnavailable   503   no engine answered
@@ -80,6 +82,11 @@ class PayloadTooLarge(GatewayError):
     type = "PayloadTooLargeError"
 
 
+class UnsupportedMediaType(GatewayError):
+    status = 415
+    type = "UnsupportedMediaTypeError"
+
+
 class Unprocessable(GatewayError):
     status = 422
     type = "UnprocessableEntityError"
@@ -114,11 +121,26 @@ def error_json(error: GatewayError) -> bytes:
 def as_gateway_error(exc: BaseException) -> GatewayError:
     if isinstance(exc, GatewayError):
         return exc
-    if isinstance(exc, web.HTTPException):
-        kinds: dict[int, type[GatewayError]] = {404: RouteNotFound, 413: PayloadTooLarge}
-        kind = kinds.get(exc.status, GatewayError)
+    if isinstance(exc, web.HTTPException):  # aiohttp's own: an unknown path, a wrong method, a huge body
+        kind = _AIOHTTP_KINDS.get(exc.status)
+        if kind is None:
+            error = GatewayError(exc.text or exc.reason, status=exc.status)
+            error.type = _STATUS_TYPES.get(exc.status, "APIError" if exc.status < 500 else "InternalServerError")
+            return error
         return kind(exc.text or exc.reason, status=exc.status)
     return GatewayError("internal error")
+
+
+class MethodNotAllowed(GatewayError):
+    status = 405
+    type = "MethodNotAllowedError"
+
+
+_AIOHTTP_KINDS: dict[int, type[GatewayError]] = {
+    400: InvalidRequest, 404: RouteNotFound, 405: MethodNotAllowed, 408: RequestTimeout, 413: PayloadTooLarge,
+    415: UnsupportedMediaType, 429: RateLimited,
+}
+_STATUS_TYPES = {422: "UnprocessableEntityError"}
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

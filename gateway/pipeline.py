@@ -36,7 +36,7 @@ from gateway.disagg import prefill
 from gateway.endpoints import CHAT, COMPLETIONS, Answer, Endpoint
 from gateway.engine_client import Target
 from gateway.engine_request import generate_body
-from gateway.errors import ClientGone, InvalidRequest, RequestTimeout
+from gateway.errors import ClientGone, InvalidRequest, RequestTimeout, UnsupportedMediaType
 from gateway.observe import GONE_KEY, MODEL_KEY, SPAN_KEY, DerenderWork, describe_model, describe_outcome, describe_request, measured
 from gateway.relay import (
     derender_answer,
@@ -54,6 +54,7 @@ from gateway.relay import (
 from gateway.routing import choose_route
 from gateway.runtime import ModelRuntime
 from gateway.state import GATEWAY, GatewayState
+from gateway.validate import check_context, check_token_ids
 
 T = TypeVar("T")
 _encode = msgspec.json.Encoder().encode
@@ -76,6 +77,7 @@ async def serve(http: web.Request, endpoint: Endpoint[Any]) -> web.StreamRespons
     endpoint.check(request, state.config.limits)
     sampling = endpoint.sampling(request)
     model = state.model(request.model)
+    check_token_ids(sampling, model.vocab.size)
     http[MODEL_KEY] = model.name
     described = endpoint.describe(request)
     describe_request(
@@ -90,14 +92,21 @@ async def serve(http: web.Request, endpoint: Endpoint[Any]) -> web.StreamRespons
         with measured(state, "render", server) as span:
             prompts = await endpoint.render(model, request, body)
             span.set_attribute("onehop.prompt_tokens", sum(len(p) for p in prompts))
+        check_context(prompts, sampling, model.engines.max_model_len())
         target = await choose_route(state, model, http, endpoint.features(request, model.name, prompts, http), prompts[0])
         exchange = Exchange(http, state, model, endpoint, request, body, prompts, sampling, target, response_id)
         return await guard_disconnect(http, state, model, exchange.legs, exchange.run)
 
 
+FORM_TYPES = frozenset({"text/plain", "application/x-www-form-urlencoded", "multipart/form-data"})
+"""Content types a browser sends cross-site without asking first: a JSON API must not read them."""
+
+
 async def read_body(http: web.Request, limit_s: float) -> bytes:
     """The request body, within `limit_s`: a client that trickles it holds a connection
     and a buffer, so it gets a 408 (no admission slot is taken before the body is in)."""
+    if http.content_type in FORM_TYPES:
+        raise UnsupportedMediaType(f"the body must be JSON (Content-Type: application/json), not {http.content_type}")
     try:
         async with asyncio.timeout(limit_s):
             return await http.read()

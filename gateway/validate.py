@@ -161,3 +161,29 @@ def check_completion_limits(request: CompletionRequest, limits: Limits) -> None:
     prompts = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
     if prompts > limits.max_prompts:
         raise InvalidRequest(f"prompt holds {prompts} prompts, at most {limits.max_prompts} are accepted", param="prompt")
+
+
+def check_token_ids(sampling: dict[str, Any], vocab_size: int) -> None:
+    """Token ids the request names (`logit_bias` keys, `allowed_token_ids`, `stop_token_ids`)
+    exist in the model's vocabulary: a 400 naming the field, not a silent no-op."""
+    for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
+        ids = sampling.get(name)
+        for token_id in ids or ():
+            if not 0 <= token_id < vocab_size:
+                raise InvalidRequest(f"{name}: token id {token_id} is not in the vocabulary (0..{vocab_size - 1})", param=name)
+
+
+def check_context(prompts: list[list[int]], sampling: dict[str, Any], max_model_len: int | None) -> None:
+    """Each prompt plus `max_tokens` fits the model's context (as the engines report it), in
+    the words OpenAI and vLLM use, which clients look for to fall back to a larger model."""
+    if max_model_len is None:
+        return
+    wanted = sampling.get("max_tokens") or 0
+    for prompt in prompts:
+        if len(prompt) + wanted > max_model_len or len(prompt) >= max_model_len:
+            raise InvalidRequest(
+                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                f"{len(prompt) + wanted} tokens ({len(prompt)} in the messages, {wanted} in the completion). "
+                "Please reduce the length of the messages or completion.",
+                param="max_tokens" if wanted and len(prompt) < max_model_len else "messages",
+            )

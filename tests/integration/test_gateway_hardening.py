@@ -204,3 +204,39 @@ async def test_deeply_nested_json_is_a_400_naming_the_field(qwen3_tokenizer_dir:
         body = {"model": "sim", "messages": MESSAGES, "tools": [tool], "max_tokens": 2}
         async with session.post(base + "/chat/completions", json=body) as response:
             assert response.status == 200, await response.text()
+
+
+async def test_careless_requests_get_a_clear_error_in_openai_shape(qwen3_tokenizer_dir: Path) -> None:
+    async with (
+        engine_server(qwen3_tokenizer_dir) as (engine_url, _),
+        gateway_server(qwen3_tokenizer_dir, engine_url) as (base, _),
+        aiohttp.ClientSession() as session,
+    ):
+        chat = base + "/chat/completions"
+        body = json.dumps({"model": "sim", "messages": MESSAGES, "max_tokens": 2})
+        cases: list[tuple[str, str, dict[str, Any], str | bytes | None, int, str]] = [
+            ("GET", chat, {}, None, 405, "MethodNotAllowedError"),
+            ("POST", chat, {"Content-Type": "text/plain"}, body, 415, "UnsupportedMediaTypeError"),
+            ("POST", chat, {"Content-Type": "application/x-www-form-urlencoded"}, body, 415, "UnsupportedMediaTypeError"),
+        ]
+        for name, value in (
+            ("logit_bias", {"999999999": 5}),
+            ("allowed_token_ids", [-1]),
+            ("stop_token_ids", [10**9]),
+        ):
+            cases.append(("POST", chat, {}, json.dumps({"model": "sim", "messages": MESSAGES, name: value}), 400, "BadRequestError"))
+        cases.append(("POST", chat, {}, json.dumps({"model": "sim", "messages": MESSAGES, "max_tokens": 2**63 + 5}), 400, "BadRequestError"))
+        cases.append(("POST", chat, {}, json.dumps({"model": "sim", "messages": MESSAGES, "max_tokens": 40000}), 400, "BadRequestError"))
+        for method, url, headers, data, status, kind in cases:
+            headers = {"Content-Type": "application/json", **headers} if data is not None else headers
+            async with session.request(method, url, data=data, headers=headers) as response:
+                assert response.status == status, (data, await response.text())
+                error = (await response.json())["error"]
+                assert error["type"] == kind, error
+        async with session.post(chat, data=json.dumps({"model": "sim", "messages": MESSAGES, "max_tokens": 40000}),
+                                headers={"Content-Type": "application/json"}) as response:
+            message = (await response.json())["error"]["message"]
+            assert "maximum context length is 32768 tokens" in message
+        # A body without a Content-Type is still read as JSON (curl's --data-binary, scripts).
+        async with session.post(chat, data=body.encode()) as response:
+            assert response.status == 200

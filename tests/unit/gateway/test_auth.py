@@ -16,6 +16,7 @@ def test_key_file_with_tenants(tmp_path: Path) -> None:
     keys = load_key_file(path)
     assert check_key("Bearer plain-key", keys) is None
     assert check_key("Bearer batch-key", keys) == "batch"
+    assert check_key("bearer plain-key", keys) is None and check_key("BEARER  batch-key ", keys) == "batch"  # the scheme is case-insensitive
     for header in (None, "plain-key", "Basic plain-key", "Bearer", "Bearer plain-ke", "Bearer batch"):
         with pytest.raises(Unauthorized):
             check_key(header, keys)
