@@ -23,6 +23,7 @@ from engine.derender.parsers import REASONING_PARSERS, TOOL_PARSERS
 from engine.derender.parsers.detect import resolve
 from engine.openai_schema import ModelCard, ModelList
 from engine.telemetry import Tracing, extract
+from gateway.access_log import AccessLogger
 from gateway.admission import Gate
 from gateway.auth import TENANT_KEY, check_key, keys_from_env, load_key_file, needs_key
 from gateway.config import ConfigError, EngineEndpoint, GatewayConfig, ModelConfig
@@ -339,7 +340,10 @@ def serve(config: GatewayConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(config)
     app.on_startup.append(_reload_on_sighup)
-    web.run_app(app, host=config.host, port=config.port, handler_cancellation=True, print=None, loop=new_event_loop())
+    web.run_app(
+        app, host=config.host, port=config.port, handler_cancellation=True, print=None, loop=new_event_loop(),
+        access_log_class=AccessLogger,
+    )
 
 
 async def _reload_on_sighup(app: web.Application) -> None:

@@ -19,6 +19,7 @@ from aiohttp import web
 from engine.app import create_app as create_engine_app
 from engine.app import new_event_loop
 from engine.config import EngineConfig
+from gateway.access_log import AccessLogger
 from gateway.app import create_app as create_gateway_app
 from gateway.config import EngineEndpoint, GatewayConfig, Route
 
@@ -57,7 +58,7 @@ async def embedded(engine: EngineConfig, *, host: str, port: int, route: Route) 
         reasoning_field=engine.reasoning_field,
         tracing=engine.tracing,  # one setting for both; each exports as its own service
     )
-    gateway_runner = web.AppRunner(create_gateway_app(config), handler_cancellation=True)
+    gateway_runner = web.AppRunner(create_gateway_app(config), handler_cancellation=True, access_log_class=AccessLogger)
     try:
         await gateway_runner.setup()
         site = web.TCPSite(gateway_runner, host, port)
