@@ -20,6 +20,44 @@ class ConfigError(ValueError):
     """A configuration that cannot run; the message names the field."""
 
 
+class EngineLimits(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """The largest counts one generate request may ask for; more is a 400 naming the field.
+
+    The engine is reachable directly (not only behind the gateway, which has its own,
+    lower bounds), so every count that sizes work or memory is checked here before any
+    generation. Names follow vLLM's flags where it has one. The context length is not
+    here: it is the backend's `max_model_len` (prompt + max_tokens must fit it, and a
+    larger max_tokens is capped to it, as vLLM does). Token ids in `stop_token_ids`,
+    `allowed_token_ids`, `logit_bias` and the logprob id lists must be in the
+    vocabulary, and those lists may not be longer than the vocabulary.
+    """
+
+    max_num_seqs: Annotated[int, Meta(ge=1)] = 256
+    """Most choices (`n`) per request, as vLLM's `--max-num-seqs` bounds them. 256 is vLLM's
+    default on most GPUs (it picks 128 on CPU, 1024 on H100-class cards): a request that stock
+    vLLM accepts there is accepted here, while the per-choice state stays small."""
+    max_logprobs: Annotated[int, Meta(ge=-1)] = 20
+    """Most `logprobs` and `prompt_logprobs` candidates per token, as vLLM's `--max-logprobs`;
+    -1 allows the whole vocabulary (and so `logprobs: -1`)."""
+    max_logprob_token_ids: Annotated[int, Meta(ge=0)] = 128
+    """Longest `logprob_token_ids` list (vLLM's fixed `MAX_LOGPROB_TOKEN_IDS`)."""
+    max_stop: Annotated[int, Meta(ge=0)] = 64
+    """Most `stop` strings: each one is searched in every choice's text at every step."""
+    max_bad_words: Annotated[int, Meta(ge=0)] = 128
+    """Most `bad_words` (vLLM's `VLLM_MAX_NUM_BAD_WORDS`, which it counts after tokenizing)."""
+    max_string_chars: Annotated[int, Meta(ge=1)] = 1024
+    """Longest stop string or bad word, in characters: a stop string's length is the text
+    each choice holds back while it might still match."""
+
+
+def engine_limits(**values: Any) -> EngineLimits:
+    """`EngineLimits` with its bounds checked (a plain constructor call skips `Meta`)."""
+    try:
+        return msgspec.convert(values, EngineLimits)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"invalid engine limits: {exc}") from exc
+
+
 class EngineConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     backend: BackendName = "hf"
     model: str
@@ -35,6 +73,8 @@ class EngineConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     """vLLM's `--tool-call-parser` name; `auto` reads the family from the model folder."""
     reasoning_field: ReasoningField = "reasoning"
     max_body_bytes: Annotated[int, Meta(ge=1024)] = DEFAULT_MAX_BODY_BYTES
+    limits: EngineLimits = msgspec.field(default_factory=EngineLimits)
+    """Per-request count bounds (`n`, logprobs, stop lists, ...), checked before generation."""
     tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
     """OpenTelemetry export; the OTEL_* variables apply when this leaves a field unset."""
     backend_options: dict[str, Any] = {}

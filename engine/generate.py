@@ -1,12 +1,13 @@
 """`POST /inference/v1/generate` and `/inference/v1/abort_requests`.
 
 Flow of one request: decode and check it against this engine (tokenizer,
-vocabulary, context length) → start the backend stream → feed each step to
-the mode's writer → send JSON or SSE. The backend stream is always closed on
-the way out (`aclosing`): a client that disconnects cancels the handler
-(`handler_cancellation=True`), the close aborts the backend request, and the
-CancelledError propagates. A stop string that ends every choice also closes
-it, so the backend stops generating for text nobody will read.
+vocabulary, context length, the counts bounded by `EngineLimits`) → start
+the backend stream → feed each step to the mode's writer → send JSON or SSE.
+The backend stream is always closed on the way out (`aclosing`): a client
+that disconnects cancels the handler (`handler_cancellation=True`), the
+close aborts the backend request, and the CancelledError propagates. A stop
+string that ends every choice also closes it, so the backend stops
+generating for text nobody will read.
 """
 
 from __future__ import annotations
@@ -15,14 +16,15 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 from opentelemetry.trace import Span, SpanKind
 
-from engine.backends.base import BackendOutput, BackendRequest
+from engine.backends.base import BackendInfo, BackendOutput, BackendRequest
+from engine.config import EngineLimits
 from engine.errors import (
     BadRequest,
     Conflict,
@@ -37,6 +39,7 @@ from engine.protocol import (
     SUMMARY_COMMENT,
     SUMMARY_HEADER,
     GenerateRequest,
+    SamplingParams,
     decode_abort_request,
     decode_generate_request,
     encode,
@@ -67,7 +70,7 @@ class ClientGone(Exception):
 
 
 def check_request(state: EngineState, request: GenerateRequest) -> None:
-    """Refuse, before any generation, what this engine cannot serve."""
+    """Refuse, before any generation, what this engine cannot serve; cap max_tokens to the context."""
     if not state.ready:
         raise Unavailable("the engine is still loading")
     if request.model is not None and request.model != state.model:
@@ -90,9 +93,155 @@ def check_request(state: EngineState, request: GenerateRequest) -> None:
             raise BadRequest(f"token id {token_id} is out of range for a vocabulary of {limit} tokens", param="token_ids")
     if len(request.token_ids) >= info.max_model_len:
         raise BadRequest(
-            f"the prompt has {len(request.token_ids)} tokens, the model's context is {info.max_model_len}",
+            f"token_ids must hold at most {info.max_model_len - 1} tokens (max_model_len {info.max_model_len},"
+            f" less one for the output), got {len(request.token_ids)}",
             param="token_ids",
         )
+    room = info.max_model_len - len(request.token_ids)
+    check_limits(state.config.limits, info, sampling, room)
+    fit_to_context(sampling, room)
+
+
+# vLLM's engine core moves sampling params as MessagePack, which holds signed or
+# unsigned 64-bit integers; its generate API refuses others with a 400, so does this.
+_WIRE_INT_MIN = -(2**63)
+_WIRE_INT_MAX = 2**64 - 1
+_SCALAR_INTS = (
+    "max_tokens",
+    "min_tokens",
+    "seed",
+    "top_k",
+    "stream_interval",
+    "thinking_token_budget",
+    "prompt_logprob_start",
+    "routed_experts_prompt_start",
+    "output_text_buffer_length",
+)
+
+
+def check_limits(limits: EngineLimits, info: BackendInfo, sampling: SamplingParams, room: int) -> None:
+    """Refuse any count over this engine's limits, before anything is sized by it.
+
+    `room` is the context the prompt leaves. Lengths are compared first, then each id
+    list is scanned once: the work is O(size of the request), and nothing is allocated
+    per choice or per candidate until the request has passed.
+    """
+    if sampling.n > limits.max_num_seqs:
+        raise BadRequest(
+            f"n must be at most {limits.max_num_seqs} (this engine's max_num_seqs), got {_shown(sampling.n)}",
+            param="n",
+        )
+    for name in _SCALAR_INTS:
+        value = getattr(sampling, name)
+        if value is not None and not _WIRE_INT_MIN <= value <= _WIRE_INT_MAX:
+            raise BadRequest(f"{name} must fit in 64 bits, got {_shown(value)}", param=name)
+    if sampling.max_tokens is None and sampling.min_tokens > room:
+        # vLLM's rule: an unset max_tokens becomes the room left, and min_tokens must fit it.
+        raise BadRequest(
+            f"min_tokens must be at most {room} (the context left after the prompt), got {_shown(sampling.min_tokens)}",
+            param="min_tokens",
+        )
+    _check_logprobs(limits, info, sampling)
+    _check_strings(limits, sampling)
+    _check_token_ids(info.vocab_size, sampling)
+
+
+def fit_to_context(sampling: SamplingParams, room: int) -> None:
+    """Cap `max_tokens` at the context the prompt leaves, as vLLM 0.32 does.
+
+    Its generate API takes a larger `max_tokens` as sent and its scheduler ends the
+    sequence at `max_model_len` with finish_reason "length"; capping it here gives
+    that answer on every backend, and no backend sees a count the model cannot reach.
+    `min_tokens` is capped with it: vLLM checked it against the uncapped value.
+    """
+    if sampling.max_tokens is not None and sampling.max_tokens > room:
+        sampling.max_tokens = room
+        sampling.min_tokens = min(sampling.min_tokens, room)
+
+
+def _check_logprobs(limits: EngineLimits, info: BackendInfo, sampling: SamplingParams) -> None:
+    vocab = info.vocab_size
+    most = vocab if limits.max_logprobs == -1 else limits.max_logprobs
+    allowed = "the vocabulary size" if limits.max_logprobs == -1 else f"{most} (this engine's max_logprobs)"
+    for name in ("logprobs", "prompt_logprobs"):
+        asked = getattr(sampling, name)
+        if asked is None:
+            continue
+        if asked == -1 and vocab > most:
+            raise BadRequest(
+                f"{name}=-1 asks for the whole vocabulary ({vocab} tokens), at most {allowed} are served", param=name
+            )
+        if asked > most:
+            raise BadRequest(f"{name} must be at most {allowed}, got {_shown(asked)}", param=name)
+    ids = sampling.logprob_token_ids
+    if ids is not None:
+        _check_count("logprob_token_ids", len(ids), limits.max_logprob_token_ids, "this engine's max_logprob_token_ids")
+        _check_in_vocab("logprob_token_ids", ids, vocab)
+    rows = sampling.prompt_logprob_token_ids
+    if rows is not None:
+        # vLLM's bounds: one row per scored prompt position, each no wider than max_logprobs.
+        _check_count("prompt_logprob_token_ids", len(rows), info.max_model_len - 1, "max_model_len - 1 rows")
+        widest = max(map(len, rows), default=0)
+        if widest > most:
+            raise BadRequest(
+                f"prompt_logprob_token_ids rows must hold at most {allowed} ids, got {widest}",
+                param="prompt_logprob_token_ids",
+            )
+        for row in rows:
+            _check_in_vocab("prompt_logprob_token_ids", row, vocab, lowest=-1)  # -1 pads a row
+
+
+def _check_strings(limits: EngineLimits, sampling: SamplingParams) -> None:
+    stop = sampling.stop
+    stops = [stop] if isinstance(stop, str) else stop or []
+    _check_count("stop", len(stops), limits.max_stop, "this engine's max_stop")
+    bad_words = sampling.bad_words or []
+    _check_count("bad_words", len(bad_words), limits.max_bad_words, "this engine's max_bad_words")
+    for name, texts in (("stop", stops), ("bad_words", bad_words)):
+        longest = max(map(len, texts), default=0)
+        if longest > limits.max_string_chars:
+            raise BadRequest(
+                f"{name} entries must be at most {limits.max_string_chars} characters"
+                f" (this engine's max_string_chars), got one of {longest}",
+                param=name,
+            )
+
+
+def _check_token_ids(vocab: int, sampling: SamplingParams) -> None:
+    # Each list indexes the logits (vLLM checks the same ranges); more entries
+    # than the vocabulary can only repeat ids, so that is the bound on length.
+    lists: tuple[tuple[str, Collection[int] | None], ...] = (
+        ("stop_token_ids", sampling.stop_token_ids),
+        ("allowed_token_ids", sampling.allowed_token_ids),
+        ("logit_bias", sampling.logit_bias),  # its keys
+        ("trace_decode_token_ids", sampling.trace_decode_token_ids),
+    )
+    for name, ids in lists:
+        if ids is None:
+            continue
+        _check_count(name, len(ids), vocab, "the vocabulary size")
+        _check_in_vocab(name, ids, vocab)
+    if sampling.allowed_token_ids is not None and not sampling.allowed_token_ids:
+        raise BadRequest("allowed_token_ids must hold at least 1 token id, got none", param="allowed_token_ids")
+
+
+def _check_count(name: str, count: int, most: int, what: str) -> None:
+    if count > most:
+        raise BadRequest(f"{name} must hold at most {most} entries ({what}), got {count}", param=name)
+
+
+def _check_in_vocab(name: str, ids: Collection[int], vocab: int, *, lowest: int = 0) -> None:
+    if not ids:
+        return
+    low, high = min(ids), max(ids)  # two C-level passes, no list of offenders
+    if low < lowest or high >= vocab:
+        bad = low if low < lowest else high
+        raise BadRequest(f"{name} holds token id {_shown(bad)}, outside the vocabulary of {vocab} tokens", param=name)
+
+
+def _shown(value: int) -> str:
+    """An int for a message: past 64 bits its digits are no use (and very long ones raise)."""
+    return str(value) if value.bit_length() <= 64 else f"a {value.bit_length()}-bit number"
 
 
 def backend_request(state: EngineState, request: GenerateRequest) -> BackendRequest:

@@ -84,6 +84,11 @@ def _add_engine(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         metavar="KEY=VALUE",
         help="a field of the backend's config (VALUE parsed as JSON when it can be), e.g. itl_ms=20",
     )
+    # vLLM's flag names; unset (None) keeps EngineLimits' default, which the help repeats.
+    engine.add_argument("--max-num-seqs", type=int, default=None, help="most choices (n) per request (default 256)")
+    engine.add_argument(
+        "--max-logprobs", type=int, default=None, help="most logprobs per token, -1 for the whole vocabulary (default 20)"
+    )
     engine.set_defaults(func=_run_engine)
 
 
@@ -108,8 +113,14 @@ def _none_or(value: str) -> str | None:
 
 def _run_engine(args: argparse.Namespace) -> int:
     from engine.app import run
-    from engine.config import EngineConfig
+    from engine.config import ConfigError, EngineConfig, engine_limits
 
+    flags = {"max_num_seqs": args.max_num_seqs, "max_logprobs": args.max_logprobs}
+    try:
+        limits = engine_limits(**{name: value for name, value in flags.items() if value is not None})
+    except ConfigError as exc:
+        print(f"onehop engine: {exc}", file=sys.stderr)
+        return 2
     model = args.model
     if model is None:
         from engine.qwen3.fixtures import ensure_tiny_model, ensure_tokenizer
@@ -126,6 +137,7 @@ def _run_engine(args: argparse.Namespace) -> int:
         tool_parser=_none_or(args.tool_parser),
         reasoning_field=args.reasoning_field,
         backend_options=_backend_options(args.backend_option),
+        limits=limits,
     )
     run(config)
     return 0
