@@ -173,17 +173,18 @@ def check_token_ids(sampling: dict[str, Any], vocab_size: int) -> None:
                 raise InvalidRequest(f"{name}: token id {token_id} is not in the vocabulary (0..{vocab_size - 1})", param=name)
 
 
-def check_context(prompts: list[list[int]], sampling: dict[str, Any], max_model_len: int | None) -> None:
-    """Each prompt plus `max_tokens` fits the model's context (as the engines report it), in
-    the words OpenAI and vLLM use, which clients look for to fall back to a larger model."""
+def check_context(prompts: list[list[int]], max_model_len: int | None) -> None:
+    """As vLLM 0.32 checks: a prompt that fills the model's context (as the engines report
+    it) is refused, in the words OpenAI and vLLM use (clients look for them to fall back to
+    a larger model); a `max_tokens` over what the prompt leaves is capped by the engine, as
+    vLLM's `get_max_tokens` caps it."""
     if max_model_len is None:
         return
-    wanted = sampling.get("max_tokens") or 0
     for prompt in prompts:
-        if len(prompt) + wanted > max_model_len or len(prompt) >= max_model_len:
+        if len(prompt) >= max_model_len:
             raise InvalidRequest(
-                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                f"{len(prompt) + wanted} tokens ({len(prompt)} in the messages, {wanted} in the completion). "
-                "Please reduce the length of the messages or completion.",
-                param="max_tokens" if wanted and len(prompt) < max_model_len else "messages",
+                f"This model's maximum context length is {max_model_len} tokens. However, your prompt contains "
+                f"{len(prompt)} input tokens, which exceeds this limit even without any output tokens. "
+                "Please reduce the length of the input prompt.",
+                param="messages",
             )

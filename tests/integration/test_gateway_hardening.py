@@ -225,18 +225,24 @@ async def test_careless_requests_get_a_clear_error_in_openai_shape(qwen3_tokeniz
             ("stop_token_ids", [10**9]),
         ):
             cases.append(("POST", chat, {}, json.dumps({"model": "sim", "messages": MESSAGES, name: value}), 400, "BadRequestError"))
-        cases.append(("POST", chat, {}, json.dumps({"model": "sim", "messages": MESSAGES, "max_tokens": 2**63 + 5}), 400, "BadRequestError"))
-        cases.append(("POST", chat, {}, json.dumps({"model": "sim", "messages": MESSAGES, "max_tokens": 40000}), 400, "BadRequestError"))
+        cases.append(("POST", chat, {}, json.dumps({"model": "sim", "messages": MESSAGES, "max_tokens": 10**30}), 400, "BadRequestError"))
+        too_long = json.dumps({"model": "sim", "prompt": [1] * 33000, "max_tokens": 2})
+        cases.append(("POST", base + "/completions", {}, too_long, 400, "BadRequestError"))
         for method, url, headers, data, status, kind in cases:
             headers = {"Content-Type": "application/json", **headers} if data is not None else headers
             async with session.request(method, url, data=data, headers=headers) as response:
                 assert response.status == status, (data, await response.text())
                 error = (await response.json())["error"]
                 assert error["type"] == kind, error
-        async with session.post(chat, data=json.dumps({"model": "sim", "messages": MESSAGES, "max_tokens": 40000}),
-                                headers={"Content-Type": "application/json"}) as response:
+        async with session.post(base + "/completions", data=too_long, headers={"Content-Type": "application/json"}) as response:
             message = (await response.json())["error"]["message"]
-            assert "maximum context length is 32768 tokens" in message
+            assert "maximum context length is 32768 tokens" in message and "33000 input tokens" in message
+        # A max_tokens over what the prompt leaves is capped, as vLLM caps it.
+        over = {"model": "sim", "prompt": [1] * 32760, "max_tokens": 50, "ignore_eos": True}
+        async with session.post(base + "/completions", json=over) as response:
+            answer = await response.json()
+            assert response.status == 200, answer
+            assert answer["usage"]["completion_tokens"] == 8 and answer["choices"][0]["finish_reason"] == "length"
         # A body without a Content-Type is still read as JSON (curl's --data-binary, scripts).
         async with session.post(chat, data=body.encode()) as response:
             assert response.status == 200
