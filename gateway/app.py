@@ -19,6 +19,7 @@ from aiohttp import web
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from engine.app import load_vocab, new_event_loop
+from engine.derender.vocab import TokenVocab
 from engine.derender.parsers import REASONING_PARSERS, TOOL_PARSERS
 from engine.derender.parsers.detect import resolve
 from engine.openai_schema import ModelCard, ModelList
@@ -64,6 +65,12 @@ class _ModelPlan:
         return out if self.prefill is None else [*out, self.prefill]
 
 
+def _longest_token(vocab: TokenVocab) -> int:
+    """The most text one token can stand for (bytes of byte-level pieces, else characters)."""
+    pieces = vocab.token_bytes if vocab.byte_level else vocab.backend.get_vocab()
+    return max(1, max(map(len, pieces), default=1), *map(len, vocab.added_text.values()))
+
+
 async def _runtime(plan: _ModelPlan) -> ModelRuntime:
     """Load what serving the model needs (off the loop: tokenizer files are large)."""
     config = plan.config
@@ -75,6 +82,7 @@ async def _runtime(plan: _ModelPlan) -> ModelRuntime:
         name=config.name,
         renderer=renderer,
         vocab=vocab,
+        max_chars_per_token=_longest_token(vocab),
         reasoning_parser=config.reasoning_parser,  # type: ignore[arg-type]
         tool_parser=config.tool_parser,  # type: ignore[arg-type]
         reasoning_field=config.reasoning_field,
@@ -226,7 +234,7 @@ async def _route_header(request: web.Request, response: web.StreamResponse) -> N
     if route is not None:
         response.headers[ROUTE_RESPONSE_HEADER] = route
     reason = request.get(REASON_KEY)
-    if reason is not None:
+    if reason is not None and request.app[GATEWAY].config.policy_header:
         response.headers[POLICY_RESPONSE_HEADER] = ascii_header(reason)
 
 

@@ -160,8 +160,12 @@ class GatewayConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     """How often the policy file is checked for changes."""
     feedback_interval_s: Annotated[float, Meta(gt=0)] = 1.0
     """How often engines' /metrics are scraped for the cost model's live feedback."""
-    route_header: bool = True
-    """Honour an `onehop-route` request header (tests, debugging)."""
+    route_header: bool = False
+    """Honour an `onehop-route` request header (tests, debugging). Off unless asked for: any
+    client could use it to skip the cost policy (`onehop serve`, a local tool, turns it on)."""
+    policy_header: bool = False
+    """Say in an `onehop-policy` response header why the route was chosen (debugging). Off
+    unless asked for: the cost model's reason shows the engines' live load."""
     render: Literal["local", "remote"] = "local"
     remote_url: str | None = None
     """vLLM server for remote render and the tokens-remote route."""

@@ -53,6 +53,8 @@ async def embedded(engine: EngineConfig, *, host: str, port: int, route: Route) 
         host=host,
         port=port,
         route=route,
+        route_header=True,  # a local tool: the override and its explanation are for its user
+        policy_header=True,
         reasoning_parser=engine.reasoning_parser,
         tool_parser=engine.tool_parser,
         reasoning_field=engine.reasoning_field,

@@ -36,7 +36,14 @@ from gateway.errors import InvalidRequest
 from gateway.policy import RequestFeatures
 from gateway.relay import remote_error
 from gateway.runtime import ModelRuntime
-from gateway.validate import check_chat, check_chat_limits, check_completion, check_completion_limits
+from gateway.validate import (
+    chat_text_chars,
+    check_chat,
+    check_chat_limits,
+    check_completion,
+    check_completion_limits,
+    completion_text_chars,
+)
 
 R = TypeVar("R", ChatCompletionRequest, CompletionRequest)
 RemoteDerender = remote.RemoteChatDerender | remote.RemoteCompletionDerender
@@ -86,6 +93,10 @@ class Endpoint(Protocol[R]):
     def check(self, request: R, limits: Limits) -> None: ...
 
     def describe(self, request: R) -> Described: ...
+
+    def text_chars(self, request: R) -> int:
+        """Characters of text the request carries, counted before any render."""
+        ...
 
     def content(self, body: bytes) -> str:
         """The request's input as sent, for `record_content` only."""
@@ -156,6 +167,9 @@ class Chat:
 
     def content(self, body: bytes) -> str:
         return bytes(msgspec.json.decode(body, type=_Messages).messages).decode("utf-8", "replace")
+
+    def text_chars(self, request: ChatCompletionRequest) -> int:
+        return chat_text_chars(request)
 
     async def render(self, model: ModelRuntime, request: ChatCompletionRequest, body: bytes) -> list[list[int]]:
         """Local chat template or vLLM's /render, then the forced tool-call opening, if any."""
@@ -245,6 +259,9 @@ class Completions:
 
     def content(self, body: bytes) -> str:
         return bytes(msgspec.json.decode(body, type=_Prompt).prompt).decode("utf-8", "replace")
+
+    def text_chars(self, request: CompletionRequest) -> int:
+        return completion_text_chars(request)
 
     async def render(self, model: ModelRuntime, request: CompletionRequest, body: bytes) -> list[list[int]]:
         if model.render == "local":

@@ -54,7 +54,7 @@ from gateway.relay import (
 from gateway.routing import choose_route
 from gateway.runtime import ModelRuntime
 from gateway.state import GATEWAY, GatewayState
-from gateway.validate import check_context, check_token_ids
+from gateway.validate import check_context, check_text_size, check_token_ids
 
 T = TypeVar("T")
 _encode = msgspec.json.Encoder().encode
@@ -78,6 +78,7 @@ async def serve(http: web.Request, endpoint: Endpoint[Any]) -> web.StreamRespons
     sampling = endpoint.sampling(request)
     model = state.model(request.model)
     check_token_ids(sampling, model.vocab.size)
+    check_text_size(endpoint.text_chars(request), model.engines.max_model_len(), model.max_chars_per_token)
     http[MODEL_KEY] = model.name
     described = endpoint.describe(request)
     describe_request(

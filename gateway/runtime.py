@@ -25,6 +25,8 @@ class ModelRuntime:
     """The served name: what `/v1/models` lists and answers carry."""
     renderer: LocalRenderer
     vocab: TokenVocab
+    max_chars_per_token: int
+    """The longest token's text: text longer than the context times this cannot fit."""
     reasoning_parser: str | None
     tool_parser: str | None
     reasoning_field: ReasoningField

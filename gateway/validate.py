@@ -173,6 +173,45 @@ def check_token_ids(sampling: dict[str, Any], vocab_size: int) -> None:
                 raise InvalidRequest(f"{name}: token id {token_id} is not in the vocabulary (0..{vocab_size - 1})", param=name)
 
 
+def check_text_size(chars: int, max_model_len: int | None, max_chars_per_token: int) -> None:
+    """Before render: text that cannot fit the context in any tokenization is refused
+    without tokenizing it (vLLM's `_text_len_check`: at most `max_model_len` tokens of the
+    vocabulary's longest token each)."""
+    if max_model_len is None:
+        return
+    most = max_model_len * max_chars_per_token
+    if chars > most:
+        raise InvalidRequest(
+            f"This model's maximum context length is {max_model_len} tokens. However, your prompt contains "
+            f"{chars} characters (more than {most} characters, which is the upper bound for {max_model_len} "
+            "input tokens). Please reduce the length of the input prompt.",
+            param="messages",
+        )
+
+
+def chat_text_chars(request: ChatCompletionRequest) -> int:
+    """Characters of text the messages carry: the rendered prompt holds at least these."""
+    total = 0
+    for message in request.messages:
+        content = message.content
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(part.text) for part in content if isinstance(part.text, str))
+        for call in message.tool_calls or ():
+            total += len(call.function.arguments or "")
+    return total
+
+
+def completion_text_chars(request: CompletionRequest) -> int:
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        return len(prompt)
+    if isinstance(prompt, list):
+        return sum(len(item) for item in prompt if isinstance(item, str))
+    return 0
+
+
 def check_context(prompts: list[list[int]], max_model_len: int | None) -> None:
     """As vLLM 0.32 checks: a prompt that fills the model's context (as the engines report
     it) is refused, in the words OpenAI and vLLM use (clients look for them to fall back to

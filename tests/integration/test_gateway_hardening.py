@@ -246,3 +246,35 @@ async def test_careless_requests_get_a_clear_error_in_openai_shape(qwen3_tokeniz
         # A body without a Content-Type is still read as JSON (curl's --data-binary, scripts).
         async with session.post(chat, data=body.encode()) as response:
             assert response.status == 200
+
+
+async def test_by_default_clients_can_neither_pick_the_route_nor_see_the_engines_load(qwen3_tokenizer_dir: Path) -> None:
+    async with (
+        engine_server(qwen3_tokenizer_dir) as (engine_url, _),
+        gateway_server(qwen3_tokenizer_dir, engine_url, route_header=False, policy_header=False) as (base, _),
+        openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0) as client,
+    ):
+        raw = await client.chat.completions.with_raw_response.create(
+            model="sim", messages=MESSAGES, max_tokens=2, extra_headers={"onehop-route": "tokens"}
+        )
+        assert raw.headers["onehop-route"] == "derender"  # the config's route, not the client's
+        assert "onehop-policy" not in raw.headers
+
+
+async def test_text_that_cannot_fit_the_context_is_refused_before_render(qwen3_tokenizer_dir: Path) -> None:
+    """32768 tokens of at most 128 bytes each (Qwen3's longest token): more text than that
+    is refused without rendering or tokenizing it."""
+    huge = "word " * 900_000  # 4.5 M characters
+    async with (
+        engine_server(qwen3_tokenizer_dir) as (engine_url, _),
+        gateway_server(qwen3_tokenizer_dir, engine_url) as (base, state),
+        openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0) as client,
+    ):
+        for create in (
+            lambda: client.completions.create(model="sim", prompt=huge, max_tokens=2),
+            lambda: client.chat.completions.create(model="sim", messages=[{"role": "user", "content": huge}], max_tokens=2),
+        ):
+            with pytest.raises(openai.BadRequestError, match="4500000 characters"):
+                await create()
+        renders = state.metrics.stage_seconds.labels("render")._sum.get()
+        assert renders == 0, "a render ran for text that cannot fit"

@@ -54,7 +54,8 @@ async def _two_models(qwen3_tokenizer_dir: Path) -> AsyncIterator[tuple[str, dic
                 ModelConfig(
                     name="kimi", aliases=["moonshot"], tokenizer=str(kimi_dir), engines=[EngineEndpoint(url=kimi_url)], **KIMI
                 ),
-            ]
+            ],
+            route_header=True,
         )
         async with configured_gateway(config) as (base, _):
             yield base, {"qwen": qwen_url, "kimi": kimi_url}
@@ -225,7 +226,7 @@ async def test_policy_rules_match_the_model_and_send_to_its_pools(qwen3_tokenize
                 ),
             ],
             policy=str(tmp_path / "policy.yaml"),
-            route_header=False,
+            policy_header=True,
         )
         async with (
             configured_gateway(config) as (base, _),

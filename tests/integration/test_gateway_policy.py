@@ -24,6 +24,7 @@ async def _gateway(engine_url: str, tokenizer_dir: Path, **config: Any) -> Any:
     from gateway.app import create_app
     from gateway.config import EngineEndpoint, GatewayConfig
 
+    config = {"route_header": True, "policy_header": True, **config}
     settings = GatewayConfig(model="sim", tokenizer=str(tokenizer_dir), engines=[EngineEndpoint(url=engine_url)], **config)
     server = TestServer(create_app(settings), handler_cancellation=True)
     await server.start_server()

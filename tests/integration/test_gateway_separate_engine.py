@@ -21,6 +21,7 @@ MESSAGES = [{"role": "user", "content": "Hello"}]
 
 @asynccontextmanager
 async def gateway_for(engine_url: str, tokenizer_dir: Path, **config: Any) -> AsyncIterator[str]:
+    config = {"route_header": True, "policy_header": True, **config}
     settings = GatewayConfig(model="sim", tokenizer=str(tokenizer_dir), engines=[EngineEndpoint(url=engine_url)], **config)
     server = TestServer(create_app(settings), handler_cancellation=True)
     await server.start_server()

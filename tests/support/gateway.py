@@ -17,8 +17,11 @@ from gateway.state import GATEWAY, GatewayState
 @asynccontextmanager
 async def gateway_server(tokenizer_dir: Path, engine_url: str | list[str], **config: Any) -> AsyncIterator[tuple[str, GatewayState]]:
     """Start the gateway (model `sim`) on a free port, in front of one engine or several;
-    yield its `/v1` base URL and state."""
+    yield its `/v1` base URL and state. The route override and policy headers are on
+    unless `config` says otherwise."""
     urls = [engine_url] if isinstance(engine_url, str) else engine_url
+    config.setdefault("route_header", True)  # tests pick routes and read why one was chosen
+    config.setdefault("policy_header", True)
     gateway = GatewayConfig(model="sim", tokenizer=str(tokenizer_dir), engines=[EngineEndpoint(url=u) for u in urls], **config)
     async with configured_gateway(gateway) as running:
         yield running

@@ -593,6 +593,7 @@ async def _gateway(vllm_url: str, model: str, tiny_model_dir: Path, render: str)
         remote_url=vllm_url,
         render=render,  # type: ignore[arg-type]
         route="tokens",
+        route_header=True,
     )
     server = TestServer(create_app(config), handler_cancellation=True)
     await server.start_server()
