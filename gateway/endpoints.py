@@ -176,9 +176,8 @@ class Chat:
         forced = forced_tool_prefix(request, model.tool_parser)
         if model.render == "local":
             return [await model.renderer.chat(request, suffix=forced)]
-        assert model.remote_url is not None  # the config refuses render: remote without it
         try:
-            rendered = await remote.render_chat(model.engines.session, model.remote_url, body)
+            rendered = await remote.render_chat(model.engines.session, _remote_url(model), body)
         except remote.RemoteServiceError as exc:
             raise remote_error(exc) from exc
         suffix = await model.renderer.encode(forced) if forced is not None else []
@@ -233,10 +232,8 @@ class Chat:
 
     def remote_derender(self, answer: Answer, body: bytes, prompt: list[int]) -> remote.RemoteChatDerender:
         model = answer.model
-        if model.remote_url is None:
-            raise InvalidRequest("the tokens-remote route needs remote_url in the gateway config", param="onehop-route")
         return remote.RemoteChatDerender(
-            model.engines.session, model.remote_url, model=model.name, chat_request=body, prompt_token_ids=prompt
+            model.engines.session, _remote_url(model), model=model.name, chat_request=body, prompt_token_ids=prompt
         )
 
 
@@ -266,9 +263,8 @@ class Completions:
     async def render(self, model: ModelRuntime, request: CompletionRequest, body: bytes) -> list[list[int]]:
         if model.render == "local":
             return await model.renderer.completion_prompts(request)
-        assert model.remote_url is not None
         try:
-            rendered = await remote.render_completion(model.engines.session, model.remote_url, body)
+            rendered = await remote.render_completion(model.engines.session, _remote_url(model), body)
         except remote.RemoteServiceError as exc:
             raise remote_error(exc) from exc
         return [item.token_ids for item in rendered]
@@ -313,11 +309,17 @@ class Completions:
 
     def remote_derender(self, answer: Answer, body: bytes, prompt: list[int]) -> remote.RemoteCompletionDerender:
         model = answer.model
-        if model.remote_url is None:
-            raise InvalidRequest("the tokens-remote route needs remote_url in the gateway config", param="onehop-route")
         return remote.RemoteCompletionDerender(
-            model.engines.session, model.remote_url, model=model.name, completion_request=body, prompt_token_ids=prompt
+            model.engines.session, _remote_url(model), model=model.name, completion_request=body, prompt_token_ids=prompt
         )
+
+
+def _remote_url(model: ModelRuntime) -> str:
+    """vLLM's render/derender service (the config refuses render: remote and routes that need
+    it without one; an engine pool offers tokens-remote only with one)."""
+    if model.remote_url is None:
+        raise InvalidRequest("the tokens-remote route needs remote_url in the gateway config", param="onehop-route")
+    return model.remote_url
 
 
 def _max_tokens(request: ChatCompletionRequest) -> int | None:
