@@ -26,6 +26,7 @@ from engine.derender.parsers import REASONING_PARSERS, TOOL_PARSERS, UnknownPars
 from engine.derender.parsers.detect import resolve
 from engine.derender.vocab import TokenVocab, vocab_for
 from engine.errors import error_middleware
+from engine.http_server import new_event_loop, run_app
 from engine.generate import GENERATE_PATH, handle_abort, handle_generate
 from engine.openai_schema import ModelCard, ModelList
 from engine.protocol import encode
@@ -192,20 +193,4 @@ async def handle_capabilities(http: web.Request) -> web.Response:
 def run(config: EngineConfig) -> None:
     """Serve until interrupted (the `onehop engine` command)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    web.run_app(
-        create_app(config),
-        host=config.host,
-        port=config.port,
-        handler_cancellation=True,
-        print=None,
-        loop=new_event_loop(),
-    )
-
-
-def new_event_loop() -> asyncio.AbstractEventLoop:
-    """uvloop where it is built, else asyncio's own loop."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
+    run_app(create_app(config), host=config.host, port=config.port, loop=new_event_loop())

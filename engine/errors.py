@@ -102,9 +102,24 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return error_response(_from_aiohttp(exc))
     except Exception as exc:
         error = as_http_error(exc)
-        if error.status >= 500:
-            log.exception("request failed: %s %s", request.method, request.path)
+        log_failure(request, error, exc)
         return error_response(error)
+
+
+REQUEST_ID_KEY = web.RequestKey("onehop_engine_request_id", str)
+"""The generate request's id, once its body is decoded: the name its error lines carry."""
+
+
+def log_failure(request: web.Request, error: EngineHTTPError, exc: Exception) -> None:
+    """One line per server-side failure, named by the request id; a traceback only for an
+    exception that is neither ours nor the backend's (a bug). Clients' mistakes are not logged."""
+    if error.status < 500:
+        return
+    rid = request.get(REQUEST_ID_KEY, "-")
+    if isinstance(exc, (EngineHTTPError, BackendError)):
+        log.error("%s %s %s failed: %d %s", rid, request.method, request.path, error.status, error.message)
+    else:
+        log.error("%s %s %s failed: %s", rid, request.method, request.path, type(exc).__name__, exc_info=exc)
 
 
 _AIOHTTP_ERRORS: dict[int, type[EngineHTTPError]] = {404: NotFound, 405: MethodNotAllowed, 413: PayloadTooLarge}

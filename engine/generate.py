@@ -28,11 +28,13 @@ from engine.config import EngineLimits
 from engine.errors import (
     BadRequest,
     Conflict,
+    REQUEST_ID_KEY,
     EngineHTTPError,
     NotFound,
     Unavailable,
     as_http_error,
     error_body,
+    log_failure,
 )
 from engine.outputs import OutputWriter, make_writer
 from engine.protocol import (
@@ -296,6 +298,7 @@ async def _generate(http: web.Request, state: EngineState, span: Span) -> web.St
     times = _Times(arrived=time.monotonic())
     body = await http.read()
     request = decode_generate_request(body)
+    http[REQUEST_ID_KEY] = request.request_id
     if "max_tokens" not in sampling_params_sent_keys(body):
         # Not sent means "up to the context length", as in vLLM's generate API
         # (its SamplingParams default of 16 applies only to direct callers).
@@ -434,8 +437,7 @@ async def _stream(
             await response.write(b"data: " + error_body(exc) + b"\n\n")
         except Exception as exc:  # after the first byte, errors travel in-band
             error = as_http_error(exc)
-            if error.status >= 500:
-                log.exception("stream failed: request %s", request.request_id)
+            log_failure(http, error, exc)
             await response.write(b"data: " + error_body(error) + b"\n\n")
         trailer = (
             SUMMARY_COMMENT + encode(writer.summary()) + b"\n\n"

@@ -576,6 +576,52 @@ class ModelList(Struct):
     data: list[ModelCard] = []
 
 
+# ------------------------------------------------------------ nesting bound
+
+MAX_JSON_DEPTH = 64
+"""How deep a free-form JSON value (a tool's parameters, chat_template_kwargs, ...) may nest.
+Deeper values exhaust recursion in decoders, encoders and the template engine (985
+levels did); real schemas nest a handful of levels."""
+
+FREE_FORM_FIELDS = (
+    "chat_template_kwargs", "response_format", "structured_outputs", "mm_processor_kwargs",
+    "media_io_kwargs", "kv_transfer_params", "ec_transfer_params",
+)
+"""Request fields that hold JSON of any shape (the tools' parameters are the other one)."""
+
+
+def json_depth(value: Any, limit: int) -> int:
+    """How deep `value` nests (0 for a scalar), counted iteratively and up to `limit` + 1 only."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        depth += 1
+        if depth > deepest:
+            deepest = depth
+            if deepest > limit:
+                return deepest
+        stack.extend((child, depth) for child in children)
+    return deepest
+
+
+def too_deep(request: ChatCompletionRequest | CompletionRequest) -> str | None:
+    """The first free-form field of `request` that nests deeper than MAX_JSON_DEPTH, if any."""
+    values = [(name, getattr(request, name, None)) for name in FREE_FORM_FIELDS]
+    tools = getattr(request, "tools", None) or ()
+    values += [(f"tools[{i}].function.parameters", tool.function.parameters) for i, tool in enumerate(tools)]
+    for name, value in values:
+        if value is not None and json_depth(value, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+            return name
+    return None
+
+
 # ------------------------------------------------------------ codecs, built once
 
 ENCODER = msgspec.json.Encoder()

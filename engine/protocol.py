@@ -35,6 +35,7 @@ from msgspec import UNSET, Meta, Struct, UnsetType
 from engine.openai_schema import (
     INT64_MAX,
     INT64_MIN,
+    MAX_JSON_DEPTH,
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -50,7 +51,9 @@ from engine.openai_schema import (
     StreamOptions,
     TokenId,
     Usage,
+    json_depth,
     random_uuid,
+    too_deep,
 )
 
 __all__ = [
@@ -213,6 +216,9 @@ class GenerateRequest(Struct, omit_defaults=True, forbid_unknown_fields=True, kw
 
     def validate(self) -> None:
         """The cross-field rules; field types and ranges are checked by the decoder."""
+        deep = self._too_deep()
+        if deep is not None:
+            raise ProtocolError(f"{deep} nests deeper than {MAX_JSON_DEPTH} levels")
         if self.cache_salt is not None and not _CACHE_SALT_FORBIDDEN.isdisjoint(self.cache_salt):
             raise ProtocolError("cache_salt must not contain '@', '/', '\\' or NUL")
         if self.content_parts and _raw_present(self.features):
@@ -225,6 +231,23 @@ class GenerateRequest(Struct, omit_defaults=True, forbid_unknown_fields=True, kw
             self._validate_derender()
         elif self.chat_request is not None or self.completion_request is not None:
             raise ProtocolError("chat_request and completion_request need output_mode='derender'")
+
+    def _too_deep(self) -> str | None:
+        """The first free-form JSON field nesting deeper than MAX_JSON_DEPTH (the engine is
+        reachable directly, so it bounds this itself), or None."""
+        own = {
+            "sampling_params.extra_args": self.sampling_params.extra_args,
+            "kv_transfer_params": self.kv_transfer_params,
+            "ec_transfer_params": self.ec_transfer_params,
+        }
+        for name, value in own.items():
+            if value is not None and json_depth(value, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+                return name
+        for name, original in (("chat_request", self.chat_request), ("completion_request", self.completion_request)):
+            inner = too_deep(original) if original is not None else None
+            if inner is not None:
+                return f"{name}.{inner}"
+        return None
 
     def _validate_derender(self) -> None:
         originals = [r for r in (self.chat_request, self.completion_request) if r is not None]
@@ -460,6 +483,8 @@ def _decode(decoder: msgspec.json.Decoder[_T], data: bytes, what: str) -> _T:
         return decoder.decode(data)
     except msgspec.DecodeError as exc:  # ValidationError included
         raise ProtocolError(f"invalid {what}: {exc}") from exc
+    except RecursionError as exc:  # the decoder's own bound: far deeper than MAX_JSON_DEPTH
+        raise ProtocolError(f"invalid {what}: JSON nested too deeply") from exc
 
 
 def decode_generate_request(data: bytes) -> GenerateRequest:

@@ -18,7 +18,8 @@ import msgspec
 from aiohttp import web
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from engine.app import load_vocab, new_event_loop
+from engine.app import load_vocab
+from engine.http_server import new_event_loop, run_app
 from engine.derender.vocab import TokenVocab
 from engine.derender.parsers import REASONING_PARSERS, TOOL_PARSERS
 from engine.derender.parsers.detect import resolve
@@ -29,7 +30,7 @@ from gateway.admission import Gate
 from gateway.auth import TENANT_KEY, check_key, keys_from_env, load_key_file, needs_key
 from gateway.config import ConfigError, EngineEndpoint, GatewayConfig, ModelConfig
 from gateway.engine_client import ABORT_TIMEOUT_S, EngineClient, EngineMismatch, Expected
-from gateway.errors import ERROR_KEY, Handler, gateway_error_middleware
+from gateway.errors import ERROR_KEY, REQUEST_ID_KEY, Handler, gateway_error_middleware
 from gateway.feedback import EngineFeedback
 from gateway.observe import GONE_KEY, MODEL_KEY, OPERATIONS, SPAN_KEY, STARTED_KEY
 from gateway.pipeline import handle_chat, handle_completion
@@ -47,6 +48,9 @@ log = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode
 ROUTE_RESPONSE_HEADER = "onehop-route"
 POLICY_RESPONSE_HEADER = "onehop-policy"
+REQUEST_ID_HEADER = "X-Request-Id"
+"""The answer's id on every chat and completions response, errors included (as vLLM's
+`--enable-request-id-headers` sends it)."""
 """Why the route was chosen: the rule, the cost comparison, or the override."""
 
 
@@ -229,7 +233,10 @@ def _describe_answer(request: web.Request, span: Span, status: str) -> None:
             span.set_status(Status(StatusCode.ERROR))
 
 
-async def _route_header(request: web.Request, response: web.StreamResponse) -> None:
+async def _answer_headers(request: web.Request, response: web.StreamResponse) -> None:
+    rid = request.get(REQUEST_ID_KEY)
+    if rid is not None:
+        response.headers[REQUEST_ID_HEADER] = rid
     route = request.get(ROUTE_KEY)
     if route is not None:
         response.headers[ROUTE_RESPONSE_HEADER] = route
@@ -309,7 +316,7 @@ def create_app(config: GatewayConfig) -> web.Application:
         if not state.env_keys and config.auth.api_keys_file is None:
             raise ConfigError(f"auth.api_keys_env names {config.auth.api_keys_env}, which holds no key")
     app.cleanup_ctx.append(lambda app: _lifecycle(app, plans))
-    app.on_response_prepare.append(_route_header)
+    app.on_response_prepare.append(_answer_headers)
     app.router.add_post("/v1/chat/completions", handle_chat)
     app.router.add_post("/v1/completions", handle_completion)
     app.router.add_get("/v1/models", handle_models)
@@ -348,10 +355,7 @@ def serve(config: GatewayConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(config)
     app.on_startup.append(_reload_on_sighup)
-    web.run_app(
-        app, host=config.host, port=config.port, handler_cancellation=True, print=None, loop=new_event_loop(),
-        access_log_class=AccessLogger,
-    )
+    run_app(app, host=config.host, port=config.port, loop=new_event_loop(), access_log_class=AccessLogger)
 
 
 async def _reload_on_sighup(app: web.Application) -> None:

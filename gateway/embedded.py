@@ -17,7 +17,7 @@ from pathlib import Path
 from aiohttp import web
 
 from engine.app import create_app as create_engine_app
-from engine.app import new_event_loop
+from engine.http_server import Runner, new_event_loop
 from engine.config import EngineConfig
 from gateway.access_log import AccessLogger
 from gateway.app import create_app as create_gateway_app
@@ -41,7 +41,7 @@ def served_name(engine: EngineConfig) -> str:
 @asynccontextmanager
 async def embedded(engine: EngineConfig, *, host: str, port: int, route: Route) -> AsyncIterator[Embedded]:
     """Start engine then gateway; yield both apps and the gateway's base URL."""
-    engine_runner = web.AppRunner(create_engine_app(engine), handler_cancellation=True, access_log=None)
+    engine_runner = Runner(create_engine_app(engine), handler_cancellation=True, access_log=None)
     await engine_runner.setup()
     engine_site = web.TCPSite(engine_runner, "127.0.0.1", 0)
     await engine_site.start()
@@ -60,7 +60,7 @@ async def embedded(engine: EngineConfig, *, host: str, port: int, route: Route) 
         reasoning_field=engine.reasoning_field,
         tracing=engine.tracing,  # one setting for both; each exports as its own service
     )
-    gateway_runner = web.AppRunner(create_gateway_app(config), handler_cancellation=True, access_log_class=AccessLogger)
+    gateway_runner = Runner(create_gateway_app(config), handler_cancellation=True, access_log_class=AccessLogger)
     try:
         await gateway_runner.setup()
         site = web.TCPSite(gateway_runner, host, port)

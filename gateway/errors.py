@@ -146,6 +146,9 @@ _STATUS_TYPES = {422: "UnprocessableEntityError"}
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 ERROR_KEY = web.RequestKey("onehop_error", str)
 """The class of the error a request was answered with, for the trace's `error.type`."""
+REQUEST_ID_KEY = web.RequestKey("onehop_request_id", str)
+"""The answer's id (`chatcmpl-...`), also its engine requests' id: the one name a request has in
+the gateway's error lines, the access log, the `X-Request-Id` response header and the engines' logs."""
 
 
 @web.middleware
@@ -158,13 +161,24 @@ async def gateway_error_middleware(request: web.Request, handler: Handler) -> we
         error = as_gateway_error(exc)
     except Exception as exc:
         error = as_gateway_error(exc)
-        if error.status >= 500:
-            log.exception("request failed: %s %s", request.method, request.path)
+        _log(request, error, exc)
     request[ERROR_KEY] = type(error).__name__
     response = web.Response(status=error.status, body=error_json(error), content_type="application/json", headers=error.headers)
     if error.close_connection:
         response.force_close()
     return response
+
+
+def _log(request: web.Request, error: GatewayError, exc: Exception) -> None:
+    """One line per server-side failure, named by the request id; a traceback only for an
+    exception that is not one of ours (a bug). A client's own mistakes are in the access log."""
+    if error.status < 500:
+        return
+    rid = request.get(REQUEST_ID_KEY, "-")
+    if exc is error:
+        log.error("%s %s %s failed: %d %s", rid, request.method, request.path, error.status, error.message)
+    else:
+        log.error("%s %s %s failed: %s", rid, request.method, request.path, type(exc).__name__, exc_info=exc)
 
 
 class ClientGone(Exception):

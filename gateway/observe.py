@@ -32,9 +32,9 @@ SPAN_KEY = web.RequestKey("onehop_span", Span)
 MODEL_KEY = web.RequestKey("onehop_model", str)
 """The served model's name, once the request named a known one (a bounded metrics label)."""
 STARTED_KEY = web.RequestKey("onehop_started", float)
+"""perf_counter() at the request's arrival, for time to first token."""
 GONE_KEY = web.RequestKey("onehop_client_gone", bool)
 """The client left mid-answer (counted as a 499 and a disconnect, not as the status it was sent)."""
-"""perf_counter() at the request's arrival, for time to first token."""
 
 
 @contextmanager

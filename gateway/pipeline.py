@@ -36,7 +36,7 @@ from gateway.disagg import prefill
 from gateway.endpoints import CHAT, COMPLETIONS, Answer, Endpoint
 from gateway.engine_client import Target
 from gateway.engine_request import generate_body
-from gateway.errors import ClientGone, InvalidRequest, RequestTimeout, UnsupportedMediaType
+from gateway.errors import REQUEST_ID_KEY, ClientGone, InvalidRequest, RequestTimeout, UnsupportedMediaType
 from gateway.observe import GONE_KEY, MODEL_KEY, SPAN_KEY, DerenderWork, describe_model, describe_outcome, describe_request, measured
 from gateway.relay import (
     derender_answer,
@@ -70,6 +70,7 @@ async def handle_completion(http: web.Request) -> web.StreamResponse:
 
 async def serve(http: web.Request, endpoint: Endpoint[Any]) -> web.StreamResponse:
     state = http.app[GATEWAY]
+    http[REQUEST_ID_KEY] = response_id = f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
     body = await read_body(http, state.config.timeouts.client_body_s)
     request = endpoint.decode(body)
     server = http[SPAN_KEY]
@@ -85,7 +86,6 @@ async def serve(http: web.Request, endpoint: Endpoint[Any]) -> web.StreamRespons
         server, max_tokens=described.max_tokens, temperature=described.temperature, top_p=described.top_p,
         n=described.n, seed=described.seed, stream=described.stream,
     )
-    response_id = f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
     server.set_attribute("gen_ai.response.id", response_id)
     if state.tracing.record_content and server.is_recording():
         server.set_attribute("gen_ai.input.messages", endpoint.content(body))

@@ -7,15 +7,12 @@ from typing import Any
 
 from msgspec import UNSET
 
-from engine.openai_schema import ChatCompletionRequest, CompletionRequest
+from engine.openai_schema import MAX_JSON_DEPTH, ChatCompletionRequest, CompletionRequest, too_deep
 from gateway.config import Limits
 from gateway.errors import InvalidRequest
 
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
-MAX_JSON_DEPTH = 64
-"""Nesting a free-form JSON value (a tool's parameters, chat_template_kwargs, ...) may have:
-deeper values exhaust recursion in the template engine and the encoders (985 levels did)."""
 
 # (field, test that it asks for something unsupported, why)
 _Rule = tuple[str, Callable[[Any], bool], str]
@@ -71,37 +68,11 @@ def _has_media(request: ChatCompletionRequest) -> bool:
     return False
 
 
-def json_depth(value: Any, limit: int) -> int:
-    """How deep `value` nests (0 for a scalar), counted iteratively up to `limit` + 1."""
-    deepest = 0
-    stack: list[tuple[Any, int]] = [(value, 0)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            children: Any = item.values()
-        elif isinstance(item, list):
-            children = item
-        else:
-            continue
-        depth += 1
-        if depth > deepest:
-            deepest = depth
-            if deepest > limit:
-                return deepest
-        stack.extend((child, depth) for child in children)
-    return deepest
-
-
-_FREE_FORM = ("chat_template_kwargs", "response_format", "structured_outputs", "mm_processor_kwargs", "media_io_kwargs")
-
-
-def _check_depths(request: Any) -> None:
+def _check_depths(request: ChatCompletionRequest | CompletionRequest) -> None:
     """Every free-form JSON value of the request is at most MAX_JSON_DEPTH deep (a 400 naming it)."""
-    values = [(name, getattr(request, name, None)) for name in _FREE_FORM]
-    values += [(f"tools[{i}].function.parameters", tool.function.parameters) for i, tool in enumerate(getattr(request, "tools", None) or ())]
-    for name, value in values:
-        if value is not None and json_depth(value, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
-            raise InvalidRequest(f"{name} nests deeper than {MAX_JSON_DEPTH} levels", param=name)
+    name = too_deep(request)
+    if name is not None:
+        raise InvalidRequest(f"{name} nests deeper than {MAX_JSON_DEPTH} levels", param=name)
 
 
 def _apply(rules: list[_Rule], request: Any) -> None:

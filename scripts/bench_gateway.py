@@ -74,7 +74,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import aiohttp  # noqa: E402
 import msgspec  # noqa: E402
 
-from engine.app import new_event_loop  # noqa: E402
+from engine.http_server import new_event_loop  # noqa: E402
 from engine.openai_schema import CHAT_COMPLETION_REQUEST_DECODER, ChatCompletionRequest  # noqa: E402
 from engine.qwen3.fixtures import ensure_tokenizer  # noqa: E402
 from gateway.engine_request import chat_sampling, generate_body  # noqa: E402

@@ -241,6 +241,45 @@ async def test_a_prompt_that_fills_the_context_is_refused(served: Served) -> Non
     assert status == 200 and len(body["choices"][0]["token_ids"]) == 1, body
 
 
+def _nested(depth: int) -> str:
+    """JSON text of an object nested `depth` levels deep (written out: encoders recurse)."""
+    return '{"a":' * depth + "1" + "}" * depth
+
+
+_CHAT = '{"model": "sim", "messages": [{"role": "user", "content": "hi"}], %s}'
+_DEEP_PLACES = {
+    "chat_template_kwargs": ("chat_request.chat_template_kwargs", _CHAT % '"chat_template_kwargs": {"x": %s}'),
+    "tool parameters": (
+        "chat_request.tools[0].function.parameters",
+        _CHAT % '"tools": [{"type": "function", "function": {"name": "f", "parameters": %s}}]',
+    ),
+    "extra_args": ("sampling_params.extra_args", None),
+}
+
+
+@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.parametrize("depth", [65, 985, 5000])
+@pytest.mark.parametrize("place", _DEEP_PLACES, ids=_DEEP_PLACES.keys())
+async def test_deeply_nested_json_is_a_400(place: str, depth: int, served: Served) -> None:
+    """Issue 14 item 7 at the engine: 985 levels were a RecursionError and a 500."""
+    field, chat = _DEEP_PLACES[place]
+    deep = _nested(depth)
+    ids = msgspec.json.encode(served.prompt).decode()
+    if chat is None:
+        body = '{"token_ids": %s, "sampling_params": {"max_tokens": 2, "extra_args": {"x": %s}}}' % (ids, deep)
+    else:
+        body = '{"token_ids": %s, "sampling_params": {"max_tokens": 2}, "output_mode": "derender", "chat_request": %s}' % (
+            ids, chat % deep
+        )
+    status, answer = await served.post(msgspec.Raw(body.encode()))
+    assert status == 400, answer
+    message = answer["error"]["message"]
+    assert (field in message and "64 levels" in message) if depth == 65 else "nested too deeply" in message, message
+    shallow = body.replace(deep, _nested(8))
+    status, answer = await served.post(msgspec.Raw(shallow.encode()))
+    assert status == 200, answer
+
+
 async def test_configured_limits_apply(qwen3_tokenizer: Any, qwen3_tokenizer_dir: Path) -> None:
     """max_logprobs=-1 allows the whole vocabulary, as vLLM's flag does; lower limits refuse sooner."""
     prompt = _prompt(qwen3_tokenizer)

@@ -13,7 +13,15 @@ from aiohttp.test_utils import TestServer
 
 from engine.app import create_app
 from engine.config import EngineConfig
+from engine.http_server import Runner
 from engine.state import ENGINE, EngineState
+
+
+class AppServer(TestServer):
+    """aiohttp's test server on the runner `onehop` serves with (aiohttp's own errors as JSON)."""
+
+    async def _make_runner(self, **kwargs: Any) -> Runner:
+        return Runner(self.app, **kwargs)
 
 
 @asynccontextmanager
@@ -22,7 +30,7 @@ async def engine_server(tokenizer_dir: Path, **config: Any) -> AsyncIterator[tup
     the model `sim` (the name `gateway_server` configures)."""
     config.setdefault("backend", "sim")
     config.setdefault("served_model_name", "sim")
-    server = TestServer(create_app(EngineConfig(model=str(tokenizer_dir), **config)), handler_cancellation=True)
+    server = AppServer(create_app(EngineConfig(model=str(tokenizer_dir), **config)), handler_cancellation=True)
     await server.start_server()
     try:
         yield str(server.make_url("")).rstrip("/"), server.app[ENGINE]

@@ -7,11 +7,10 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from aiohttp.test_utils import TestServer
-
 from gateway.app import create_app
 from gateway.config import EngineEndpoint, GatewayConfig
 from gateway.state import GATEWAY, GatewayState
+from tests.support.engine import AppServer
 
 
 @asynccontextmanager
@@ -30,7 +29,7 @@ async def gateway_server(tokenizer_dir: Path, engine_url: str | list[str], **con
 @asynccontextmanager
 async def configured_gateway(config: GatewayConfig) -> AsyncIterator[tuple[str, GatewayState]]:
     """Start the gateway with exactly this config on a free port; yield its `/v1` base URL and state."""
-    server = TestServer(create_app(config), handler_cancellation=True)
+    server = AppServer(create_app(config), handler_cancellation=True)
     await server.start_server()
     try:
         yield str(server.make_url("/v1")), server.app[GATEWAY]
