@@ -42,6 +42,10 @@ class Timeouts(Struct, forbid_unknown_fields=True, kw_only=True):
     client_write_s: Annotated[float, Meta(gt=0)] = CLIENT_WRITE_TIMEOUT_S
     """Streams: longest wait for a client to take what was sent (nginx's send_timeout); then the
     stream is closed and its engine request aborted, as for a client that left."""
+    stream_deadline_s: Annotated[float, Meta(gt=0)] | None = None
+    """Streams: the longest one may last, from the request's arrival; None: no limit. Past it
+    the stream ends with an error event (a 504 before its first byte) and its engine request
+    is aborted."""
 
 
 class Admission(Struct, forbid_unknown_fields=True, kw_only=True):

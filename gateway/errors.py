@@ -13,6 +13,7 @@
     ├── RateLimited         429
     ├── EngineUnavailable   503   no engine answered
     │   └── EngineTimeout   504   an engine answered too slowly, or went silent
+    ├── StreamDeadline      504   a stream ran past `timeouts.stream_deadline_s` (not retried)
     └── EngineFailed        502   an engine answered with an error we cannot pass on as the client's
 
 `gateway_error_middleware` maps every raised exception to one of these;
@@ -104,6 +105,14 @@ class EngineUnavailable(GatewayError):
 
 class EngineTimeout(EngineUnavailable):
     """The engine did not answer, or stopped answering, in time (a 504; retried like a 503)."""
+
+    status = 504
+    type = "GatewayTimeoutError"
+
+
+class StreamDeadline(GatewayError):
+    """A stream lasted longer than `timeouts.stream_deadline_s`: a limit of the gateway's, so
+    neither retried on another engine nor held against the engine's circuit."""
 
     status = 504
     type = "GatewayTimeoutError"

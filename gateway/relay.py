@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from typing import Any, Protocol
@@ -46,10 +47,11 @@ from gateway.errors import (
     EngineTimeout,
     EngineUnavailable,
     GatewayError,
+    StreamDeadline,
     error_json,
 )
 from gateway.config import Timeouts as StreamTimeouts
-from gateway.observe import SPAN_KEY, DerenderWork, StreamTimer, describe_outcome
+from gateway.observe import SPAN_KEY, STARTED_KEY, DerenderWork, StreamTimer, describe_outcome
 from gateway.remote import RemoteChatDerender, RemoteCompletionDerender, RemoteServiceError
 from gateway.sse import DONE, DONE_FRAME, MAX_EVENT_BYTES, SSEError, SSEReader, frame
 from gateway.state import GATEWAY
@@ -73,27 +75,33 @@ class Derender(Protocol):
     def response(self) -> Any: ...
 
 
-STALL_CHECK_BYTES = 64 * 1024
-"""Unsent bytes past which a write may wait for the client (asyncio's high-water mark):
-only then is the write timed, so a client that keeps up costs no timer."""
-
-
 class ClientStream:
-    """The SSE answer to the client: a reset means it left (`ClientGone`); content writes are
-    timed; a client that takes nothing for `client_write_s` is cut off as if it had left."""
+    """The SSE answer to the client: a reset means it left (`ClientGone`); a write that may
+    wait for the client is timed, and a client that takes nothing for `client_write_s` is cut
+    off as if it had left."""
 
-    __slots__ = ("_stall_s", "_timer", "_transport", "response")
+    __slots__ = ("_high", "_protocol", "_stall_s", "_timer", "_transport", "response")
 
     def __init__(self, http: web.Request, response: web.StreamResponse, timer: StreamTimer, stall_s: float) -> None:
         self.response = response
         self._timer = timer
         self._transport = http.transport
+        self._protocol = http.protocol
+        self._high = http.transport.get_write_buffer_limits()[1] if http.transport is not None else 0
         self._stall_s = stall_s
 
-    async def _write(self, data: bytes) -> None:
+    def _may_wait(self, size: int) -> bool:
+        """A write waits for the client only when the transport is paused (its buffer went past
+        the high-water mark and has not drained to the low one) or this write pauses it: only
+        then is it timed, so a client that keeps up costs no timer."""
         transport = self._transport
+        if transport is None:
+            return False
+        return self._protocol.writing_paused or transport.get_write_buffer_size() + size >= self._high
+
+    async def _write(self, data: bytes) -> None:
         try:
-            if transport is None or transport.get_write_buffer_size() < STALL_CHECK_BYTES:
+            if not self._may_wait(len(data)):
                 await self.response.write(data)
                 return
             async with asyncio.timeout(self._stall_s):
@@ -101,11 +109,14 @@ class ClientStream:
         except ConnectionResetError as exc:
             raise ClientGone(self.response) from exc
         except TimeoutError as exc:
-            # It holds a slot and an engine request and reads nothing: let both go.
-            log.warning("client read nothing for client_write_s=%s s: its stream is closed", self._stall_s)
-            if transport is not None:
-                transport.abort()
-            raise ClientGone(self.response) from exc
+            raise self._stalled() from exc
+
+    def _stalled(self) -> ClientGone:
+        # It holds a slot and an engine request and reads nothing: let both go.
+        log.warning("client read nothing for client_write_s=%s s: its stream is closed", self._stall_s)
+        if self._transport is not None:
+            self._transport.abort()
+        return ClientGone(self.response)
 
     async def send(self, data: bytes) -> None:
         await self._write(data)
@@ -115,9 +126,12 @@ class ClientStream:
         """Write the last frames (an error event, `[DONE]`) and end the stream."""
         await self._write(tail)
         try:
-            await self.response.write_eof()
+            async with asyncio.timeout(self._stall_s):  # the last chunk waits for the client too
+                await self.response.write_eof()
         except ConnectionResetError as exc:
             raise ClientGone(self.response) from exc
+        except TimeoutError as exc:
+            raise self._stalled() from exc
         return self.response
 
 
@@ -144,8 +158,10 @@ async def respond_stream(
     """
     stream: ClientStream | None = None
     tail = DONE_FRAME if done else b""
+    limit_s = http.app[GATEWAY].config.timeouts.stream_deadline_s
+    deadline = asyncio.timeout_at(_deadline(http, limit_s))
     try:
-        async with aclosing(frames):  # a client that leaves closes them at once, not at collection
+        async with deadline, aclosing(frames):  # a client that leaves closes them at once, not at collection
             async for data in frames:
                 if stream is None:
                     stream = await open_stream(http, route)
@@ -153,6 +169,8 @@ async def respond_stream(
     except ClientGone:
         raise
     except Exception as exc:
+        if isinstance(exc, TimeoutError) and deadline.expired():
+            exc = StreamDeadline(f"the stream ran past timeouts.stream_deadline_s={limit_s:g} s")
         error = stream_error(exc)
         if stream is None:
             raise error from exc
@@ -161,6 +179,14 @@ async def respond_stream(
     if stream is None:
         stream = await open_stream(http, route)
     return await stream.close(tail)
+
+
+def _deadline(http: web.Request, limit_s: float | None) -> float | None:
+    """`stream_deadline_s` counted from the request's arrival, on the loop's clock."""
+    if limit_s is None:
+        return None
+    waited = time.perf_counter() - http.get(STARTED_KEY, time.perf_counter())
+    return asyncio.get_running_loop().time() + limit_s - waited
 
 
 def stream_error(exc: Exception) -> GatewayError:

@@ -346,7 +346,9 @@ def start_gateway(
     *,
     name: str = "gateway",
     tracing: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> subprocess.Popen[bytes]:
+    """A gateway process in front of `engine_url`; `extra` adds or replaces top-level config keys."""
     config: dict[str, Any] = {
         "model": MODEL,
         "tokenizer": str(tokenizer_dir),
@@ -358,6 +360,7 @@ def start_gateway(
     }
     if tracing is not None:
         config["tracing"] = tracing
+    config |= extra or {}
     path = folder / f"{name}.yaml"
     path.write_text(json.dumps(config))  # JSON is YAML
     return spawn(["gateway", "--config", str(path)], folder / f"{name}.log")

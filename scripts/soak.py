@@ -13,6 +13,21 @@ request after another from a fixed mix:
 - invalid requests, each expected to get a 400 (broken JSON, no messages,
   `use_beam_search`, `n` over the limit, an unknown route, `suffix`).
 
+Beside the workers run the hostile clients, each a raw socket in a loop:
+
+- `--slow-clients` send a request's headers and trickle its body a byte at a
+  time; each must get a 408 within `client_body_s` and hold no admission slot;
+- `--stalled-clients` ask for a long stream through a small receive buffer and
+  read nothing; each must be cut off after `client_write_s` (no `[DONE]`);
+- one key rotator rewrites the API-key file (auth is on, every request carries
+  a key): a new key, then bytes that are not UTF-8 (logged and ignored: the
+  last good keys stay), then the file without the new key, which must be
+  refused within one watch interval (`auth.poll_s`) of the rewrite.
+
+The gateway admits the workers plus the stalled clients at once (a queue
+behind them): a slot that a slow body or a stalled stream kept would show as
+429s.
+
 Every `--sample-every` seconds: the gateway's and the engine's RSS (VmRSS in
 /proc/PID/status) and open fds (/proc/PID/fd), the requests done so far and
 the answers by status. At the end: a table of the samples and a verdict that
@@ -21,11 +36,14 @@ second third (the first third is warm-up): flat when the gateway's RSS grew
 by less than 10% and its fds by fewer than 16.
 
 Exit status: 0 flat, 1 not flat, 2 unexpected errors (a 5xx, an in-band
-stream error, a client-side exception other than the deliberate cuts, or an
+stream error, a client-side exception other than the deliberate cuts, an
 answer of the wrong status: a valid request that did not get 200, an invalid
-one that did not get 400).
+one that did not get 400, a slow body that did not get its 408, a stalled
+stream that was not cut, a key that was not refused in time or a good key
+that was).
 
-    .venv/bin/python scripts/soak.py [--duration 600] [--concurrency 16] [--sample-every 5] [--json out.json]
+    .venv/bin/python scripts/soak.py [--duration 600] [--concurrency 16] [--slow-clients 4]
+        [--stalled-clients 2] [--sample-every 5] [--json out.json]
 """
 
 from __future__ import annotations
@@ -36,6 +54,7 @@ import dataclasses
 import json
 import os
 import random
+import socket
 import statistics
 import sys
 import tempfile
@@ -67,6 +86,20 @@ from scripts.bench_gateway import (  # noqa: E402
 ROUTES = ("derender", "text", "tokens")
 ENGINE_PLAN = dataclasses.replace(QUICK, tokens=64, itl_ms=1, ttft_ms=5)
 """Sim engine: 64 content tokens per answer (requests cap them lower), a step per ms."""
+
+KEY_POLL_S = 1.0
+"""The gateway's `auth.poll_s`: a revoked key must be refused within this of the rewrite."""
+REVOKE_SLACK_S = 0.25
+"""Added to KEY_POLL_S for the reload itself on a loaded 2-core machine."""
+BODY_TIMEOUT_S = 2.0
+WRITE_STALL_S = 2.0
+STALL_HOLD_S = 5 * WRITE_STALL_S
+"""How long a stalled client reads nothing before it looks at what it got."""
+TRICKLE_EVERY_S = 0.5
+KEY_CYCLE_PAUSE_S = 5.0
+STABLE_KEY = "soak-stable-key"
+AUTH = {"Authorization": f"Bearer {STABLE_KEY}"}
+NOT_UTF8 = b"\xff\xfe soak \x80\x81 keys\n"
 
 RSS_LIMIT_PCT = 10.0
 FDS_LIMIT = 16
@@ -110,6 +143,10 @@ class Tally:
     """By HTTP status ("200", "400", ...), plus "cut" (deliberate) and "exc:<type>" (client side)."""
     unexpected: Counter[str] = field(default_factory=Counter)
     examples: list[str] = field(default_factory=list)
+    revoke_s: list[float] = field(default_factory=list)
+    """Rewrite of the key file → the first 401 for the key it dropped."""
+    grant_s: list[float] = field(default_factory=list)
+    """Rewrite of the key file → the first 200 for the key it added."""
 
     def surprise(self, what: str, detail: str) -> None:
         self.unexpected[what] += 1
@@ -162,7 +199,7 @@ def completion_body(rng: random.Random, stream: bool) -> dict[str, Any]:
 def pick(rng: random.Random) -> Request:
     """One request of the mix: 55% chat, 15% completions, 15% cut streams, 15% invalid."""
     route = rng.choice(ROUTES)
-    headers = {"Content-Type": "application/json", "onehop-route": route}
+    headers = {"Content-Type": "application/json", "onehop-route": route, **AUTH}
     roll = rng.random()
     if roll < 0.55:
         stream = roll < 0.35
@@ -178,7 +215,7 @@ def pick(rng: random.Random) -> Request:
         path = "/v1/chat/completions" if chat else "/v1/completions"
         return Request(f"cut-{route}", path, body, headers, True, cut=True)
     path, body, extra = rng.choice(INVALID)
-    return Request("invalid", path, body, {"Content-Type": "application/json", **extra}, False, expect=400)
+    return Request("invalid", path, body, {"Content-Type": "application/json", **AUTH, **extra}, False, expect=400)
 
 
 async def issue(session: aiohttp.ClientSession, base: str, request: Request, tally: Tally) -> None:
@@ -217,6 +254,139 @@ async def worker(session: aiohttp.ClientSession, base: str, deadline: float, rng
             tally.outcomes[f"exc:{type(exc).__name__}"] += 1
             tally.surprise(f"{request.kind}:{type(exc).__name__}", str(exc))
         tally.done += 1
+
+
+# ------------------------------------------------------------ hostile clients
+
+
+def _head_status(head: bytes) -> int:
+    return int(head.split(b" ", 2)[1])
+
+
+async def slow_body(host: str, port: int, deadline: float, tally: Tally) -> None:
+    """Headers, then a byte of body every TRICKLE_EVERY_S: a 408 must come within client_body_s."""
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: soak\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {STABLE_KEY}\r\nContent-Length: 100000\r\n\r\n{{"
+    ).encode()
+    while time.monotonic() < deadline:
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            writer.write(head)
+            answer = asyncio.ensure_future(reader.readuntil(b"\r\n\r\n"))
+            limit = time.monotonic() + BODY_TIMEOUT_S + 10
+            while not answer.done() and time.monotonic() < limit:
+                await asyncio.wait([answer], timeout=TRICKLE_EVERY_S)
+                if not answer.done() and not writer.is_closing():
+                    writer.write(b" ")
+            if not answer.done():
+                answer.cancel()
+                tally.surprise("slow-body:no-answer", f"nothing within {BODY_TIMEOUT_S + 10:g} s")
+                continue
+            status = _head_status(answer.result())
+            tally.outcomes["slow-408" if status == 408 else str(status)] += 1
+            if status != 408:
+                tally.surprise(f"slow-body:{status}", answer.result().decode(errors="replace"))
+        except (OSError, asyncio.IncompleteReadError) as exc:
+            tally.surprise(f"slow-body:{type(exc).__name__}", str(exc))
+        finally:
+            writer.close()
+
+
+async def stalled_stream(host: str, port: int, deadline: float, rng: random.Random, tally: Tally) -> None:
+    """A long, wide stream asked for through a 4 KiB receive buffer and not read for STALL_HOLD_S:
+    the gateway must have cut it (no `[DONE]` in what arrived)."""
+    loop = asyncio.get_running_loop()
+    while time.monotonic() < deadline:
+        route = rng.choice(ROUTES)
+        body = json.dumps(
+            # n: 4 and 20 top logprobs: ~10 KB a step, so the server's socket buffers (up to 4 MiB) fill
+            # within seconds however loaded the engine is, and the writes stall.
+            {"model": MODEL, "messages": HI, "stream": True, "max_tokens": 8000, "ignore_eos": True, "n": 4,
+             "logprobs": True, "top_logprobs": 20}
+        ).encode()
+        request = (
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: soak\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {STABLE_KEY}\r\nonehop-route: {route}\r\nContent-Length: {len(body)}\r\n\r\n"
+        ).encode() + body
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: the window stays small
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, (host, port))
+            reader, writer = await asyncio.open_connection(sock=sock)
+        except OSError as exc:
+            sock.close()
+            tally.surprise(f"stalled:{type(exc).__name__}", str(exc))
+            continue
+        try:
+            writer.write(request)
+            await asyncio.sleep(STALL_HOLD_S)
+            received = b""
+            try:
+                async with asyncio.timeout(30):
+                    while piece := await reader.read(1 << 20):
+                        received = (received + piece)[-64:]  # only the tail matters
+            except ConnectionResetError:
+                pass  # the gateway aborted the connection: cut
+            if b"data: [DONE]" in received:
+                tally.surprise(f"stalled-{route}:not-cut", "the whole stream arrived")
+            else:
+                tally.outcomes["stall-cut"] += 1
+        except (OSError, TimeoutError) as exc:
+            tally.surprise(f"stalled-{route}:{type(exc).__name__}", str(exc))
+        finally:
+            writer.close()
+
+
+def write_keys(path: Path, data: bytes) -> float:
+    """Replace the key file atomically (a sibling, then a rename); the time it was replaced."""
+    sibling = path.with_name(path.name + ".new")
+    sibling.write_bytes(data)
+    os.replace(sibling, path)
+    return time.monotonic()
+
+
+async def key_status(session: aiohttp.ClientSession, base: str, key: str) -> int:
+    async with session.get(base + "/v1/models", headers={"Authorization": f"Bearer {key}"}) as resp:
+        await resp.read()
+        return resp.status
+
+
+async def until_status(session: aiohttp.ClientSession, base: str, key: str, status: int, since: float, limit_s: float) -> float | None:
+    """Seconds from `since` until `key` gets `status` (polled every 25 ms); None past `limit_s`."""
+    while time.monotonic() - since < limit_s:
+        if await key_status(session, base, key) == status:
+            return time.monotonic() - since
+        await asyncio.sleep(0.025)
+    return None
+
+
+async def rotate_keys(session: aiohttp.ClientSession, base: str, path: Path, deadline: float, tally: Tally) -> None:
+    """Add a key, write bytes that are not UTF-8, drop the key: each cycle checks all three."""
+    cycle = 0
+    while time.monotonic() < deadline - 4 * KEY_POLL_S:
+        cycle += 1
+        fresh = f"soak-rotated-{cycle}"
+        since = write_keys(path, f"# soak keys, cycle {cycle}\n{STABLE_KEY}\n{fresh}\n".encode())
+        granted = await until_status(session, base, fresh, 200, since, 5 * KEY_POLL_S)
+        if granted is None:
+            tally.surprise("keys:not-granted", f"{fresh} still refused {5 * KEY_POLL_S:g} s after it was added")
+            continue
+        tally.grant_s.append(granted)
+        write_keys(path, NOT_UTF8)
+        await asyncio.sleep(2.5 * KEY_POLL_S)  # the watcher has seen it, logged it and kept the last good keys
+        for key in (STABLE_KEY, fresh):
+            if (status := await key_status(session, base, key)) != 200:
+                tally.surprise("keys:lost-on-bad-file", f"{key} got {status} after a write that is not UTF-8")
+        since = write_keys(path, f"# soak keys, cycle {cycle}, {fresh} revoked\n{STABLE_KEY}\n".encode())
+        revoked = await until_status(session, base, fresh, 401, since, 5 * KEY_POLL_S)
+        if revoked is None or revoked > KEY_POLL_S + REVOKE_SLACK_S:
+            tally.surprise("keys:revoked-late", f"{fresh} refused after {revoked} s (limit {KEY_POLL_S + REVOKE_SLACK_S:g} s)")
+        if revoked is not None:
+            tally.revoke_s.append(revoked)
+        tally.outcomes["key-cycles"] += 1
+        await asyncio.sleep(KEY_CYCLE_PAUSE_S)
 
 
 # ------------------------------------------------------------ sampling
@@ -320,7 +490,15 @@ def table(samples: Sequence[dict[str, Any]]) -> str:
 # ------------------------------------------------------------ run
 
 
-async def soak(duration: float, concurrency: int, every: float) -> dict[str, Any]:
+def gateway_config(keys: Path, concurrency: int, stalled: int) -> dict[str, Any]:
+    return {
+        "auth": {"api_keys_file": str(keys), "poll_s": KEY_POLL_S},
+        "timeouts": {"client_body_s": BODY_TIMEOUT_S, "client_write_s": WRITE_STALL_S},
+        "admission": {"max_concurrency": concurrency + stalled, "max_queue": 64, "queue_timeout_s": 10},
+    }
+
+
+async def soak(duration: float, concurrency: int, slow: int, stalled: int, every: float) -> dict[str, Any]:
     tokenizer_dir = ensure_tokenizer()
     engine_port, gateway_port = free_port(), free_port()
     engine_url, gateway_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{gateway_port}"
@@ -328,17 +506,25 @@ async def soak(duration: float, concurrency: int, every: float) -> dict[str, Any
     samples: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="soak_") as tmp:
         folder = Path(tmp)
+        keys = folder / "keys.txt"
+        write_keys(keys, f"{STABLE_KEY}\n".encode())
         engine = start_engine(tokenizer_dir, engine_port, ENGINE_PLAN, folder / "engine.log")
-        gateway = start_gateway(tokenizer_dir, engine_url, gateway_port, folder)
+        gateway = start_gateway(
+            tokenizer_dir, engine_url, gateway_port, folder, extra=gateway_config(keys, concurrency, stalled)
+        )
         try:
             async with client_session() as session:
                 await wait_ready(session, engine_url, engine, folder / "engine.log")
                 await wait_ready(session, gateway_url, gateway, folder / "gateway.log")
                 start = time.monotonic()
-                rngs = [random.Random(SEED + i) for i in range(concurrency)]
+                end = start + duration
+                rngs = [random.Random(SEED + i) for i in range(concurrency + stalled)]
                 await asyncio.gather(
                     sampler(start, every, duration, (gateway.pid, engine.pid), tally, samples),
-                    *(worker(session, gateway_url, start + duration, rng, tally) for rng in rngs),
+                    *(worker(session, gateway_url, end, rng, tally) for rng in rngs[:concurrency]),
+                    *(slow_body("127.0.0.1", gateway_port, end, tally) for _ in range(slow)),
+                    *(stalled_stream("127.0.0.1", gateway_port, end, rng, tally) for rng in rngs[concurrency:]),
+                    rotate_keys(session, gateway_url, keys, end, tally),
                 )
                 wall = time.monotonic() - start
             for name, process in (("gateway", gateway), ("engine", engine)):
@@ -351,6 +537,9 @@ async def soak(duration: float, concurrency: int, every: float) -> dict[str, Any
         "config": {
             "duration_s": duration,
             "concurrency": concurrency,
+            "slow_clients": slow,
+            "stalled_clients": stalled,
+            "gateway": gateway_config(Path("keys.txt"), concurrency, stalled),
             "sample_every_s": every,
             "engine": {"output_tokens": ENGINE_PLAN.tokens, "itl_ms": ENGINE_PLAN.itl_ms, "ttft_ms": ENGINE_PLAN.ttft_ms},
             "cpus": os.cpu_count(),
@@ -358,6 +547,7 @@ async def soak(duration: float, concurrency: int, every: float) -> dict[str, Any
         "wall_s": wall,
         "requests": tally.done,
         "outcomes": dict(sorted(tally.outcomes.items())),
+        "keys": {"grant_s": tally.grant_s, "revoke_s": tally.revoke_s},
         "samples": samples,
         "verdict": verdict(samples, tally),
     }
@@ -367,17 +557,28 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--duration", type=float, default=600.0, metavar="SECONDS", help="load time (600)")
     parser.add_argument("--concurrency", type=int, default=16, metavar="N", help="closed-loop workers (16)")
+    parser.add_argument("--slow-clients", type=int, default=4, metavar="N", help="raw sockets that trickle a body (4)")
+    parser.add_argument("--stalled-clients", type=int, default=2, metavar="N", help="streams that are never read (2)")
     parser.add_argument("--sample-every", type=float, default=5.0, metavar="SECONDS", help="sampling period (5)")
     parser.add_argument("--json", type=Path, default=None, metavar="OUT", help="write samples and verdict here")
     args = parser.parse_args(argv)
-    if args.duration <= 0 or args.sample_every <= 0 or args.concurrency < 1:
-        parser.error("--duration and --sample-every must be positive, --concurrency at least 1")
+    if args.duration <= 0 or args.sample_every <= 0 or args.concurrency < 1 or min(args.slow_clients, args.stalled_clients) < 0:
+        parser.error("--duration and --sample-every must be positive, --concurrency at least 1, client counts not negative")
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
-        results = runner.run(soak(args.duration, args.concurrency, args.sample_every))
+        results = runner.run(
+            soak(args.duration, args.concurrency, args.slow_clients, args.stalled_clients, args.sample_every)
+        )
     print(table(results["samples"]))
     print(f"{results['requests']} requests in {results['wall_s']:.1f} s: {results['outcomes']}")
     for example in results["verdict"]["unexpected_examples"]:
         print(f"unexpected: {example}")
+    revoke, grant = results["keys"]["revoke_s"], results["keys"]["grant_s"]
+    if revoke:
+        print(
+            f"key file: {len(revoke)} cycles; a revoked key refused after {statistics.median(revoke):.2f} s median,"
+            f" {max(revoke):.2f} s max (poll_s {KEY_POLL_S:g} s); an added key accepted after"
+            f" {statistics.median(grant):.2f} s median, {max(grant):.2f} s max"
+        )
     print(results["verdict"]["line"])
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2))

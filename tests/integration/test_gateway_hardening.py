@@ -18,7 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import Admission, Timeouts
-from tests.support.engine import engine_server
+from tests.support.engine import engine_server, sse_payloads
 from tests.support.gateway import gateway_server
 
 MESSAGES = [{"role": "user", "content": "Tell me a long story."}]
@@ -70,7 +70,10 @@ async def test_a_trickled_body_gets_a_408_and_holds_no_slot(qwen3_tokenizer_dir:
             assert error["type"] == "RequestTimeoutError" and "client_body_s" in error["message"]
 
 
-async def test_a_client_that_reads_nothing_is_cut_off_and_its_engine_request_aborted(qwen3_tokenizer_dir: Path) -> None:
+@pytest.mark.parametrize("route", ["derender", "text", "tokens"])
+async def test_a_client_that_reads_nothing_is_cut_off_and_its_engine_request_aborted(
+    qwen3_tokenizer_dir: Path, route: str
+) -> None:
     async with (
         engine_server(qwen3_tokenizer_dir) as (engine_url, engine),
         gateway_server(
@@ -84,10 +87,11 @@ async def test_a_client_that_reads_nothing_is_cut_off_and_its_engine_request_abo
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # its buffers fill fast
         body = json.dumps(
             {"model": "sim", "messages": MESSAGES, "max_tokens": 30000, "ignore_eos": True, "stream": True, "logprobs": True,
-             "top_logprobs": 20}
+             "top_logprobs": 20, "n": 4}
         ).encode()
         sock.sendall(
             b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"onehop-route: {route}\r\n".encode()
             + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
         )
         try:
@@ -278,3 +282,44 @@ async def test_text_that_cannot_fit_the_context_is_refused_before_render(qwen3_t
                 await create()
         renders = state.metrics.stage_seconds.labels("render")._sum.get()
         assert renders == 0, "a render ran for text that cannot fit"
+
+
+@pytest.mark.parametrize("route", ["derender", "text", "tokens"])
+async def test_a_stream_past_its_deadline_ends_in_band_and_its_engine_request_is_aborted(
+    qwen3_tokenizer_dir: Path, route: str
+) -> None:
+    async with (
+        engine_server(qwen3_tokenizer_dir, backend_options={"itl_ms": 20}) as (engine_url, engine),
+        gateway_server(qwen3_tokenizer_dir, engine_url, timeouts=Timeouts(stream_deadline_s=0.6)) as (base, state),
+        aiohttp.ClientSession() as session,
+    ):
+        body = {"model": "sim", "messages": MESSAGES, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        async with session.post(base + "/chat/completions", json=body, headers={"onehop-route": route}) as response:
+            assert response.status == 200
+            payloads = [payload async for payload in sse_payloads(response)]
+        assert payloads[-1] == b"[DONE]"
+        error = json.loads(payloads[-2])["error"]
+        assert error["type"] == "GatewayTimeoutError" and "stream_deadline_s=0.6" in error["message"], error
+        assert len(payloads) < 200, "the stream was not cut at its deadline"
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while engine.backend.running() and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        assert not engine.backend.running(), "the engine request outlived the stream's deadline"
+
+
+async def test_a_deadline_before_the_first_byte_is_a_504_and_not_retried(qwen3_tokenizer_dir: Path) -> None:
+    async with (
+        engine_server(qwen3_tokenizer_dir, backend_options={"ttft_ms": 3000}) as (engine_url, _),
+        gateway_server(qwen3_tokenizer_dir, engine_url, timeouts=Timeouts(stream_deadline_s=0.3)) as (base, state),
+        aiohttp.ClientSession() as session,
+    ):
+        body = {"model": "sim", "messages": MESSAGES, "max_tokens": 5, "stream": True}
+        for _ in range(3):  # the circuit's failure_threshold
+            async with session.post(base + "/chat/completions", json=body) as response:
+                assert response.status == 504
+                error = (await response.json())["error"]
+            assert error["type"] == "GatewayTimeoutError" and "stream_deadline_s=0.3" in error["message"], error
+        # A limit of the gateway's: the engine's circuit is untouched, the next request is served.
+        async with session.post(base + "/chat/completions", json=body | {"stream": False}) as response:
+            assert response.status == 200
