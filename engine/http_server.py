@@ -4,8 +4,9 @@ A request aiohttp's HTTP parser refuses (a garbled request line, a header over
 its size limit, a bad chunked body) never reaches the application or its error
 middleware: aiohttp answers it itself, in plain text, and logs a full
 traceback, the offending bytes included. `Runner` swaps in a connection
-handler that answers such a request with OpenAI-shaped JSON of the same status
-and logs one line naming the error's class, without the bytes.
+handler that answers such a request with JSON of the same status in the app's
+error shape (`ERROR_BODY`: the gateway speaks OpenAI's, the engine vLLM's) and
+logs one line naming the error's class, without the bytes.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -22,7 +24,18 @@ from engine.openai_schema import ENCODER, ErrorInfo, ErrorResponse
 
 log = logging.getLogger(__name__)
 
+ErrorBody = Callable[[int, str], bytes]
+ERROR_BODY = web.AppKey("onehop_error_body", ErrorBody)
+"""How an app shapes the errors its HTTP parser refuses (status, message → JSON body);
+without it, vLLM's shape (`vllm_error_body`)."""
+
 _TYPES = {400: "BadRequestError", 408: "RequestTimeoutError", 413: "PayloadTooLargeError", 431: "BadRequestError"}
+
+
+def vllm_error_body(status: int, message: str) -> bytes:
+    """vLLM's error shape: a class-like `type`, the status as `code`."""
+    error = ErrorInfo(message=message, type=_TYPES.get(status, "InternalServerError"), param=None, code=status)
+    return ENCODER.encode(ErrorResponse(error=error))
 
 
 def _message(exc: BaseException | None, status: int) -> str:
@@ -45,13 +58,15 @@ class _JSONErrorHandler(RequestHandler):
             log.warning("refused a request from %s: %d %s", request.remote, status, text)
         if request.writer.output_size > 0:  # the response has started: the connection is all we can end
             raise ConnectionError("the response has started; cannot send an error")
-        error = ErrorInfo(message=text, type=_TYPES.get(status, "InternalServerError"), param=None, code=status)
-        response = web.Response(status=status, body=ENCODER.encode(ErrorResponse(error=error)), content_type="application/json")
+        body = self._manager.error_body(status, text)  # type: ignore[union-attr]
+        response = web.Response(status=status, body=body, content_type="application/json")
         response.force_close()
         return response
 
 
 class _JSONErrorServer(web.Server):
+    error_body: ErrorBody = staticmethod(vllm_error_body)  # type: ignore[assignment]
+
     def __call__(self) -> RequestHandler:
         return _JSONErrorHandler(self, loop=self._loop, **self._kwargs)
 
@@ -64,6 +79,7 @@ class Runner(web.AppRunner):
         # Built by aiohttp itself (its signature changes between releases); only the
         # connection factory differs, and that subclass adds no state of its own.
         server.__class__ = _JSONErrorServer
+        server.error_body = self.app.get(ERROR_BODY, vllm_error_body)  # type: ignore[attr-defined]
         return server
 
 

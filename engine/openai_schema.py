@@ -150,7 +150,10 @@ class ChatMessageParam(Struct, omit_defaults=True):
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 
 
-class ChatCompletionRequest(Struct, omit_defaults=True, kw_only=True):
+class ChatCompletionRequest(Struct, omit_defaults=True, kw_only=True, forbid_unknown_fields=True):
+    """OpenAI's chat request and vLLM's extensions to it; any other field is refused by name
+    (vLLM only warns: a misspelt parameter would change nothing, silently)."""
+
     messages: list[ChatMessageParam]
     model: str | None = None
     frequency_penalty: float | None = None
@@ -174,6 +177,21 @@ class ChatCompletionRequest(Struct, omit_defaults=True, kw_only=True):
     reasoning_effort: ReasoningEffort | None = None
     parallel_tool_calls: bool | None = True
     user: str | None = None
+    # OpenAI fields that change nothing a self-hosted model answers: accepted, not acted on.
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
+    # OpenAI fields refused by name when set (gateway/validate.py).
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None
+    verbosity: str | None = None
+    web_search_options: dict[str, Any] | None = None
 
     # vLLM extensions: reasoning
     thinking_token_budget: int | None = None
@@ -237,7 +255,9 @@ class ChatCompletionRequest(Struct, omit_defaults=True, kw_only=True):
 PromptItem = str | TokenId | list[TokenId]
 
 
-class CompletionRequest(Struct, omit_defaults=True, kw_only=True):
+class CompletionRequest(Struct, omit_defaults=True, kw_only=True, forbid_unknown_fields=True):
+    """OpenAI's completions request and vLLM's extensions to it; any other field is refused."""
+
     model: str | None = None
     # str | list[str] | list[int] | list[list[int]]; msgspec takes one array
     # type per union, so the list is checked for a single kind after decode.
@@ -257,6 +277,7 @@ class CompletionRequest(Struct, omit_defaults=True, kw_only=True):
     temperature: float | None = None
     top_p: float | None = None
     user: str | None = None
+    best_of: int | None = None  # refused above 1 (gateway/validate.py), as vLLM's v1 engine does
 
     # vLLM extensions: sampling
     use_beam_search: bool = False

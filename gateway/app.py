@@ -19,7 +19,7 @@ from aiohttp import web
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from engine.app import load_vocab
-from engine.http_server import new_event_loop, run_app
+from engine.http_server import ERROR_BODY, new_event_loop, run_app
 from engine.derender.vocab import TokenVocab
 from engine.derender.parsers import REASONING_PARSERS, TOOL_PARSERS
 from engine.derender.parsers.detect import resolve
@@ -30,7 +30,7 @@ from gateway.admission import Gate
 from gateway.auth import TENANT_KEY, check_key, keys_from_env, load_key_file, needs_key
 from gateway.config import ConfigError, EngineEndpoint, GatewayConfig, ModelConfig
 from gateway.engine_client import ABORT_TIMEOUT_S, EngineClient, EngineMismatch, Expected
-from gateway.errors import ERROR_KEY, REQUEST_ID_KEY, Handler, gateway_error_middleware
+from gateway.errors import ERROR_KEY, REQUEST_ID_KEY, Handler, RouteNotFound, gateway_error_middleware, status_error_json
 from gateway.feedback import EngineFeedback
 from gateway.observe import GONE_KEY, MODEL_KEY, OPERATIONS, SPAN_KEY, STARTED_KEY
 from gateway.pipeline import handle_chat, handle_completion
@@ -272,6 +272,7 @@ def create_app(config: GatewayConfig) -> web.Application:
     # Outermost first: every answer (401 and 429 included) is observed and in OpenAI's shape.
     middlewares = [observe_middleware, gateway_error_middleware, auth_middleware]
     app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
+    app[ERROR_BODY] = status_error_json  # the HTTP parser's own refusals, in OpenAI's shape too
     tracing = Tracing(config.tracing, "onehop-gateway")
     metrics = GatewayMetrics()
 
@@ -321,6 +322,8 @@ def create_app(config: GatewayConfig) -> web.Application:
     app.router.add_post("/v1/completions", handle_completion)
     app.router.add_get("/v1/models", handle_models)
     app.router.add_get("/v1/models/{model}", handle_model)
+    for path in NOT_SERVED:
+        app.router.add_post(path, handle_not_served)
     app.router.add_get("/health", handle_health)
     app.router.add_get("/metrics", handle_metrics)
     return app
@@ -344,6 +347,23 @@ async def handle_models(http: web.Request) -> web.Response:
 async def handle_model(http: web.Request) -> web.Response:
     model = http.app[GATEWAY].model(http.match_info["model"])
     return web.Response(body=_encode(_card(model, int(time.time()))), content_type="application/json")
+
+
+NOT_SERVED = {
+    "/v1/embeddings": "embeddings",
+    "/v1/audio/transcriptions": "audio transcription",
+    "/v1/audio/speech": "speech",
+    "/v1/images/generations": "image generation",
+    "/v1/moderations": "moderation",
+}
+"""OpenAI endpoints a client may try first: each gets a 404 that says why, not a bare "Not Found"."""
+
+
+async def handle_not_served(http: web.Request) -> web.Response:
+    what = NOT_SERVED[http.path]
+    raise RouteNotFound(
+        f"{http.path} is not served by this gateway: its models are served for chat and completions, not {what}"
+    )
 
 
 async def handle_health(http: web.Request) -> web.Response:

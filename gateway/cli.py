@@ -155,6 +155,14 @@ def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--route", choices=["derender", "text", "tokens"], default="derender")
     serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--reasoning-parser", default="auto", help="vLLM reasoning parser name, auto (from the model folder) or none")
+    serve.add_argument("--tool-parser", default="auto", help="vLLM tool-call parser name, auto (from the model folder) or none")
+    serve.add_argument(
+        "--reasoning-field",
+        choices=["reasoning", "reasoning_content", "both"],
+        default="reasoning",
+        help="where answers carry reasoning: vLLM's `reasoning` (default), the older `reasoning_content`, or both",
+    )
     serve.add_argument("--backend-option", action="append", default=[], metavar="KEY=VALUE")
     serve.set_defaults(func=_run_serve)
 
@@ -172,6 +180,9 @@ def _run_serve(args: argparse.Namespace) -> int:
         backend=args.backend,
         model=model,
         served_model_name=args.served_model_name,
+        reasoning_parser=_none_or(args.reasoning_parser),
+        tool_parser=_none_or(args.tool_parser),
+        reasoning_field=args.reasoning_field,
         backend_options=_backend_options(args.backend_option),
     )
     serve(engine, host=args.host, port=args.port, route=args.route)

@@ -9,6 +9,7 @@ every endpoint; a new endpoint is one more adapter here.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -127,10 +128,18 @@ class Endpoint(Protocol[R]):
         ...
 
 
+_UNKNOWN_FIELD = re.compile(r"Object contains unknown field `(.*)`")
+"""msgspec's words for a field the request struct lacks (at the top level: no `- at $...`)."""
+
+
 def decode(decoder: msgspec.json.Decoder[Any], body: bytes, what: str) -> Any:
     try:
         return decoder.decode(body)
     except msgspec.DecodeError as exc:
+        unknown = _UNKNOWN_FIELD.fullmatch(str(exc))
+        if unknown is not None:  # OpenAI's words and code for it
+            name = unknown.group(1)
+            raise InvalidRequest(f"Unrecognized request argument supplied: {name}", param=name, code="unknown_parameter") from exc
         raise InvalidRequest(f"invalid {what} request: {exc}") from exc
     except RecursionError as exc:  # msgspec's own bound, far deeper than any we accept
         raise InvalidRequest(f"invalid {what} request: JSON nested too deeply") from exc

@@ -34,6 +34,7 @@ from gateway.errors import (
     ModelNotFound,
     PayloadTooLarge,
     Unprocessable,
+    with_context_code,
 )
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ def engine_error(status: int, body: bytes) -> GatewayError:
         message = body[:500].decode("utf-8", "replace")
     kind = _STATUS_ERRORS.get(status)
     if kind is not None:
-        return kind(message or f"the engine refused the request ({status})", status=status if status != 422 else None)
+        return with_context_code(kind(message or f"the engine refused the request ({status})", status=status if status != 422 else None))
     return EngineFailed(f"the engine failed ({status}): {message}")
 
 

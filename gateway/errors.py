@@ -1,20 +1,26 @@
 """The gateway's errors and their one translation to OpenAI's error JSON.
 
-    GatewayError                  an HTTP status and an OpenAI error `type`
-    ├── InvalidRequest      400   malformed or unsupported request (names the field)
-    ├── Unauthorized        401
-    ├── ModelNotFound       404
-    ├── RouteNotFound       404
-    ├── MethodNotAllowed    405
-    ├── RequestTimeout      408   the request body did not arrive in time
-    ├── PayloadTooLarge     413
-    ├── UnsupportedMediaType 415  a body that is not JSON (a form, text/plain)
-    ├── Unprocessable       422   well-formed but impossible (e.g. prompt longer than the context)
-    ├── RateLimited         429
-    ├── EngineUnavailable   503   no engine answered
-    │   └── EngineTimeout   504   an engine answered too slowly, or went silent
-    ├── StreamDeadline      504   a stream ran past `timeouts.stream_deadline_s` (not retried)
-    └── EngineFailed        502   an engine answered with an error we cannot pass on as the client's
+Every error is `{"error": {"message", "type", "param", "code"}}` with OpenAI's
+`type` vocabulary and a string (or null) `code`, as OpenAI's own API answers
+and as client libraries match on (`context_length_exceeded`, `model_not_found`,
+`invalid_api_key`, `rate_limit_exceeded`):
+
+    GatewayError                  status  type / code
+    ├── InvalidRequest      400   invalid_request_error / null, or a named code
+    │                             (`context_length_exceeded`, `unknown_parameter`)
+    ├── Unauthorized        401   invalid_request_error / invalid_api_key
+    ├── ModelNotFound       404   invalid_request_error / model_not_found
+    ├── RouteNotFound       404   invalid_request_error / unknown_url
+    ├── MethodNotAllowed    405   invalid_request_error / method_not_allowed
+    ├── RequestTimeout      408   invalid_request_error / request_timeout (the body did not arrive in time)
+    ├── PayloadTooLarge     413   invalid_request_error / request_too_large
+    ├── UnsupportedMediaType 415  invalid_request_error / unsupported_media_type (a form, text/plain)
+    ├── Unprocessable       422   invalid_request_error / null (well-formed but impossible)
+    ├── RateLimited         429   requests / rate_limit_exceeded
+    ├── EngineUnavailable   503   server_error / engine_unavailable (no engine answered)
+    │   └── EngineTimeout   504   server_error / engine_timeout (too slow, or went silent)
+    ├── StreamDeadline      504   server_error / stream_deadline_exceeded (not retried)
+    └── EngineFailed        502   server_error / engine_failed (an answer we cannot pass on)
 
 `gateway_error_middleware` maps every raised exception to one of these;
 engine 4xx answers are passed on with the engine's message. After the first
@@ -38,76 +44,88 @@ _encode = msgspec.json.Encoder().encode
 
 class GatewayError(Exception):
     status = 500
-    type = "InternalServerError"
+    type = "server_error"
+    code: str | None = None
     headers: dict[str, str] | None = None
     """Extra response headers (e.g. `Retry-After` on a 429)."""
     close_connection = False
     """The connection cannot serve another request (its body was never read to the end)."""
 
-    def __init__(self, message: str, *, param: str | None = None, status: int | None = None) -> None:
+    def __init__(self, message: str, *, param: str | None = None, status: int | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         if status is not None:
             self.status = status
+        if code is not None:
+            self.code = code
 
 
 class InvalidRequest(GatewayError):
     status = 400
-    type = "BadRequestError"
+    type = "invalid_request_error"
 
 
 class Unauthorized(GatewayError):
     status = 401
-    type = "AuthenticationError"
+    type = "invalid_request_error"
+    code: str | None = "invalid_api_key"
 
 
 class ModelNotFound(GatewayError):
     status = 404
-    type = "NotFoundError"
+    type = "invalid_request_error"
+    code: str | None = "model_not_found"
 
 
 class RouteNotFound(GatewayError):
     status = 404
-    type = "NotFoundError"
+    type = "invalid_request_error"
+    code: str | None = "unknown_url"
 
 
 class RequestTimeout(GatewayError):
     status = 408
-    type = "RequestTimeoutError"
+    type = "invalid_request_error"
+    code: str | None = "request_timeout"
     close_connection = True
 
 
 class PayloadTooLarge(GatewayError):
     status = 413
-    type = "PayloadTooLargeError"
+    type = "invalid_request_error"
+    code: str | None = "request_too_large"
 
 
 class UnsupportedMediaType(GatewayError):
     status = 415
-    type = "UnsupportedMediaTypeError"
+    type = "invalid_request_error"
+    code: str | None = "unsupported_media_type"
 
 
 class Unprocessable(GatewayError):
     status = 422
-    type = "UnprocessableEntityError"
+    type = "invalid_request_error"
 
 
 class RateLimited(GatewayError):
     status = 429
-    type = "RateLimitError"
+    type = "requests"
+    code: str | None = "rate_limit_exceeded"
 
 
 class EngineUnavailable(GatewayError):
     status = 503
-    type = "ServiceUnavailableError"
+    type = "server_error"
+    code: str | None = "engine_unavailable"
 
 
 class EngineTimeout(EngineUnavailable):
     """The engine did not answer, or stopped answering, in time (a 504; retried like a 503)."""
 
     status = 504
-    type = "GatewayTimeoutError"
+    type = "server_error"
+    code: str | None = "engine_timeout"
 
 
 class StreamDeadline(GatewayError):
@@ -115,41 +133,65 @@ class StreamDeadline(GatewayError):
     neither retried on another engine nor held against the engine's circuit."""
 
     status = 504
-    type = "GatewayTimeoutError"
+    type = "server_error"
+    code: str | None = "stream_deadline_exceeded"
 
 
 class EngineFailed(GatewayError):
     status = 502
-    type = "BadGatewayError"
+    type = "server_error"
+    code: str | None = "engine_failed"
 
 
 def error_json(error: GatewayError) -> bytes:
-    return _encode(ErrorResponse(error=ErrorInfo(message=error.message, type=error.type, param=error.param, code=error.status)))
+    return _encode(ErrorResponse(error=ErrorInfo(message=error.message, type=error.type, param=error.param, code=error.code)))
+
+
+def status_error_json(status: int, message: str) -> bytes:
+    """The body for an error the HTTP parser raised (the gateway's `ERROR_BODY`)."""
+    return error_json(status_error(status, message))
+
+
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+"""OpenAI's code for a prompt over the context: what litellm, pydantic-ai and LangChain match
+to fall back to a model with a larger context."""
+
+
+def status_error(status: int, message: str) -> GatewayError:
+    """The error for a status someone else chose (aiohttp, an engine, vLLM's render service).
+    A refusal in vLLM's context-length words gets OpenAI's `context_length_exceeded` code."""
+    kind = _STATUS_KINDS.get(status)
+    error = kind(message, status=status) if kind is not None else GatewayError(message, status=status)
+    if kind is None and status < 500:
+        error.type = "invalid_request_error"
+    return with_context_code(error)
+
+
+def with_context_code(error: GatewayError) -> GatewayError:
+    """A 400 in vLLM's words for a prompt over the context gets OpenAI's code for it."""
+    if error.status == 400 and "maximum context length" in error.message:
+        error.code = CONTEXT_LENGTH_EXCEEDED
+    return error
 
 
 def as_gateway_error(exc: BaseException) -> GatewayError:
     if isinstance(exc, GatewayError):
         return exc
     if isinstance(exc, web.HTTPException):  # aiohttp's own: an unknown path, a wrong method, a huge body
-        kind = _AIOHTTP_KINDS.get(exc.status)
-        if kind is None:
-            error = GatewayError(exc.text or exc.reason, status=exc.status)
-            error.type = _STATUS_TYPES.get(exc.status, "APIError" if exc.status < 500 else "InternalServerError")
-            return error
-        return kind(exc.text or exc.reason, status=exc.status)
+        return status_error(exc.status, exc.text or exc.reason)
     return GatewayError("internal error")
 
 
 class MethodNotAllowed(GatewayError):
     status = 405
-    type = "MethodNotAllowedError"
+    type = "invalid_request_error"
+    code: str | None = "method_not_allowed"
 
 
-_AIOHTTP_KINDS: dict[int, type[GatewayError]] = {
+_STATUS_KINDS: dict[int, type[GatewayError]] = {
     400: InvalidRequest, 404: RouteNotFound, 405: MethodNotAllowed, 408: RequestTimeout, 413: PayloadTooLarge,
-    415: UnsupportedMediaType, 429: RateLimited,
+    415: UnsupportedMediaType, 429: RateLimited, 431: InvalidRequest,
 }
-_STATUS_TYPES = {422: "UnprocessableEntityError"}
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

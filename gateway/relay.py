@@ -49,6 +49,7 @@ from gateway.errors import (
     GatewayError,
     StreamDeadline,
     error_json,
+    status_error,
 )
 from gateway.config import Timeouts as StreamTimeouts
 from gateway.observe import SPAN_KEY, STARTED_KEY, DerenderWork, StreamTimer, describe_outcome
@@ -529,7 +530,7 @@ async def remote_json(engine: aiohttp.ClientResponse, remote: RemoteChatDerender
 def remote_error(exc: RemoteServiceError) -> GatewayError:
     """vLLM's render/derender service refused or failed: its 4xx is the client's, anything else a 502/503."""
     if 400 <= exc.status < 500:
-        return GatewayError(f"remote service: {exc.message}", status=exc.status)
+        return status_error(exc.status, f"remote service: {exc.message}")
     if exc.status == 503:
         return EngineUnavailable(f"remote service: {exc.message}")
     return EngineFailed(f"remote service failed ({exc.status}): {exc.message}")

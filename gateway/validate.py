@@ -9,7 +9,7 @@ from msgspec import UNSET
 
 from engine.openai_schema import MAX_JSON_DEPTH, ChatCompletionRequest, CompletionRequest, too_deep
 from gateway.config import Limits
-from gateway.errors import InvalidRequest
+from gateway.errors import CONTEXT_LENGTH_EXCEEDED, InvalidRequest
 
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
@@ -35,10 +35,18 @@ _CHAT: list[_Rule] = [
     ("messages", lambda r: _has_media(r), "only text message content is supported"),
     ("tool_choice", lambda r: _tool_choice_without_tools(r), "tool_choice needs tools"),
     ("tool_choice", lambda r: _named(r) and r.tool_choice.function.name not in _tool_names(r), "the named function is not among the tools"),
+    ("functions", lambda r: r.functions is not None, "the legacy functions field is not supported: send tools"),
+    ("function_call", lambda r: r.function_call is not None, "the legacy function_call field is not supported: send tool_choice"),
+    ("audio", lambda r: r.audio is not None, "audio output is not supported"),
+    ("modalities", lambda r: r.modalities not in (None, ["text"]), "only the text modality is supported"),
+    ("prediction", lambda r: r.prediction is not None, "predicted outputs are not supported"),
+    ("verbosity", lambda r: r.verbosity is not None, "verbosity is not supported"),
+    ("web_search_options", lambda r: r.web_search_options is not None, "web search is not supported"),
 ]
 _COMPLETION: list[_Rule] = [
     ("suffix", lambda r: r.suffix is not None, "suffix is not supported"),
     ("prompt_embeds", lambda r: r.prompt_embeds is not None, "prompt_embeds are not supported"),
+    ("best_of", lambda r: r.best_of not in (None, 1), "best_of is not supported"),
 ]
 
 
@@ -157,6 +165,7 @@ def check_text_size(chars: int, max_model_len: int | None, max_chars_per_token: 
             f"{chars} characters (more than {most} characters, which is the upper bound for {max_model_len} "
             "input tokens). Please reduce the length of the input prompt.",
             param="messages",
+            code=CONTEXT_LENGTH_EXCEEDED,
         )
 
 
@@ -197,4 +206,5 @@ def check_context(prompts: list[list[int]], max_model_len: int | None) -> None:
                 f"{len(prompt)} input tokens, which exceeds this limit even without any output tokens. "
                 "Please reduce the length of the input prompt.",
                 param="messages",
+                code=CONTEXT_LENGTH_EXCEEDED,
             )

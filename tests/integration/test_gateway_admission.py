@@ -113,7 +113,7 @@ async def test_api_keys_from_a_file_reload_and_the_environment(
                     try:
                         await client.models.list()
                     except openai.AuthenticationError as exc:
-                        assert exc.body["type"] == "AuthenticationError"  # type: ignore[index]
+                        assert exc.code == "invalid_api_key" and exc.type == "invalid_request_error"
                         return 401
                     return 200
 

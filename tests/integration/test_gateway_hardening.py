@@ -67,7 +67,8 @@ async def test_a_trickled_body_gets_a_408_and_holds_no_slot(qwen3_tokenizer_dir:
             writer.close()
             assert head.startswith(b"HTTP/1.1 408") and b"Connection: close" in head, head
             error = json.loads(body)["error"]
-            assert error["type"] == "RequestTimeoutError" and "client_body_s" in error["message"]
+            assert (error["type"], error["code"]) == ("invalid_request_error", "request_timeout"), error
+            assert "client_body_s" in error["message"]
 
 
 @pytest.mark.parametrize("route", ["derender", "text", "tokens"])
@@ -218,26 +219,43 @@ async def test_careless_requests_get_a_clear_error_in_openai_shape(qwen3_tokeniz
     ):
         chat = base + "/chat/completions"
         body = json.dumps({"model": "sim", "messages": MESSAGES, "max_tokens": 2})
-        cases: list[tuple[str, str, dict[str, Any], str | bytes | None, int, str]] = [
-            ("GET", chat, {}, None, 405, "MethodNotAllowedError"),
-            ("POST", chat, {"Content-Type": "text/plain"}, body, 415, "UnsupportedMediaTypeError"),
-            ("POST", chat, {"Content-Type": "application/x-www-form-urlencoded"}, body, 415, "UnsupportedMediaTypeError"),
+        invalid = "invalid_request_error"
+        # (method, url, headers, body, status, (type, code)): OpenAI's types and string codes
+        cases: list[tuple[str, str, dict[str, Any], str | bytes | None, int, tuple[str, str | None]]] = [
+            ("GET", chat, {}, None, 405, (invalid, "method_not_allowed")),
+            ("POST", chat, {"Content-Type": "text/plain"}, body, 415, (invalid, "unsupported_media_type")),
+            ("POST", chat, {"Content-Type": "application/x-www-form-urlencoded"}, body, 415, (invalid, "unsupported_media_type")),
+            ("POST", base + "/embeddings", {}, json.dumps({"model": "sim", "input": "hi"}), 404, (invalid, "unknown_url")),
+            ("POST", chat, {}, json.dumps({"model": "gpt-4o", "messages": MESSAGES}), 404, (invalid, "model_not_found")),
         ]
         for name, value in (
             ("logit_bias", {"999999999": 5}),
             ("allowed_token_ids", [-1]),
             ("stop_token_ids", [10**9]),
+            ("functions", [{"name": "f", "parameters": {"type": "object"}}]),
+            ("function_call", "auto"),
+            ("modalities", ["text", "audio"]),
         ):
-            cases.append(("POST", chat, {}, json.dumps({"model": "sim", "messages": MESSAGES, name: value}), 400, "BadRequestError"))
-        cases.append(("POST", chat, {}, json.dumps({"model": "sim", "messages": MESSAGES, "max_tokens": 10**30}), 400, "BadRequestError"))
+            request = json.dumps({"model": "sim", "messages": MESSAGES, name: value})
+            cases.append(("POST", chat, {}, request, 400, (invalid, None)))
+        cases.append(("POST", chat, {}, json.dumps({"model": "sim", "messages": MESSAGES, "max_tokens": 10**30}), 400, (invalid, None)))
         too_long = json.dumps({"model": "sim", "prompt": [1] * 33000, "max_tokens": 2})
-        cases.append(("POST", base + "/completions", {}, too_long, 400, "BadRequestError"))
+        cases.append(("POST", base + "/completions", {}, too_long, 400, (invalid, "context_length_exceeded")))
+        for url, request in ((chat, {"messages": MESSAGES}), (base + "/completions", {"prompt": "hi"})):
+            unknown = json.dumps({"model": "sim", **request, "foo_bar": 1})
+            cases.append(("POST", url, {}, unknown, 400, (invalid, "unknown_parameter")))
         for method, url, headers, data, status, kind in cases:
             headers = {"Content-Type": "application/json", **headers} if data is not None else headers
             async with session.request(method, url, data=data, headers=headers) as response:
                 assert response.status == status, (data, await response.text())
                 error = (await response.json())["error"]
-                assert error["type"] == kind, error
+                assert (error["type"], error["code"]) == kind, (data, error)
+                if kind[1] == "unknown_parameter":
+                    assert error["param"] == "foo_bar" and "foo_bar" in error["message"], error
+        # vLLM's extensions and OpenAI's inert fields are known, not refused.
+        known = {"model": "sim", "messages": MESSAGES, "max_tokens": 2, "top_k": 5, "metadata": {"a": "b"}, "store": False}
+        async with session.post(chat, json=known) as response:
+            assert response.status == 200, await response.text()
         async with session.post(base + "/completions", data=too_long, headers={"Content-Type": "application/json"}) as response:
             message = (await response.json())["error"]["message"]
             assert "maximum context length is 32768 tokens" in message and "33000 input tokens" in message
@@ -299,7 +317,7 @@ async def test_a_stream_past_its_deadline_ends_in_band_and_its_engine_request_is
             payloads = [payload async for payload in sse_payloads(response)]
         assert payloads[-1] == b"[DONE]"
         error = json.loads(payloads[-2])["error"]
-        assert error["type"] == "GatewayTimeoutError" and "stream_deadline_s=0.6" in error["message"], error
+        assert error["code"] == "stream_deadline_exceeded" and "stream_deadline_s=0.6" in error["message"], error
         assert len(payloads) < 200, "the stream was not cut at its deadline"
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 10
@@ -319,7 +337,7 @@ async def test_a_deadline_before_the_first_byte_is_a_504_and_not_retried(qwen3_t
             async with session.post(base + "/chat/completions", json=body) as response:
                 assert response.status == 504
                 error = (await response.json())["error"]
-            assert error["type"] == "GatewayTimeoutError" and "stream_deadline_s=0.3" in error["message"], error
+            assert error["code"] == "stream_deadline_exceeded" and "stream_deadline_s=0.3" in error["message"], error
         # A limit of the gateway's: the engine's circuit is untouched, the next request is served.
         async with session.post(base + "/chat/completions", json=body | {"stream": False}) as response:
             assert response.status == 200

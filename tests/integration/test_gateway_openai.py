@@ -273,6 +273,31 @@ async def test_models_and_errors(gateway: Any) -> None:
     assert ok.choices[0].finish_reason == "length"
 
 
+async def test_errors_carry_the_codes_clients_match_on(gateway: Any) -> None:
+    """What litellm, LangChain and pydantic-ai look at: OpenAI's `type` and string `code`."""
+    client, _ = gateway
+    with pytest.raises(openai.NotFoundError) as missing:
+        await client.chat.completions.create(model="gpt-4o", messages=MESSAGES)
+    assert (missing.value.type, missing.value.code) == ("invalid_request_error", "model_not_found")
+    too_long = [{"role": "user", "content": "word " * 40_000}]  # more tokens than the 32768 context
+    for create in (
+        lambda: client.chat.completions.create(model="sim", messages=too_long, max_tokens=2),
+        lambda: client.completions.create(model="sim", prompt=[1] * 33_000, max_tokens=2),
+    ):
+        with pytest.raises(openai.BadRequestError) as overflow:
+            await create()
+        assert (overflow.value.type, overflow.value.code) == ("invalid_request_error", "context_length_exceeded")
+        assert "maximum context length is 32768 tokens" in overflow.value.message
+    with pytest.raises(openai.BadRequestError) as unknown:
+        await client.chat.completions.create(model="sim", messages=MESSAGES, extra_body={"foo_bar": 1})
+    assert (unknown.value.code, unknown.value.param) == ("unknown_parameter", "foo_bar")
+    with pytest.raises(openai.BadRequestError, match="functions") as legacy:
+        await client.chat.completions.create(
+            model="sim", messages=MESSAGES, functions=[{"name": "f", "parameters": {"type": "object"}}]
+        )
+    assert legacy.value.param == "functions"
+
+
 async def test_client_disconnect_aborts_the_engine_request(qwen3_tokenizer_dir: Path) -> None:
     engine = EngineConfig(backend="sim", model=str(qwen3_tokenizer_dir), served_model_name="sim", backend_options={"itl_ms": 5})
     async with embedded(engine, host="127.0.0.1", port=0, route="derender") as running:
