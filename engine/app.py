@@ -27,7 +27,7 @@ from engine.derender.parsers.detect import resolve
 from engine.derender.vocab import TokenVocab, vocab_for
 from engine.errors import error_middleware
 from engine.http_server import new_event_loop, run_app
-from engine.generate import GENERATE_PATH, handle_abort, handle_generate
+from engine.generate import GENERATE_PATH, constraints, handle_abort, handle_generate
 from engine.openai_schema import ModelCard, ModelList
 from engine.protocol import encode
 from engine.state import ENGINE, EngineState
@@ -55,6 +55,8 @@ class Capabilities(msgspec.Struct, kw_only=True):
     """Each configured parser name → who parses it: `onehop` (natively) or `vllm` (in-process)."""
     parser_choice: str = ""
     """How the parser names were chosen: `configured`, or what `auto` detection saw."""
+    structured_outputs: list[str] = []
+    """The structured-output kinds it enforces (`json`, `json_object`, `choice`, `regex`, ...)."""
 
 
 @functools.lru_cache(maxsize=4)
@@ -186,6 +188,7 @@ async def handle_capabilities(http: web.Request) -> web.Response:
             reasoning_field=state.config.reasoning_field,
             parsers=state.parsers() if has_text else {},
             parser_choice=state.parser_choice,
+            structured_outputs=sorted(constraints(state)),
         )
     )
 

@@ -25,6 +25,9 @@ from opentelemetry.trace import Span, SpanKind
 
 from engine.backends.base import BackendInfo, BackendOutput, BackendRequest
 from engine.config import EngineLimits
+from engine.derender.parsers import REASONING_PARSERS
+from engine.derender.parsers.base import ParseOptions
+from engine.derender.parsers.choice import ParserSet, bind_parsers
 from engine.errors import (
     BadRequest,
     Conflict,
@@ -101,7 +104,26 @@ def check_request(state: EngineState, request: GenerateRequest) -> None:
         )
     room = info.max_model_len - len(request.token_ids)
     check_limits(state.config.limits, info, sampling, room)
+    _check_constraint(state, sampling)
     fit_to_context(sampling, room)
+
+
+def constraints(state: EngineState) -> frozenset[str]:
+    """The structured-output kinds this engine enforces: its backend's, and none without a
+    tokenizer (`--tokens-only`: a grammar is compiled against the vocabulary's strings)."""
+    return state.backend.info.constraints if state.vocab is not None else frozenset()
+
+
+def _check_constraint(state: EngineState, sampling: SamplingParams) -> None:
+    constraint = sampling.structured_outputs
+    if constraint is None or constraint.kind in constraints(state):
+        return
+    served = ", ".join(sorted(constraints(state))) or "none"
+    raise BadRequest(
+        f"this engine cannot enforce structured_outputs.{constraint.kind} (its {state.backend.info.name} backend"
+        f"{'' if state.vocab is not None else ' without a tokenizer'} enforces: {served})",
+        param="structured_outputs",
+    )
 
 
 # vLLM's engine core moves sampling params as MessagePack, which holds signed or
@@ -253,7 +275,26 @@ def backend_request(state: EngineState, request: GenerateRequest) -> BackendRequ
         sampling=request.sampling_params,
         eos_token_ids=state.backend.info.eos_token_ids,
         kv_transfer_params=request.kv_transfer_params,
+        reasoning_end_ids=_reasoning_end_ids(state, request),
     )
+
+
+def _reasoning_end_ids(state: EngineState, request: GenerateRequest) -> frozenset[int] | None:
+    """For a constrained request whose output starts inside reasoning (vLLM's rule: the last
+    reasoning marker of the prompt, else `enable_thinking`): the ids that end it, after which
+    the constraint holds. None otherwise, and for families onehop does not parse natively."""
+    name = state.config.reasoning_parser
+    if request.sampling_params.structured_outputs is None or state.vocab is None or name not in REASONING_PARSERS:
+        return None
+    parsers = bind_parsers(state.vocab, name, None)  # bound once per vocabulary, then cached
+    bound = parsers.reasoning if isinstance(parsers, ParserSet) else None
+    if bound is None:
+        return None
+    kwargs = request.chat_request.chat_template_kwargs if request.chat_request is not None else None
+    options = ParseOptions(enable_thinking=bool((kwargs or {}).get("enable_thinking", True)))
+    if not bound.end_ids or not bound.starts_in_reasoning(request.token_ids, options):
+        return None
+    return bound.end_ids
 
 
 @dataclass(slots=True)

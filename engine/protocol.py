@@ -108,6 +108,43 @@ class EngineError(Exception):
 # ------------------------------------------------------------ request
 
 
+CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+"""vLLM's structured-output constraints, one of which a `StructuredOutputs` sets."""
+
+
+class StructuredOutputs(Struct, omit_defaults=True, forbid_unknown_fields=True, kw_only=True):
+    """vLLM 0.32's ``StructuredOutputsParams`` as JSON carries it: exactly one constraint
+    (``json`` a JSON schema, as an object or its text; ``regex``; ``choice``; ``grammar``
+    (EBNF/Lark); ``json_object``; ``structural_tag``) and its options."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    # Set by vLLM's own processor, and echoed when it serializes the params.
+    backend: str | None = msgspec.field(default=None, name="_backend")
+    backend_was_auto: bool = msgspec.field(default=False, name="_backend_was_auto")
+
+    def __post_init__(self) -> None:
+        count = len(self.kinds())
+        if count != 1:  # vLLM's rule and words
+            which = "multiple are specified" if count else "none are specified"
+            raise ProtocolError(f"You can only use one kind of structured outputs constraint but {which}")
+
+    def kinds(self) -> list[str]:
+        return [kind for kind in CONSTRAINT_KINDS if getattr(self, kind) is not None]
+
+    @property
+    def kind(self) -> str:
+        """The one constraint this sets (`json`, `regex`, ...)."""
+        return self.kinds()[0]
+
+
 class SamplingParams(Struct, omit_defaults=True, forbid_unknown_fields=True, kw_only=True):
     """vLLM 0.32's ``SamplingParams`` as JSON carries it, with its defaults.
 
@@ -150,7 +187,7 @@ class SamplingParams(Struct, omit_defaults=True, forbid_unknown_fields=True, kw_
     skip_clone: bool = False
     # Derived by vLLM's own constructor, but its /render output echoes it.
     output_text_buffer_length: int = 0
-    structured_outputs: msgspec.Raw | UnsetType = UNSET  # passed through to the backend
+    structured_outputs: StructuredOutputs | None = None
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     extra_args: dict[str, Any] | None = None

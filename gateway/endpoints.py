@@ -32,7 +32,7 @@ from engine.openai_schema import (
 from gateway import remote
 from gateway.auth import TENANT_KEY
 from gateway.config import Limits, Route
-from gateway.engine_request import chat_sampling, completion_sampling
+from gateway.engine_request import chat_sampling, completion_sampling, constraint_kind
 from gateway.errors import InvalidRequest
 from gateway.policy import RequestFeatures
 from gateway.relay import remote_error
@@ -105,7 +105,9 @@ class Endpoint(Protocol[R]):
 
     async def render(self, model: ModelRuntime, request: R, body: bytes) -> list[list[int]]: ...
 
-    def features(self, request: R, model: str, prompts: list[list[int]], http: web.Request) -> RequestFeatures:
+    def features(
+        self, request: R, model: str, prompts: list[list[int]], http: web.Request, sampling: dict[str, Any]
+    ) -> RequestFeatures:
         """What the policy looks at; `model` is the served name (an alias resolved)."""
         ...
 
@@ -192,7 +194,9 @@ class Chat:
         suffix = await model.renderer.encode(forced) if forced is not None else []
         return [rendered.token_ids + suffix]
 
-    def features(self, request: ChatCompletionRequest, model: str, prompts: list[list[int]], http: web.Request) -> RequestFeatures:
+    def features(
+        self, request: ChatCompletionRequest, model: str, prompts: list[list[int]], http: web.Request, sampling: dict[str, Any]
+    ) -> RequestFeatures:
         kwargs = request.chat_template_kwargs or {}
         return RequestFeatures(
             endpoint="chat",
@@ -207,6 +211,7 @@ class Chat:
             reasoning=bool(kwargs.get("enable_thinking", True)),
             headers=_headers(http),
             tenant=http.get(TENANT_KEY),
+            constraint=constraint_kind(sampling),
         )
 
     def sampling(self, request: ChatCompletionRequest) -> dict[str, Any]:
@@ -278,7 +283,9 @@ class Completions:
             raise remote_error(exc) from exc
         return [item.token_ids for item in rendered]
 
-    def features(self, request: CompletionRequest, model: str, prompts: list[list[int]], http: web.Request) -> RequestFeatures:
+    def features(
+        self, request: CompletionRequest, model: str, prompts: list[list[int]], http: web.Request, sampling: dict[str, Any]
+    ) -> RequestFeatures:
         return RequestFeatures(
             endpoint="completions",
             model=model,
@@ -290,6 +297,7 @@ class Completions:
             prompt_tokens=sum(len(p) for p in prompts),
             headers=_headers(http),
             tenant=http.get(TENANT_KEY),
+            constraint=constraint_kind(sampling),
         )
 
     def sampling(self, request: CompletionRequest) -> dict[str, Any]:

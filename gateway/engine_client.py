@@ -21,6 +21,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind
 from yarl import URL
 
+from engine.protocol import CONSTRAINT_KINDS
 from engine.telemetry import Tracing, inject, record_error
 from gateway.config import Health, Route, Timeouts
 from gateway.pool import Endpoint, Pool
@@ -77,6 +78,7 @@ def engine_error(status: int, body: bytes) -> GatewayError:
 
 class _Capabilities(msgspec.Struct):
     output_modes: list[str] = []
+    structured_outputs: list[str] = []
     model: str | None = None
     max_model_len: int | None = None
     tokenizer: bool = False
@@ -137,6 +139,8 @@ class EngineClient:
         self._max_model_len: int | None = None
         self._tracer = tracing.tracer if tracing is not None else trace.NoOpTracer()
         self._routes: dict[str, frozenset[str]] = {}
+        self._constraints: dict[str, frozenset[str]] = {}
+        """Per engine, the structured-output kinds it enforces (stock vLLM: all of them)."""
         self._remote = remote
         self._timeouts = timeouts
         self._health = health
@@ -170,15 +174,31 @@ class EngineClient:
         """The engine for the next request (see `Pool.pick`; `prompt` for prefix affinity)."""
         return self.pool.pick(prompt=prompt)
 
-    async def pick_serving(self, prompt: Sequence[int] | None = None) -> tuple[Endpoint, frozenset[str]]:
+    async def pick_serving(
+        self, prompt: Sequence[int] | None = None, *, constraint: str | None = None
+    ) -> tuple[Endpoint, frozenset[str]]:
         """An engine and the routes it serves. One whose capabilities cannot be read (it
         never answered since the gateway started) counts as a failure, and another is
-        picked, as a request that fails before its answer is retried elsewhere."""
+        picked, as a request that fails before its answer is retried elsewhere. With a
+        `constraint` (a structured-output kind), only an engine that enforces it is picked:
+        another one is tried (not counted as a failure), and with none a 400 says so."""
         tried: set[str] = set()
         endpoint = self.pool.pick(prompt=prompt)
         while True:
             try:
-                return endpoint, await self.routes(endpoint.url)
+                routes = await self.routes(endpoint.url)
+                if constraint is None or constraint in self._constraints[endpoint.url]:
+                    return endpoint, routes
+                tried.add(endpoint.url)
+                other = self._another(tried, prompt)
+                if other is None:
+                    raise InvalidRequest(
+                        f"no engine of this model enforces structured_outputs.{constraint}"
+                        f" ({'engines: ' + ', '.join(sorted(tried))})",
+                        param="structured_outputs",
+                    )
+                endpoint = other
+                continue
             except EngineUnavailable as exc:
                 self.pool.failed(endpoint)
                 tried.add(endpoint.url)
@@ -305,19 +325,21 @@ class EngineClient:
         known = self._routes.get(url)
         if known is not None:
             return known
-        modes = await self._probe(url)
+        modes, constraints = await self._probe(url)
+        self._constraints[url] = constraints
         routes = {"tokens"} | ({"text"} if "text" in modes else set()) | ({"derender"} if "derender" in modes else set())
         if self._remote:
             routes.add("tokens-remote")
         self._routes[url] = frozenset(routes)
         return self._routes[url]
 
-    async def _probe(self, url: str) -> set[str]:
+    async def _probe(self, url: str) -> tuple[set[str], frozenset[str]]:
+        """The engine's output modes and the structured-output kinds it enforces."""
         try:
             async with asyncio.timeout(PROBE_TIMEOUT_S):
                 async with self.session.get(url + CAPABILITIES_PATH) as response:
-                    if response.status == 404:
-                        return {"tokens", "text"}
+                    if response.status == 404:  # stock vLLM: its grammar backends enforce every kind
+                        return {"tokens", "text"}, frozenset(CONSTRAINT_KINDS)
                     body = await response.read()
                     if response.status != 200:
                         raise EngineUnavailable(f"the engine's capabilities answer was {response.status}")
@@ -335,7 +357,7 @@ class EngineClient:
             raise EngineMismatch(why)
         if caps.max_model_len is not None:
             self._max_model_len = caps.max_model_len
-        return set(caps.output_modes)
+        return set(caps.output_modes), frozenset(caps.structured_outputs)
 
     def max_model_len(self) -> int | None:
         """The context length the pool's engines reported (None until one did, or from stock vLLM)."""

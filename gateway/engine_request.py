@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 
 from engine.openai_schema import ChatCompletionRequest, CompletionRequest
-from engine.protocol import ProtocolError, SamplingParams
+from engine.protocol import CONSTRAINT_KINDS, ProtocolError, SamplingParams
 from gateway.config import Route
 from gateway.errors import InvalidRequest
 
@@ -55,7 +55,42 @@ def _common_sampling(request: ChatCompletionRequest | CompletionRequest, max_tok
         sampling["skip_special_tokens"] = False
     if not request.spaces_between_special_tokens:
         sampling["spaces_between_special_tokens"] = False
+    constraint = structured_outputs(request.structured_outputs, request.response_format)
+    if constraint is not None:
+        sampling["structured_outputs"] = constraint
     return sampling
+
+
+def structured_outputs(given: dict[str, Any] | None, response_format: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`sampling_params.structured_outputs` as vLLM 0.32 builds it: the request's own
+    `structured_outputs` (vLLM's extension), overridden by a `response_format` that is not
+    text (`json_object` → `json_object: true`, `json_schema` → `json`: its schema)."""
+    if response_format is None or response_format.get("type", "text") == "text":
+        return given
+    kind = response_format.get("type")
+    if kind == "json_object":
+        overrides: dict[str, Any] = {"json_object": True}
+    elif kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise InvalidRequest("response_format.json_schema.schema must be a JSON schema object", param="response_format")
+        overrides = {"json": schema}
+    elif kind == "structural_tag":
+        raise InvalidRequest("response_format type 'structural_tag' is not supported", param="response_format")
+    else:
+        raise InvalidRequest(
+            f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}", param="response_format"
+        )
+    return {**(given or {}), **overrides}
+
+
+def constraint_kind(sampling: Mapping[str, Any]) -> str | None:
+    """The structured-output constraint the request sets (`json`, `regex`, ...), if any."""
+    constraint = sampling.get("structured_outputs")
+    if not constraint:
+        return None
+    return next((kind for kind in CONSTRAINT_KINDS if constraint.get(kind) is not None), None)
 
 
 def _checked(sampling: dict[str, Any]) -> dict[str, Any]:
@@ -63,6 +98,8 @@ def _checked(sampling: dict[str, Any]) -> dict[str, Any]:
     try:
         msgspec.convert(sampling, SamplingParams)
     except (msgspec.ValidationError, ProtocolError) as exc:
+        if "structured_outputs" in str(exc):
+            raise InvalidRequest(f"invalid structured_outputs: {exc}", param="structured_outputs") from exc
         raise InvalidRequest(f"invalid sampling parameters: {exc}") from exc
     return sampling
 

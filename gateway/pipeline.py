@@ -94,7 +94,8 @@ async def serve(http: web.Request, endpoint: Endpoint[Any]) -> web.StreamRespons
             prompts = await endpoint.render(model, request, body)
             span.set_attribute("onehop.prompt_tokens", sum(len(p) for p in prompts))
         check_context(prompts, model.engines.max_model_len())
-        target = await choose_route(state, model, http, endpoint.features(request, model.name, prompts, http), prompts[0])
+        features = endpoint.features(request, model.name, prompts, http, sampling)
+        target = await choose_route(state, model, http, features, prompts[0])
         exchange = Exchange(http, state, model, endpoint, request, body, prompts, sampling, target, response_id)
         return await guard_disconnect(http, state, model, exchange.legs, exchange.run)
 

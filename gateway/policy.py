@@ -181,6 +181,9 @@ class RequestFeatures:
     reasoning: bool = False
     headers: Mapping[str, str] = field(default_factory=dict)
     tenant: str | None = None
+    constraint: str | None = None
+    """The structured-output kind the request sets (`json`, `regex`, ...): only engines that
+    enforce it are picked."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "headers", {k.lower(): v for k, v in self.headers.items()})

@@ -34,11 +34,11 @@ async def choose_route(
     """The route and engine for this request, in a `policy` span; the decision goes on the server span too."""
     with measured(state, "policy", http[SPAN_KEY]) as span:
         engines = model.engines
-        endpoint, available = await engines.pick_serving(prompt)
+        endpoint, available = await engines.pick_serving(prompt, constraint=features.constraint)
         route, basis, pool = _decide(state, model, http, engines, endpoint.url, available, features)
         if pool is not None:
             engines = model.pools[pool]  # `_decide` names only pools this model has
-            endpoint, available = await engines.pick_serving(prompt)
+            endpoint, available = await engines.pick_serving(prompt, constraint=features.constraint)
             route, basis, _ = _decide(state, model, http, engines, endpoint.url, available, features)
         reason = http[REASON_KEY]
         if span.is_recording():

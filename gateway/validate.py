@@ -20,8 +20,6 @@ _Rule = tuple[str, Callable[[Any], bool], str]
 _COMMON: list[_Rule] = [
     ("use_beam_search", lambda r: r.use_beam_search, "beam search is not supported"),
     ("prompt_logprobs", lambda r: r.prompt_logprobs is not None, "prompt_logprobs are not supported"),
-    ("structured_outputs", lambda r: r.structured_outputs is not None, "structured outputs are not supported"),
-    ("response_format", lambda r: _structured(r.response_format), "only response_format type 'text' is supported"),
     ("logprob_token_ids", lambda r: r.logprob_token_ids is not None, "logprob_token_ids is not supported"),
     ("kv_transfer_params", lambda r: r.kv_transfer_params is not None, "kv_transfer_params is set by the gateway"),
     ("vllm_xargs", lambda r: r.vllm_xargs is not None, "vllm_xargs is not supported"),
@@ -35,6 +33,7 @@ _CHAT: list[_Rule] = [
     ("messages", lambda r: _has_media(r), "only text message content is supported"),
     ("tool_choice", lambda r: _tool_choice_without_tools(r), "tool_choice needs tools"),
     ("tool_choice", lambda r: _named(r) and r.tool_choice.function.name not in _tool_names(r), "the named function is not among the tools"),
+    ("response_format", lambda r: _forced_call(r) and _constrained(r), "a forced tool call (tool_choice 'required' or named) cannot be combined with structured outputs"),
     ("functions", lambda r: r.functions is not None, "the legacy functions field is not supported: send tools"),
     ("function_call", lambda r: r.function_call is not None, "the legacy function_call field is not supported: send tool_choice"),
     ("audio", lambda r: r.audio is not None, "audio output is not supported"),
@@ -50,8 +49,15 @@ _COMPLETION: list[_Rule] = [
 ]
 
 
-def _structured(response_format: dict[str, Any] | None) -> bool:
-    return response_format is not None and response_format.get("type", "text") != "text"
+def _forced_call(request: ChatCompletionRequest) -> bool:
+    return bool(request.tools) and (request.tool_choice == "required" or _named(request))
+
+
+def _constrained(request: ChatCompletionRequest) -> bool:
+    response_format = request.response_format
+    return request.structured_outputs is not None or (
+        response_format is not None and response_format.get("type", "text") != "text"
+    )
 
 
 def _named(request: ChatCompletionRequest) -> bool:

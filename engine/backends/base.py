@@ -41,6 +41,9 @@ class BackendRequest:
     eos_token_ids: frozenset[int] = frozenset()
     """Ids that end generation unless `ignore_eos` (from the model's generation config)."""
     kv_transfer_params: dict[str, object] | None = None
+    reasoning_end_ids: frozenset[int] | None = None
+    """With `sampling.structured_outputs`: the constraint holds once the output has one of these
+    ids (the model is reasoning when it starts); None: from the first token."""
 
 
 @dataclass(slots=True)
@@ -72,6 +75,8 @@ class BackendInfo:
     vocab_size: int
     """Ids at or above this are rejected with a 400 before generation."""
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+    constraints: frozenset[str] = frozenset()
+    """The structured-output kinds (`engine.protocol.CONSTRAINT_KINDS`) it can enforce."""
 
 
 @runtime_checkable

@@ -55,6 +55,7 @@ from engine.backends.base import (
     BackendRequestError,
     FinishReason,
 )
+from engine.backends.grammar import CONSTRAINTS, ChoiceGrammar, GrammarTokenizer, compile_grammar
 from engine.protocol import GenerateLogProb, GenerateLogProbsContent, SamplingParams
 
 __all__ = ["HFBackend", "HFBackendConfig"]
@@ -118,6 +119,7 @@ def read_info(config: HFBackendConfig) -> BackendInfo:
         max_model_len=config.max_model_len or text_config.max_position_embeddings,
         vocab_size=vocab,
         eos_token_ids=frozenset(eos),
+        constraints=CONSTRAINTS if tokenizer is not None else frozenset(),  # a grammar needs the token strings
     )
 
 
@@ -195,6 +197,7 @@ class _Plan:
     bias_values: torch.Tensor | None
     disallowed: torch.Tensor | None  # bool [vocab]: not in allowed_token_ids
     seed: int | None
+    grammar: str | None = None  # structured outputs: the llguidance grammar every choice follows
     always_shapes: bool = False  # allowed ids, a bias or a penalty changes the logits every step
 
     def __post_init__(self) -> None:
@@ -206,9 +209,13 @@ class _Plan:
             or self.presence_penalty != 0.0
         )
 
-    def shapes(self, generated: int) -> bool:
-        """Whether the logits of a row that has `generated` tokens need changing before sampling."""
-        return self.always_shapes or (self.early_stop_ids is not None and generated < self.min_tokens)
+    def shapes(self, row: _Row) -> bool:
+        """Whether the logits of this row need changing before sampling."""
+        return (
+            self.always_shapes
+            or (self.early_stop_ids is not None and len(row.output_ids) < self.min_tokens)
+            or (row.grammar is not None and row.grammar.active)
+        )
 
 
 class _Outbox:
@@ -276,6 +283,7 @@ class _Row:
     index: int
     generator: torch.Generator | None  # None: torch's global RNG (no seed asked for)
     output_ids: list[int] = field(default_factory=list)
+    grammar: ChoiceGrammar | None = None  # structured outputs (made on the worker thread at prefill)
     finished: bool = False  # no more tokens to sample (set on the worker thread)
     reported: bool = False  # its finish_reason reached the consumer's outbox (set on the event loop)
 
@@ -306,6 +314,8 @@ def _accept(row: _Row, token: int, logprobs: GenerateLogProbsContent | None) -> 
     """Append a sampled token to its row and decide whether the row is done (vLLM's check order)."""
     plan = row.owner.plan
     row.output_ids.append(token)
+    if row.grammar is not None:
+        row.grammar.accept(token)
     count = len(row.output_ids)
     finish: FinishReason | None = None
     stop: int | None = None
@@ -421,7 +431,7 @@ def _device_of(cache: DynamicCache) -> torch.device:
 
 def _shape_logits(logits: torch.Tensor, rows: Sequence[_Row]) -> torch.Tensor:
     """Allowed ids, min_tokens, logit_bias, then penalties, in vLLM's order; copies only if needed."""
-    shaped = [i for i, row in enumerate(rows) if row.owner.plan.shapes(len(row.output_ids))]
+    shaped = [i for i, row in enumerate(rows) if row.owner.plan.shapes(row)]
     if not shaped:
         return logits
     # contiguous: prefill hands n choices one expanded (shared) row
@@ -437,6 +447,8 @@ def _shape_logits(logits: torch.Tensor, rows: Sequence[_Row]) -> torch.Tensor:
         if plan.bias_ids is not None and plan.bias_values is not None:
             values.index_add_(0, plan.bias_ids, plan.bias_values)
         _penalize(values, row)
+        if row.grammar is not None and row.grammar.active:
+            row.grammar.mask(values)  # last: nothing after it may revive a refused token
     return logits
 
 
@@ -591,7 +603,6 @@ def _check_ids(ids: Sequence[int], vocab: int, what: str) -> None:
 def _check_supported(sampling: SamplingParams) -> None:
     unsupported = {
         "prompt_logprobs": sampling.prompt_logprobs is not None,
-        "structured_outputs": sampling.structured_outputs is not msgspec.UNSET,
         "bad_words": bool(sampling.bad_words),
     }
     named = [name for name, present in unsupported.items() if present]
@@ -627,7 +638,17 @@ def _plan(request: BackendRequest, info: BackendInfo, device: torch.device, eos:
         bias_values=bias_values,
         disallowed=_disallowed(sampling.allowed_token_ids, vocab, device),
         seed=None if sampling.seed == -1 else sampling.seed,  # vLLM reads -1 as "no seed"
+        grammar=_grammar(sampling, info),
     )
+
+
+def _grammar(sampling: SamplingParams, info: BackendInfo) -> str | None:
+    constraint = sampling.structured_outputs
+    if constraint is None:
+        return None
+    if constraint.kind not in info.constraints:
+        raise BackendRequestError(f"this model folder has no tokenizer: structured_outputs.{constraint.kind} cannot be enforced")
+    return compile_grammar(constraint)
 
 
 def _bias(
@@ -676,6 +697,7 @@ class HFBackend:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closing = False
+        self._grammar_tokenizer: GrammarTokenizer | None = None
 
     @property
     def info(self) -> BackendInfo:
@@ -691,6 +713,9 @@ class HFBackend:
         try:
             self._info = await self._in_thread(read_info, self._config)
             self._model, self._device = await self._in_thread(load_model, self._config)
+            if self._info.constraints:
+                tokenizer = await self._in_thread(_load_tokenizer, Path(self._config.model))
+                self._grammar_tokenizer = GrammarTokenizer(tokenizer, self._info.vocab_size)
         except BaseException:
             self._executor.shutdown(wait=False)
             self._executor = None
@@ -905,6 +930,7 @@ class HFBackend:
     def _prefill(self, state: _Request, result: _StepResult) -> tuple[list[_Row], DynamicCache] | None:
         """Run one prompt alone, sample each choice's first token; the rows that go on, with their cache."""
         try:
+            self._attach_grammars(state)
             cache = DynamicCache(config=self._model.config)
             out = self._model(input_ids=state.prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
             logits = self._logits(out.logits).expand(len(state.rows), -1)
@@ -919,6 +945,15 @@ class HFBackend:
         except Exception as exc:
             result.fail(state, exc)
             return None
+
+    def _attach_grammars(self, state: _Request) -> None:
+        """A matcher per choice of a constrained request (the vocabulary table is built on first use)."""
+        grammar = state.plan.grammar
+        if grammar is None:
+            return
+        assert self._grammar_tokenizer is not None  # a plan has a grammar only when the info lists constraints
+        for row in state.rows:
+            row.grammar = ChoiceGrammar(self._grammar_tokenizer, grammar, state.request.reasoning_end_ids)
 
     def _logits(self, logits: torch.Tensor) -> torch.Tensor:
         # Qwen3 pads its embedding past the tokenizer's vocabulary; those ids are

@@ -31,7 +31,7 @@ What each mode plans before the token rules below apply:
 - ``script``: the next text of ``script`` (the k-th request gets text
   ``k mod len(script)``; all choices of a request share it), encoded as is so
   it may carry ``<think>``/``<tool_call>`` markers, then EOS.
-- ``auto``, in three parts, then EOS:
+- ``auto``, in these parts, then EOS:
 
   1. Reasoning, when the prompt leaves thinking open (a ChatML prompt ending
      with ``<|im_start|>assistant\\n``; ``enable_thinking=false`` renders
@@ -54,7 +54,13 @@ What each mode plans before the token rules below apply:
      instead: the rest of the call for the named tool (or one chosen by the
      seed), then EOS, with no reasoning. (Families whose calls open with
      another marker are not continued this way.)
-  3. Otherwise content: sentences of plain words with a few multi-byte ones
+  3. With ``structured_outputs`` (``SIM_CONSTRAINTS``): right after the reasoning
+     block (its trailing whitespace dropped, as a grammar would refuse it), an
+     instance of the ``json`` schema (every required property, ``$ref`` into
+     ``$defs`` resolved, ``maxLength``/``maxItems`` kept, common string
+     ``format``s), one of the ``choice`` strings, or a ``json_object``; no tool
+     call. Other kinds are refused (the engine checks ``BackendInfo.constraints``).
+  4. Otherwise content: sentences of plain words with a few multi-byte ones
      (``世界``, ``🫠``, ``𓀀``, ``café``) so detokenizers meet split
      characters; ``output_tokens`` tokens exactly, or 16-64 words.
 
@@ -139,7 +145,7 @@ from engine.backends.base import (
 )
 from engine.derender.parsers import REASONING_PARSERS, TOOL_PARSERS
 from engine.derender.parsers.base import ToolCallText
-from engine.protocol import GenerateLogProb, GenerateLogProbsContent
+from engine.protocol import GenerateLogProb, GenerateLogProbsContent, StructuredOutputs
 
 __all__ = ["MAX_LOGPROBS", "SimBackend", "SimBackendConfig", "SimConfigError"]
 
@@ -150,6 +156,9 @@ _CONTENT_WORDS = (16, 64)
 _REASONING_WORDS = (8, 32)
 _SENTENCE_WORDS = (5, 12)
 _MAX_SCHEMA_DEPTH = 4
+_MAX_INSTANCE_DEPTH = 16
+SIM_CONSTRAINTS = frozenset({"json", "json_object", "choice"})
+"""What auto mode writes to order: a schema instance, a JSON object, one of the choices."""
 _RANK_STEP = 1.5
 _TAIL_WINDOW = 8  # prompt tokens decoded to find the generation prompt (3 tokens in Qwen3)
 
@@ -395,29 +404,129 @@ def _tool_of(line: str) -> dict[str, Any] | None:
     return function
 
 
-# ------------------------------------------------------------ tool arguments from JSON schema
+# ------------------------------------------------------------ values from JSON schema
+
+
+def _constrained_text(constraint: StructuredOutputs, rng: random.Random) -> str:
+    """What auto mode writes for a structured-output constraint (`SIM_CONSTRAINTS`)."""
+    if constraint.choice is not None:
+        if not constraint.choice:
+            raise BackendRequestError("structured_outputs.choice must not be empty")
+        return constraint.choice[rng.randrange(len(constraint.choice))]
+    if constraint.json is not None:
+        schema = constraint.json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as exc:
+                raise BackendRequestError(f"structured_outputs.json is not a JSON schema: {exc}") from exc
+        if not isinstance(schema, dict):
+            raise BackendRequestError("structured_outputs.json must be a JSON schema object")
+        return json.dumps(_fake_instance(schema, rng), ensure_ascii=False)
+    if constraint.json_object:
+        return json.dumps({"answer": _phrase(rng)})
+    raise BackendRequestError(f"the sim backend cannot write structured_outputs.{constraint.kind}")
 
 
 def _fake_arguments(parameters: object, rng: random.Random) -> dict[str, Any]:
     """Arguments that satisfy the simple parts of a tool's `parameters` schema."""
-    value = _fake_value(parameters if isinstance(parameters, dict) else {"type": "object"}, rng, 0)
+    schema = parameters if isinstance(parameters, dict) else {"type": "object"}
+    value = _SchemaFaker(schema, rng, _MAX_SCHEMA_DEPTH).value(schema, 0)
     return value if isinstance(value, dict) else {}
 
 
-def _fake_value(schema: object, rng: random.Random, depth: int) -> Any:
-    if not isinstance(schema, dict):
-        return _phrase(rng)
-    if "const" in schema:
-        return schema["const"]
-    enum = schema.get("enum")
-    if isinstance(enum, list) and enum:
-        return enum[0]
-    for key in ("anyOf", "oneOf", "allOf"):
-        options = schema.get(key)
-        if isinstance(options, list) and options:
-            return _fake_value(options[0], rng, depth)
-    faker: _Faker = _FAKERS.get(_schema_type(schema), _fake_string)
-    return faker(schema, rng, depth)
+def _fake_instance(schema: dict[str, Any], rng: random.Random) -> Any:
+    """An instance of a structured-output schema: every required property at any depth
+    (up to `_MAX_INSTANCE_DEPTH`), `$ref`s into `$defs` resolved, common string formats."""
+    return _SchemaFaker(schema, rng, _MAX_INSTANCE_DEPTH).value(schema, 0)
+
+
+_FORMATS = {
+    "date-time": "2026-01-01T00:00:00Z",
+    "date": "2026-01-01",
+    "time": "00:00:00",
+    "email": "user@example.com",
+    "uri": "https://example.com/",
+    "url": "https://example.com/",
+    "uuid": "00000000-0000-4000-8000-000000000000",
+    "ipv4": "127.0.0.1",
+}
+
+
+class _SchemaFaker:
+    """Values for the parts of JSON schema that tools and structured outputs use: `const`,
+    `enum` (first value), `anyOf`/`oneOf`/`allOf` (first option), `$ref` into the root's
+    `$defs`/`definitions`, and the types (objects with their required properties and about
+    half of the optional ones, 1-2 array items or `minItems`, seeded numbers within bounds)."""
+
+    def __init__(self, root: dict[str, Any], rng: random.Random, max_depth: int) -> None:
+        self._root = root
+        self._rng = rng
+        self._max_depth = max_depth
+
+    def value(self, schema: object, depth: int) -> Any:
+        if not isinstance(schema, dict):
+            return _phrase(self._rng)
+        ref = schema.get("$ref")
+        if isinstance(ref, str):
+            return self.value(self._resolve(ref), depth + 1)  # a cycle of refs ends at max_depth
+        if "const" in schema:
+            return schema["const"]
+        enum = schema.get("enum")
+        if isinstance(enum, list) and enum:
+            return enum[0]
+        for key in ("anyOf", "oneOf", "allOf"):
+            options = schema.get(key)
+            if isinstance(options, list) and options:
+                return self.value(options[0], depth)
+        kind = _schema_type(schema)
+        if kind == "object":
+            return self._object(schema, depth)
+        if kind == "array":
+            return self._array(schema, depth)
+        if kind == "integer":
+            low, high = _bounds(schema)
+            return self._rng.randint(math.ceil(low), max(math.ceil(low), math.floor(high)))
+        if kind == "number":
+            low, high = _bounds(schema)
+            return round(self._rng.uniform(low, max(low, high)), 2)
+        if kind == "boolean":
+            return self._rng.random() < 0.5
+        if kind == "null":
+            return None
+        return self._string(schema)
+
+    def _resolve(self, ref: str) -> object:
+        """`#/$defs/Name` (or `#/definitions/Name`, or `#` itself) in the root schema."""
+        node: object = self._root
+        for part in ref.removeprefix("#").strip("/").split("/") if ref != "#" else ():
+            node = node.get(part.replace("~1", "/").replace("~0", "~"), {}) if isinstance(node, dict) else {}
+        return node
+
+    def _object(self, schema: dict[str, Any], depth: int) -> dict[str, Any]:
+        if depth >= self._max_depth:
+            return {}
+        declared = schema.get("properties")
+        properties: dict[str, Any] = declared if isinstance(declared, dict) else {}
+        listed = schema.get("required")
+        required = [r for r in listed if isinstance(r, str)] if isinstance(listed, list) else []
+        optional = [name for name in properties if name not in required and self._rng.random() < 0.5]
+        return {name: self.value(properties.get(name, {}), depth + 1) for name in required + optional}
+
+    def _array(self, schema: dict[str, Any], depth: int) -> list[Any]:
+        if depth >= self._max_depth:
+            return []
+        low, high = schema.get("minItems"), schema.get("maxItems")
+        count = max(low if isinstance(low, int) else 0, self._rng.randint(1, 2))
+        if isinstance(high, int):
+            count = min(count, high)
+        return [self.value(schema.get("items", {}), depth + 1) for _ in range(count)]
+
+    def _string(self, schema: dict[str, Any]) -> str:
+        known = schema.get("format")
+        text = (_FORMATS.get(known) if isinstance(known, str) else None) or _phrase(self._rng)
+        longest = schema.get("maxLength")
+        return text[:longest] if isinstance(longest, int) and longest > 0 else text
 
 
 def _schema_type(schema: dict[str, Any]) -> str:
@@ -429,47 +538,6 @@ def _schema_type(schema: dict[str, Any]) -> str:
     if "properties" in schema:
         return "object"
     return "array" if "items" in schema else "string"
-
-
-def _fake_object(schema: dict[str, Any], rng: random.Random, depth: int) -> dict[str, Any]:
-    if depth >= _MAX_SCHEMA_DEPTH:
-        return {}
-    declared = schema.get("properties")
-    properties: dict[str, Any] = declared if isinstance(declared, dict) else {}
-    listed = schema.get("required")
-    required = [r for r in listed if isinstance(r, str)] if isinstance(listed, list) else []
-    optional = [name for name in properties if name not in required and rng.random() < 0.5]
-    return {name: _fake_value(properties.get(name, {}), rng, depth + 1) for name in required + optional}
-
-
-def _fake_array(schema: dict[str, Any], rng: random.Random, depth: int) -> list[Any]:
-    if depth >= _MAX_SCHEMA_DEPTH:
-        return []
-    low = schema.get("minItems")
-    count = max(low if isinstance(low, int) else 0, rng.randint(1, 2))
-    return [_fake_value(schema.get("items", {}), rng, depth + 1) for _ in range(count)]
-
-
-def _fake_string(schema: dict[str, Any], rng: random.Random, depth: int) -> str:
-    return _phrase(rng)
-
-
-def _fake_integer(schema: dict[str, Any], rng: random.Random, depth: int) -> int:
-    low, high = _bounds(schema)
-    return rng.randint(math.ceil(low), max(math.ceil(low), math.floor(high)))
-
-
-def _fake_number(schema: dict[str, Any], rng: random.Random, depth: int) -> float:
-    low, high = _bounds(schema)
-    return round(rng.uniform(low, max(low, high)), 2)
-
-
-def _fake_boolean(schema: dict[str, Any], rng: random.Random, depth: int) -> bool:
-    return rng.random() < 0.5
-
-
-def _fake_null(schema: dict[str, Any], rng: random.Random, depth: int) -> None:
-    return None
 
 
 def _bounds(schema: dict[str, Any]) -> tuple[float, float]:
@@ -487,17 +555,6 @@ def _number(value: object) -> float | None:
 def _phrase(rng: random.Random) -> str:
     return " ".join(rng.choice(_ALL_WORDS) for _ in range(rng.randint(1, 3)))
 
-
-_Faker = Callable[[dict[str, Any], random.Random, int], Any]
-_FAKERS: dict[str, _Faker] = {
-    "object": _fake_object,
-    "array": _fake_array,
-    "string": _fake_string,
-    "integer": _fake_integer,
-    "number": _fake_number,
-    "boolean": _fake_boolean,
-    "null": _fake_null,
-}
 
 
 # ------------------------------------------------------------ one choice's token stream
@@ -643,6 +700,7 @@ class SimBackend:
             max_model_len=config.max_model_len,
             vocab_size=_vocab_size(tokenizer),
             eos_token_ids=frozenset(self._eos),
+            constraints=SIM_CONSTRAINTS,
         )
         self._think_open: list[int] | None = None
         if config.reasoning_format is not None:
@@ -807,7 +865,7 @@ class SimBackend:
         choices: list[_Choice] = []
         for index in range(request.sampling.n):
             rng = random.Random(self._seed(request.sampling.seed, digest, index))
-            plan = shared if shared is not None else self._auto_plan(prompt, rng)
+            plan = shared if shared is not None else self._auto_plan(prompt, rng, request.sampling.structured_outputs)
             choices.append(_Choice(index, plan, self._words.padding(rng), rules, logprobs))
         return choices
 
@@ -827,13 +885,18 @@ class SimBackend:
             return plan
         return None
 
-    def _auto_plan(self, prompt: _Prompt, rng: random.Random) -> list[int]:
+    def _auto_plan(self, prompt: _Prompt, rng: random.Random, constraint: StructuredOutputs | None) -> list[int]:
         if prompt.open_call is not None and prompt.tools:
             return self._finish_call(prompt.open_call, prompt.tools, rng)
         plan: list[int] = []
         if prompt.thinking_open and self._think_open is not None:
-            plan += self._reasoning(rng)
-        if prompt.tools:
+            plan += self._reasoning(rng)  # a constraint holds after reasoning ends, as in vLLM
+        if constraint is not None:
+            # Constrained output starts right where reasoning ends: no whitespace a grammar would refuse.
+            while plan and self._reader.decode(plan[-1:]).isspace():
+                plan.pop()
+            plan += self._encode(_constrained_text(constraint, rng))
+        elif prompt.tools:
             plan += self._tool_call(prompt.tools, rng)
         else:
             plan += self._content(rng)

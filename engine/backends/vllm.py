@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import json
 import math
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -42,7 +41,7 @@ from engine.backends.base import (
     FinishReason,
 )
 from engine.derender.logprobs import LOGPROB_FLOOR
-from engine.protocol import GenerateLogProb, GenerateLogProbsContent, SamplingParams
+from engine.protocol import CONSTRAINT_KINDS, GenerateLogProb, GenerateLogProbsContent, SamplingParams, StructuredOutputs
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -236,14 +235,13 @@ def _refuse_unsupported(s: SamplingParams) -> None:
         raise BackendRequestError("repetition_detection is not supported by the vllm backend")
 
 
-def _structured_outputs(raw: msgspec.Raw | msgspec.UnsetType) -> Any:
-    if raw is msgspec.UNSET or bytes(raw) == b"null":
+def _structured_outputs(constraint: StructuredOutputs | None) -> Any:
+    """onehop's decoded copy → vLLM's own params (its processor picks the grammar backend)."""
+    if constraint is None:
         return None
     from vllm.sampling_params import StructuredOutputsParams
 
-    fields = json.loads(bytes(raw))
-    if not isinstance(fields, dict):
-        raise BackendRequestError("structured_outputs must be an object")
+    fields = {f: getattr(constraint, f) for f in constraint.__struct_fields__ if f not in ("backend", "backend_was_auto")}
     try:
         return StructuredOutputsParams(**fields)
     except (ValueError, TypeError) as exc:
@@ -386,6 +384,7 @@ def _backend_info(llm: AsyncLLM, config: VLLMBackendConfig) -> BackendInfo:
         max_model_len=model_config.max_model_len,
         vocab_size=vocab_size,
         eos_token_ids=_eos_token_ids(llm),
+        constraints=frozenset(CONSTRAINT_KINDS),  # vLLM's structured-output manager enforces them all
     )
 
 

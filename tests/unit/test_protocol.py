@@ -202,8 +202,8 @@ def test_rendered_request_from_vllm_decodes() -> None:
     assert sp.n == 2 and sp.stop == ["</s>"] and sp.logprobs == 5 and sp.output_kind == 1
     assert sp.logit_bias == {12: 1.5}
     assert sp.repetition_detection == oa.RepetitionDetectionParams(4, 0, 3)
-    assert isinstance(sp.structured_outputs, msgspec.Raw)
-    assert json.loads(bytes(sp.structured_outputs)) == {"json": {"type": "object"}}
+    assert sp.structured_outputs == p.StructuredOutputs(json={"type": "object"})
+    assert sp.structured_outputs.kind == "json"
     assert req.reasoning_parser_kwargs is not None
     assert req.reasoning_parser_kwargs.chat_template_kwargs == {"enable_thinking": False}
     assert req.stream_options == oa.StreamOptions(include_usage=True)
@@ -640,3 +640,15 @@ def test_schema_modules_import_no_heavy_packages() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )
     assert done.stdout.strip() == "[]"
+
+
+def test_structured_outputs_take_exactly_one_constraint_and_vllms_own_fields() -> None:
+    def sampling(constraint: object) -> bytes:
+        return json.dumps({"token_ids": [5], "sampling_params": {"structured_outputs": constraint}}).encode()
+
+    echoed = p.decode_generate_request(sampling({"choice": ["a", "b"], "_backend": "guidance", "_backend_was_auto": True}))
+    constraint = echoed.sampling_params.structured_outputs
+    assert constraint is not None and constraint.kind == "choice" and constraint.backend == "guidance"
+    for wrong, words in (({}, "none are specified"), ({"regex": "a", "choice": ["a"]}, "multiple are specified"), ({"jsn": {}}, "jsn")):
+        with pytest.raises(p.ProtocolError, match=words):
+            p.decode_generate_request(sampling(wrong))

@@ -158,6 +158,9 @@ class BoundReasoning(ABC):
     markers: Markers
     strays: Mapping[int, str] = {}
     """Markers (id → text) dropped from content outside tool calls: a duplicate end marker."""
+    end_ids: frozenset[int] = frozenset()
+    """Output ids that end reasoning: a structured-output constraint holds from the token after
+    one (vLLM's `is_reasoning_end`); empty: the family cannot tell, the constraint holds at once."""
 
     @abstractmethod
     def starts_in_reasoning(self, prompt_token_ids: Sequence[int], options: ParseOptions) -> bool:

@@ -55,6 +55,7 @@ class BoundThink(BoundReasoning):
         self._start = self.markers.id(syntax.start)
         self._end = self.markers.id(syntax.end)
         self.strays = {self._end: syntax.end} if syntax.drop_stray_end else {}
+        self.end_ids = frozenset({self._end})
         turn = vocab.token_id(syntax.turn_start)
         self._turn = -1 if turn is None else turn
         self.uncounted: frozenset[int] = vocab.special_ids if not syntax.count_specials else frozenset()

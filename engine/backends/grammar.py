@@ -1,0 +1,133 @@
+"""Structured outputs for the hf backend: llguidance grammars, one matcher per constrained choice.
+
+vLLM maps each `structured_outputs` kind to a grammar for its grammar backends;
+this follows the mapping of its `guidance` backend: a JSON schema (whitespace
+between tokens flexible unless `disable_any_whitespace`), `json_object` as the
+schema `{"type": "object"}`, and `regex`, `choice` and `grammar` (Lark/EBNF)
+as llguidance reads them. Before each sampling step the matcher's mask sets
+every token the grammar refuses to -inf; once the grammar is complete only
+EOS is allowed. A choice that starts inside reasoning is unconstrained until
+it samples an id that ends reasoning (vLLM's `reasoning_ended`): the schema
+holds for the answer, never inside `<think>`.
+
+llguidance was picked over xgrammar by measurement (`scripts/bench_grammar.py`:
+a nested pydantic schema on the Qwen3 vocabulary of 151,669 tokens, this
+2-core machine, median of 5 interleaved rounds): masking costs 333 µs a token
+with llguidance against 595 µs with xgrammar; xgrammar builds its vocabulary
+table faster (0.57 s against 1.4 s, once per process) and compiles slower (23
+against 4.6 ms a schema). And llguidance installs alone (no dependencies),
+where xgrammar requires triton, apache-tvm-ffi and transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from typing import Any
+
+import llguidance
+import llguidance.hf
+import torch
+
+from engine.backends.base import BackendRequestError
+from engine.protocol import StructuredOutputs
+
+CONSTRAINTS = frozenset({"json", "json_object", "regex", "choice", "grammar"})
+"""What the hf backend enforces (vLLM's `structural_tag` is not mapped)."""
+
+
+def compile_grammar(constraint: StructuredOutputs) -> str:
+    """The llguidance grammar for a constraint, checked (a bad schema or regex is a 400)."""
+    if constraint.kind not in CONSTRAINTS:
+        raise BackendRequestError(f"the hf backend cannot enforce structured_outputs.{constraint.kind}")
+    flexible = {"whitespace_flexible": not constraint.disable_any_whitespace}
+    try:
+        if constraint.json is not None:
+            schema = json.loads(constraint.json) if isinstance(constraint.json, str) else constraint.json
+            if constraint.disable_additional_properties:
+                schema = _closed(schema)
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=flexible)
+        elif constraint.json_object is not None:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=flexible)
+        elif constraint.choice is not None:
+            grammar = llguidance.grammar_from("choice", json.dumps(constraint.choice))
+        elif constraint.regex is not None:
+            grammar = llguidance.grammar_from("regex", constraint.regex)
+        else:
+            assert constraint.grammar is not None
+            grammar = llguidance.grammar_from("grammar", constraint.grammar)
+    except (ValueError, TypeError) as exc:
+        raise BackendRequestError(f"invalid structured_outputs.{constraint.kind}: {exc}") from exc
+    error = llguidance.LLMatcher.validate_grammar(grammar)  # "" when it is valid
+    if error:
+        raise BackendRequestError(f"invalid structured_outputs.{constraint.kind}: {error}")
+    return grammar
+
+
+def _closed(schema: Any) -> Any:
+    """`disable_additional_properties`: every object schema without its own rule admits no
+    properties it does not declare (as vLLM's `process_for_additional_properties`)."""
+    if isinstance(schema, list):
+        return [_closed(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {key: _closed(value) for key, value in schema.items()}
+    if (closed.get("type") == "object" or "properties" in closed) and "additionalProperties" not in closed:
+        closed["additionalProperties"] = False
+    return closed
+
+
+class GrammarTokenizer:
+    """The vocabulary as llguidance sees it, built on first use (about 2 s for Qwen3), then shared."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._built: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()
+        words = (vocab_size + 31) // 32
+        self.shifts = torch.arange(32, dtype=torch.int32).repeat(words)[:vocab_size]
+        """Bit i of the mask word for token t is bit t % 32 of word t // 32."""
+
+    def get(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._built is None:
+                self._built = llguidance.hf.from_tokenizer(self._tokenizer, n_vocab=self.vocab_size)
+            return self._built
+
+
+class ChoiceGrammar:
+    """One choice's matcher. `waiting`: reasoning-end ids not seen yet (no mask until one is)."""
+
+    __slots__ = ("_bitmask", "_matcher", "_shifts", "waiting")
+
+    def __init__(self, tokenizer: GrammarTokenizer, grammar: str, waiting: frozenset[int] | None) -> None:
+        self._matcher = llguidance.LLMatcher(tokenizer.get(), grammar)
+        if self._matcher.is_error():
+            raise BackendRequestError(f"invalid structured output grammar: {self._matcher.get_error()}")
+        # llguidance writes one bit per token into these int32 words (its own torch helpers
+        # would compile a kernel with torch.compile at import; two tensor ops do the same here).
+        self._bitmask = torch.empty((tokenizer.vocab_size + 31) // 32, dtype=torch.int32)
+        self._shifts = tokenizer.shifts
+        self.waiting = waiting
+
+    @property
+    def active(self) -> bool:
+        return self.waiting is None
+
+    def mask(self, values: torch.Tensor) -> None:
+        """Set the logits of every token the grammar refuses next to -inf, in place ([vocab])."""
+        self._matcher.unsafe_compute_mask_ptr(self._bitmask.data_ptr(), self._bitmask.numel() * 4)
+        bits = self._bitmask.repeat_interleave(32)[: self._shifts.numel()]
+        refused = ((bits >> self._shifts) & 1) == 0
+        values.masked_fill_(refused.to(values.device), -math.inf)
+
+    def accept(self, token: int) -> None:
+        """The sampled token: the grammar advances, or reasoning ends with it."""
+        if self.waiting is not None:
+            if token in self.waiting:
+                self.waiting = None
+            return
+        if not self._matcher.is_stopped() and not self._matcher.consume_token(token):
+            raise BackendRequestError(f"token {token} breaks the grammar: {self._matcher.get_error()}")
