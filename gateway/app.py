@@ -30,10 +30,12 @@ from gateway.admission import Gate
 from gateway.auth import TENANT_KEY, check_key, keys_from_env, load_key_file, needs_key
 from gateway.config import ConfigError, EngineEndpoint, GatewayConfig, ModelConfig
 from gateway.engine_client import ABORT_TIMEOUT_S, EngineClient, EngineMismatch, Expected
-from gateway.errors import ERROR_KEY, REQUEST_ID_KEY, Handler, RouteNotFound, gateway_error_middleware, status_error_json
+from gateway.errors import ERROR_BODIES, ERROR_KEY, REQUEST_ID_KEY, Handler, RouteNotFound, gateway_error_middleware, status_error_json
 from gateway.feedback import EngineFeedback
 from gateway.observe import GONE_KEY, MODEL_KEY, OPERATIONS, SPAN_KEY, STARTED_KEY
-from gateway.pipeline import handle_chat, handle_completion
+from gateway.lookups import handle_count_tokens, handle_delete_response, handle_get_response
+from gateway.messages import error_body as messages_error_body
+from gateway.pipeline import handle_chat, handle_completion, handle_messages, handle_responses
 from gateway.routing import REASON_KEY, ROUTE_KEY
 from gateway.runtime import ModelRuntime
 from gateway.metrics import GatewayMetrics
@@ -160,7 +162,7 @@ async def _lifecycle(app: web.Application, plans: list[_ModelPlan]) -> AsyncIter
     await state.tracing.shutdown()
 
 
-_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/responses": "responses", "/v1/messages": "messages"}
 
 
 @web.middleware
@@ -320,6 +322,12 @@ def create_app(config: GatewayConfig) -> web.Application:
     app.on_response_prepare.append(_answer_headers)
     app.router.add_post("/v1/chat/completions", handle_chat)
     app.router.add_post("/v1/completions", handle_completion)
+    app.router.add_post("/v1/responses", handle_responses)
+    app.router.add_get("/v1/responses/{response_id}", handle_get_response)
+    app.router.add_delete("/v1/responses/{response_id}", handle_delete_response)
+    app.router.add_post("/v1/messages", handle_messages)
+    app.router.add_post("/v1/messages/count_tokens", handle_count_tokens)
+    app[ERROR_BODIES] = {"/v1/messages": messages_error_body}
     app.router.add_get("/v1/models", handle_models)
     app.router.add_get("/v1/models/{model}", handle_model)
     for path in NOT_SERVED:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import msgspec
 from aiohttp import web
@@ -36,7 +36,15 @@ from gateway.engine_request import chat_sampling, completion_sampling, constrain
 from gateway.errors import InvalidRequest
 from gateway.policy import RequestFeatures
 from gateway.relay import remote_error
+from gateway.messages import MessagesPresenter, MessagesRequest
+from gateway.messages import decode_request as decode_messages_request
+from gateway.messages import to_chat as messages_to_chat
+from gateway.responses import ResponsesPresenter, ResponsesRequest
+from gateway.responses import decode_request as decode_responses_request
+from gateway.responses import to_chat as responses_to_chat
 from gateway.runtime import ModelRuntime
+from gateway.state import GATEWAY
+from gateway.translate import Presenter, Turn, turn
 from gateway.validate import (
     chat_text_chars,
     check_chat,
@@ -46,7 +54,8 @@ from gateway.validate import (
     completion_text_chars,
 )
 
-R = TypeVar("R", ChatCompletionRequest, CompletionRequest)
+R = TypeVar("R")
+F = TypeVar("F")
 RemoteDerender = remote.RemoteChatDerender | remote.RemoteCompletionDerender
 
 
@@ -86,10 +95,20 @@ class Endpoint(Protocol[R]):
     name: str
     """The endpoint's label (metrics, the policy's `endpoint`)."""
     id_prefix: str
+    """The answer id's prefix, separator included (`chatcmpl-`, `resp_`)."""
     chunk_decoder: msgspec.json.Decoder[Any]
     answer_decoder: msgspec.json.Decoder[Any]
 
-    def decode(self, body: bytes) -> R: ...
+    def decode(self, body: bytes, http: web.Request) -> R: ...
+
+    def forwarded(self, request: R, body: bytes) -> bytes:
+        """The body engines and vLLM's services see: the client's, or the chat request it runs as."""
+        ...
+
+    def presenter(self, http: web.Request, request: R) -> Presenter[Any] | None:
+        """None: the answer is the chat or completion objects themselves; else what presents
+        them in this API's shape."""
+        ...
 
     def check(self, request: R, limits: Limits) -> None: ...
 
@@ -161,13 +180,19 @@ def _headers(http: web.Request) -> dict[str, str]:
 
 class Chat:
     name = "chat"
-    id_prefix = "chatcmpl"
+    id_prefix = "chatcmpl-"
     chunk_decoder = CHAT_COMPLETION_CHUNK_DECODER
     answer_decoder = CHAT_COMPLETION_DECODER
 
-    def decode(self, body: bytes) -> ChatCompletionRequest:
+    def decode(self, body: bytes, http: web.Request) -> ChatCompletionRequest:
         request: ChatCompletionRequest = decode(CHAT_COMPLETION_REQUEST_DECODER, body, "chat completion")
         return request
+
+    def forwarded(self, request: ChatCompletionRequest, body: bytes) -> bytes:
+        return body
+
+    def presenter(self, http: web.Request, request: ChatCompletionRequest) -> None:
+        return None
 
     def check(self, request: ChatCompletionRequest, limits: Limits) -> None:
         check_chat(request)
@@ -253,13 +278,19 @@ class Chat:
 
 class Completions:
     name = "completions"
-    id_prefix = "cmpl"
+    id_prefix = "cmpl-"
     chunk_decoder = COMPLETION_CHUNK_DECODER
     answer_decoder = COMPLETION_DECODER
 
-    def decode(self, body: bytes) -> CompletionRequest:
+    def decode(self, body: bytes, http: web.Request) -> CompletionRequest:
         request: CompletionRequest = decode(COMPLETION_REQUEST_DECODER, body, "completion")
         return request
+
+    def forwarded(self, request: CompletionRequest, body: bytes) -> bytes:
+        return body
+
+    def presenter(self, http: web.Request, request: CompletionRequest) -> None:
+        return None
 
     def check(self, request: CompletionRequest, limits: Limits) -> None:
         check_completion(request)
@@ -331,6 +362,89 @@ class Completions:
         )
 
 
+class TranslatedChat(Generic[F]):
+    """An API that is another shape of a chat completion (`gateway.translate`): every step runs
+    the chat adapter on the chat request the client's request translates to; only decoding
+    and the presentation of the answer are the API's own."""
+
+    chunk_decoder = CHAT_COMPLETION_CHUNK_DECODER
+    answer_decoder = CHAT_COMPLETION_DECODER
+
+    def forwarded(self, request: Turn[F], body: bytes) -> bytes:
+        return request.chat_body
+
+    def check(self, request: Turn[F], limits: Limits) -> None:
+        CHAT.check(request.chat, limits)
+
+    def describe(self, request: Turn[F]) -> Described:
+        return CHAT.describe(request.chat)
+
+    def content(self, body: bytes) -> str:
+        return body.decode("utf-8", "replace")
+
+    def text_chars(self, request: Turn[F]) -> int:
+        return CHAT.text_chars(request.chat)
+
+    async def render(self, model: ModelRuntime, request: Turn[F], body: bytes) -> list[list[int]]:
+        return await CHAT.render(model, request.chat, request.chat_body)
+
+    def features(
+        self, request: Turn[F], model: str, prompts: list[list[int]], http: web.Request, sampling: dict[str, Any]
+    ) -> RequestFeatures:
+        return CHAT.features(request.chat, model, prompts, http, sampling)  # a chat, to the policy
+
+    def sampling(self, request: Turn[F]) -> dict[str, Any]:
+        return CHAT.sampling(request.chat)
+
+    def route_sampling(self, sampling: dict[str, Any], model: ModelRuntime, route: Route) -> dict[str, Any]:
+        return CHAT.route_sampling(sampling, model, route)
+
+    def engine_fields(self, body: bytes, index: int) -> dict[str, Any]:
+        return CHAT.engine_fields(body, index)
+
+    def derender(self, request: Turn[F], answer: Answer, prompt: list[int], index: int) -> ChatDerender:
+        return CHAT.derender(request.chat, answer, prompt, index)
+
+    def remote_derender(self, answer: Answer, body: bytes, prompt: list[int]) -> remote.RemoteChatDerender:
+        return CHAT.remote_derender(answer, body, prompt)
+
+
+class Responses(TranslatedChat[ResponsesRequest]):
+    """OpenAI's Responses API; `previous_response_id` continues a conversation this replica stored."""
+
+    name = "responses"
+    id_prefix = "resp_"
+
+    def decode(self, body: bytes, http: web.Request) -> Turn[ResponsesRequest]:
+        request = decode_responses_request(body)
+        history: list[Any] = []
+        if request.previous_response_id is not None:
+            stored = http.app[GATEWAY].responses.get(request.previous_response_id)
+            if stored is None:
+                raise InvalidRequest(
+                    f"Previous response with id '{request.previous_response_id}' not found.", param="previous_response_id"
+                )
+            history = stored.conversation
+        return turn(request, responses_to_chat(request, history))
+
+    def presenter(self, http: web.Request, request: Turn[ResponsesRequest]) -> ResponsesPresenter:
+        return ResponsesPresenter(http.app[GATEWAY].responses)
+
+
+class Messages(TranslatedChat[MessagesRequest]):
+    """Anthropic's Messages API (its error shape too: `gateway.errors.error_body`)."""
+
+    name = "messages"
+    id_prefix = "msg_"
+
+    def decode(self, body: bytes, http: web.Request) -> Turn[MessagesRequest]:
+        request = decode_messages_request(body)
+        return turn(request, messages_to_chat(request))
+
+    def presenter(self, http: web.Request, request: Turn[MessagesRequest]) -> MessagesPresenter:
+        return MessagesPresenter()
+
+
 def _remote_url(model: ModelRuntime) -> str:
     """vLLM's render/derender service (the config refuses render: remote and routes that need
     it without one; an engine pool offers tokens-remote only with one)."""
@@ -358,3 +472,5 @@ def _keep_special_tokens(model: ModelRuntime, sampling: dict[str, Any]) -> dict[
 
 CHAT = Chat()
 COMPLETIONS = Completions()
+RESPONSES = Responses()
+MESSAGES = Messages()

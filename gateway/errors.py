@@ -11,6 +11,7 @@ and as client libraries match on (`context_length_exceeded`, `model_not_found`,
     ├── Unauthorized        401   invalid_request_error / invalid_api_key
     ├── ModelNotFound       404   invalid_request_error / model_not_found
     ├── RouteNotFound       404   invalid_request_error / unknown_url
+    ├── NotFound            404   invalid_request_error / null (a stored response that is not here)
     ├── MethodNotAllowed    405   invalid_request_error / method_not_allowed
     ├── RequestTimeout      408   invalid_request_error / request_timeout (the body did not arrive in time)
     ├── PayloadTooLarge     413   invalid_request_error / request_too_large
@@ -82,6 +83,11 @@ class RouteNotFound(GatewayError):
     status = 404
     type = "invalid_request_error"
     code: str | None = "unknown_url"
+
+
+class NotFound(GatewayError):
+    status = 404
+    type = "invalid_request_error"
 
 
 class RequestTimeout(GatewayError):
@@ -214,10 +220,23 @@ async def gateway_error_middleware(request: web.Request, handler: Handler) -> we
         error = as_gateway_error(exc)
         _log(request, error, exc)
     request[ERROR_KEY] = type(error).__name__
-    response = web.Response(status=error.status, body=error_json(error), content_type="application/json", headers=error.headers)
+    body = _error_body(request, error)
+    response = web.Response(status=error.status, body=body, content_type="application/json", headers=error.headers)
     if error.close_connection:
         response.force_close()
     return response
+
+
+ErrorBody = Callable[[GatewayError], bytes]
+ERROR_BODIES = web.AppKey("onehop_error_bodies", dict[str, ErrorBody])
+"""Path prefixes whose API has its own error shape (Anthropic's on /v1/messages), and its writer."""
+
+
+def _error_body(request: web.Request, error: GatewayError) -> bytes:
+    for prefix, body in request.app.get(ERROR_BODIES, {}).items():
+        if request.path.startswith(prefix):
+            return body(error)
+    return error_json(error)
 
 
 def _log(request: web.Request, error: GatewayError, exc: Exception) -> None:

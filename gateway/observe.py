@@ -26,7 +26,7 @@ from opentelemetry.trace import Span, SpanKind
 from engine.telemetry import record_error
 from gateway.state import GATEWAY, GatewayState
 
-OPERATIONS = {"chat": "chat", "completions": "text_completion"}
+OPERATIONS = {"chat": "chat", "completions": "text_completion", "responses": "chat", "messages": "chat"}
 """gen_ai.operation.name of each endpoint."""
 SPAN_KEY = web.RequestKey("onehop_span", Span)
 MODEL_KEY = web.RequestKey("onehop_model", str)

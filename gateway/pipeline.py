@@ -33,7 +33,7 @@ from msgspec import UNSET
 
 from engine.openai_schema import Usage
 from gateway.disagg import prefill
-from gateway.endpoints import CHAT, COMPLETIONS, Answer, Endpoint
+from gateway.endpoints import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Answer, Endpoint
 from gateway.engine_client import Target
 from gateway.engine_request import generate_body
 from gateway.errors import REQUEST_ID_KEY, ClientGone, InvalidRequest, RequestTimeout, UnsupportedMediaType
@@ -47,13 +47,16 @@ from gateway.relay import (
     relay_stream,
     relayed_answer,
     relayed_chunks,
+    remote_chunks,
     remote_json,
     remote_stream,
+    remote_whole,
     respond_stream,
 )
 from gateway.routing import choose_route
 from gateway.runtime import ModelRuntime
 from gateway.state import GATEWAY, GatewayState
+from gateway.translate import Presented
 from gateway.validate import check_context, check_text_size, check_token_ids
 
 T = TypeVar("T")
@@ -68,11 +71,19 @@ async def handle_completion(http: web.Request) -> web.StreamResponse:
     return await serve(http, COMPLETIONS)
 
 
+async def handle_responses(http: web.Request) -> web.StreamResponse:
+    return await serve(http, RESPONSES)
+
+
+async def handle_messages(http: web.Request) -> web.StreamResponse:
+    return await serve(http, MESSAGES)
+
+
 async def serve(http: web.Request, endpoint: Endpoint[Any]) -> web.StreamResponse:
     state = http.app[GATEWAY]
-    http[REQUEST_ID_KEY] = response_id = f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
+    http[REQUEST_ID_KEY] = response_id = f"{endpoint.id_prefix}{uuid.uuid4().hex}"
     body = await read_body(http, state.config.timeouts.client_body_s)
-    request = endpoint.decode(body)
+    request = endpoint.decode(body, http)
     server = http[SPAN_KEY]
     describe_model(server, endpoint.name, request.model)
     endpoint.check(request, state.config.limits)
@@ -96,7 +107,8 @@ async def serve(http: web.Request, endpoint: Endpoint[Any]) -> web.StreamRespons
         check_context(prompts, model.engines.max_model_len())
         features = endpoint.features(request, model.name, prompts, http, sampling)
         target = await choose_route(state, model, http, features, prompts[0])
-        exchange = Exchange(http, state, model, endpoint, request, body, prompts, sampling, target, response_id)
+        forwarded = endpoint.forwarded(request, body)
+        exchange = Exchange(http, state, model, endpoint, request, forwarded, prompts, sampling, target, response_id)
         return await guard_disconnect(http, state, model, exchange.legs, exchange.run)
 
 
@@ -187,12 +199,14 @@ class Exchange:
         self.client_usage = bool(options and options.include_usage)
         continuous = self.client_usage and bool(options and options.continuous_usage_stats)
         several = len(prompts) > 1
+        self.presenter = endpoint.presenter(http, request)
         self.answer = Answer(
             model=model,
             model_name=request.model or model.name,
             response_id=response_id,
             created=int(time.time()),
-            include_usage=self.client_usage or several,  # several answers: usage is summed here
+            # several answers: usage is summed here; a presenter reports it in its own shape
+            include_usage=self.client_usage or several or self.presenter is not None,
             continuous_usage=continuous,
         )
         self.sampling = endpoint.route_sampling(sampling, model, target.route)
@@ -261,8 +275,16 @@ class Exchange:
             self._derender = derender  # describes the outcome on the server span
         return derender
 
+    def _presented(self, leg: Leg) -> Presented:
+        answer = self.answer
+        return Presented(answer.response_id, answer.model_name, answer.created, len(leg.prompt))
+
     async def _respond_stream(self) -> web.StreamResponse:
         http, first, rid = self.http, self.target.engines.timeouts, self.answer.response_id
+        if self.presenter is not None:  # one prompt, one choice: the API's own events from the chat chunks
+            leg = self.legs[0]
+            frames = self.presenter.stream(self.request, self._presented(leg), self._chunks(leg))
+            return await respond_stream(http, self.route, rid, frames, done=False, end=self.presenter.error_frame)
         if len(self.legs) > 1:
             frames = encoded(self._merged(merged([self._chunks(leg) for leg in self.legs])))
             return await respond_stream(http, self.route, rid, frames)
@@ -278,6 +300,10 @@ class Exchange:
             return await respond_stream(http, self.route, rid, frames)
 
     async def _respond_json(self) -> web.Response:
+        if self.presenter is not None:
+            leg = self.legs[0]
+            whole = self.presenter.whole(self.request, self._presented(leg), await self._answer(leg))
+            return web.Response(body=_encode(whole), content_type="application/json")
         if len(self.legs) > 1:
             return self._merged_answer(await all_of([self._answer(leg) for leg in self.legs]))
         leg = self.legs[0]
@@ -295,11 +321,14 @@ class Exchange:
     # ------------------------------------------------------------ several engine requests
 
     async def _chunks(self, leg: Leg) -> AsyncIterator[Any]:
-        """One leg's OpenAI chunk objects (its usage chunk included), for merging."""
+        """One leg's OpenAI chunk objects (its usage chunk included), for merging or presenting."""
         first = self.target.engines.timeouts
         async with self._open(leg) as engine:
             if self.route == "derender":
                 chunks = relayed_chunks(engine, first, self.endpoint.chunk_decoder)
+            elif self.route == "tokens-remote":
+                remote = self.endpoint.remote_derender(self.answer, self.body, leg.prompt)
+                chunks = remote_chunks(engine, remote, first, self.endpoint.chunk_decoder)
             else:
                 assert self.work is not None
                 chunks = derendered(engine, self._new_derender(leg), self.mode, first, self.work)
@@ -312,6 +341,9 @@ class Exchange:
             raw = await read_answer(engine)
         if self.route == "derender":
             return relayed_answer(raw, self.endpoint.answer_decoder)
+        if self.route == "tokens-remote":
+            remote = self.endpoint.remote_derender(self.answer, self.body, leg.prompt)
+            return relayed_answer(await remote_whole(raw, remote), self.endpoint.answer_decoder)
         assert self.work is not None
         return derender_answer(raw, self._new_derender(leg), self.mode, self.work)
 

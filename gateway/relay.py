@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any, Protocol
 
@@ -146,16 +146,27 @@ async def open_stream(http: web.Request, route: str) -> ClientStream:
     return ClientStream(http, response, StreamTimer(http, route), stall_s)
 
 
+def openai_error_end(error: GatewayError) -> bytes:
+    return frame(error_json(error)) + DONE_FRAME
+
+
 async def respond_stream(
-    http: web.Request, route: str, request_id: str, frames: AsyncIterator[bytes], *, done: bool = True
+    http: web.Request,
+    route: str,
+    request_id: str,
+    frames: AsyncIterator[bytes],
+    *,
+    done: bool = True,
+    end: Callable[[GatewayError], bytes] = openai_error_end,
 ) -> web.StreamResponse:
     """The one way a stream reaches the client: `frames` written as they come, then `[DONE]`
-    (unless `done` is False: the frames carry their own, as the engine's relayed stream does).
+    (unless `done` is False: the frames carry their own end, as the engine's relayed stream
+    and the other APIs' events do).
 
     Nothing is sent before the first frame, so a failure before it raises (the
     error middleware answers with its status); a failure after it, of any type,
-    ends the stream with an error event and `[DONE]` instead of breaking the
-    chunked body.
+    ends the stream with `end(error)` (OpenAI's: an error event and `[DONE]`)
+    instead of breaking the chunked body.
     """
     stream: ClientStream | None = None
     tail = DONE_FRAME if done else b""
@@ -176,7 +187,7 @@ async def respond_stream(
         if stream is None:
             raise error from exc
         log.error("stream %s failed after its first byte: %s", request_id, error.message, exc_info=_unexpected(exc))
-        tail = frame(error_json(error)) + DONE_FRAME
+        tail = end(error)
     if stream is None:
         stream = await open_stream(http, route)
     return await stream.close(tail)
@@ -501,29 +512,56 @@ def relayed_answer(raw: bytes, decoder: msgspec.json.Decoder[Any]) -> Any:
         raise EngineFailed(f"the engine sent an invalid answer: {exc}: {raw[:120]!r}") from exc
 
 
-async def _remote_chunks(
-    engine: aiohttp.ClientResponse, remote: RemoteChatDerender | RemoteCompletionDerender, timeouts: StreamTimeouts
-) -> AsyncIterator[bytes]:
+RemoteDerender = RemoteChatDerender | RemoteCompletionDerender
+
+
+async def _remote_payloads(engine: aiohttp.ClientResponse, remote: RemoteDerender, timeouts: StreamTimeouts) -> AsyncIterator[bytes]:
+    """The tokens-remote route: every engine chunk through vLLM's stateless derender, its answers' JSON."""
     async for payload in engine_payloads(engine, timeouts):
         if payload.startswith(b'{"error"'):
             raise EngineFailed(f"the engine failed mid-stream: {payload[:300].decode('utf-8', 'replace')}")
         chunk = await remote.chunk(payload)
         if chunk is not None:
-            yield frame(chunk)
+            yield chunk
 
 
 async def remote_stream(
-    http: web.Request, engine: aiohttp.ClientResponse, remote: RemoteChatDerender | RemoteCompletionDerender, timeouts: StreamTimeouts, request_id: str
+    http: web.Request, engine: aiohttp.ClientResponse, remote: RemoteDerender, timeouts: StreamTimeouts, request_id: str
 ) -> web.StreamResponse:
-    """The tokens-remote route: every engine chunk goes through vLLM's stateless derender."""
-    return await respond_stream(http, "tokens-remote", request_id, _remote_chunks(engine, remote, timeouts))
+    return await respond_stream(http, "tokens-remote", request_id, _remote_frames(engine, remote, timeouts))
 
 
-async def remote_json(engine: aiohttp.ClientResponse, remote: RemoteChatDerender | RemoteCompletionDerender) -> web.Response:
+async def _remote_frames(engine: aiohttp.ClientResponse, remote: RemoteDerender, timeouts: StreamTimeouts) -> AsyncIterator[bytes]:
+    async with aclosing(_remote_payloads(engine, remote, timeouts)) as payloads:
+        async for chunk in payloads:
+            yield frame(chunk)
+
+
+async def remote_chunks(
+    engine: aiohttp.ClientResponse, remote: RemoteDerender, timeouts: StreamTimeouts, decoder: msgspec.json.Decoder[Any]
+) -> AsyncIterator[Any]:
+    """The tokens-remote route's chunks as objects, for answers presented in another shape."""
+    async with aclosing(_remote_payloads(engine, remote, timeouts)) as payloads:
+        async for payload in payloads:
+            yield _decoded_chunk(decoder, payload)
+
+
+def _decoded_chunk(decoder: msgspec.json.Decoder[Any], payload: bytes) -> Any:
     try:
-        body = await remote.whole(await read_answer(engine))
+        return decoder.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise EngineFailed(f"the derender service sent an invalid chunk: {exc}: {payload[:120]!r}") from exc
+
+
+async def remote_whole(raw: bytes, remote: RemoteDerender) -> bytes:
+    try:
+        return await remote.whole(raw)
     except RemoteServiceError as exc:
         raise remote_error(exc) from exc
+
+
+async def remote_json(engine: aiohttp.ClientResponse, remote: RemoteDerender) -> web.Response:
+    body = await remote_whole(await read_answer(engine), remote)
     return web.Response(body=body, content_type="application/json")
 
 

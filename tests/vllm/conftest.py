@@ -201,9 +201,9 @@ def has_done(body: bytes) -> bool:
     return b"data: [DONE]\n\n" in body
 
 
-def chat_prompt_ids(tokenizer: Any, content: str) -> list[int]:
+def chat_prompt_ids(tokenizer: Any, content: str, *, enable_thinking: bool = True) -> list[int]:
     """A user turn rendered with the model's chat template, as token ids."""
     text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
     )
     return list(tokenizer.encode(text, add_special_tokens=False))

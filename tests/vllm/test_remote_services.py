@@ -675,3 +675,53 @@ async def test_gateway_serves_completions_through_stock_vllm(vllm_url: str, mode
         remote_render = await _completion(client, model, "tokens", stream)
     assert answers["tokens"] == answers["text"] == answers["tokens-remote"] == remote_render
     assert answers["tokens"]["finish"] == "length" and answers["tokens"]["text"]
+
+
+# ------------------------------------------------------------ structured outputs
+
+BOUNDED_SCHEMA = {
+    "type": "object",
+    "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}, "ok": {"type": "boolean"}},
+    "required": ["n", "ok"],
+    "additionalProperties": False,
+}
+"""A schema a random model cannot run away in: every value is bounded."""
+SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "bounded", "schema": BOUNDED_SCHEMA, "strict": True}}
+STRUCTURED_CASES: dict[str, dict[str, Any]] = {
+    "json_schema": {"response_format": SCHEMA_FORMAT},
+    "json_object": {"response_format": {"type": "json_object"}},
+    "choice": {"structured_outputs": {"choice": ["yes", "no"]}},
+    "regex": {"structured_outputs": {"regex": "[0-9]{3}"}},
+}
+
+
+@pytest.mark.parametrize("case", list(STRUCTURED_CASES))
+async def test_render_carries_the_structured_outputs_onehop_sends(
+    session: aiohttp.ClientSession, vllm_url: str, model: str, case: str
+) -> None:
+    """vLLM's /render and onehop's gateway put the same constraint in `sampling_params`."""
+    from engine.protocol import StructuredOutputs
+    from gateway.engine_request import structured_outputs
+
+    body = json.dumps({"model": model, "messages": WEATHER_TURN, **STRUCTURED_CASES[case]}).encode()
+    rendered = await render_chat(session, vllm_url, body)
+    vllm_constraint = msgspec.json.decode(rendered.sampling_params)["structured_outputs"]
+    request = CHAT_COMPLETION_REQUEST_DECODER.decode(body)
+    ours = structured_outputs(request.structured_outputs, request.response_format)
+    assert msgspec.convert(vllm_constraint, StructuredOutputs) == msgspec.convert(ours, StructuredOutputs), vllm_constraint
+
+
+@pytest.mark.parametrize("route", ["tokens", "text"])
+async def test_gateway_gets_schema_valid_json_from_stock_vllm(vllm_url: str, model: str, tiny_model_dir: Path, route: str) -> None:
+    async with _gateway(vllm_url, model, tiny_model_dir, "local") as client:
+        for extra in ({"response_format": SCHEMA_FORMAT}, {"structured_outputs": {"choice": ["yes", "no"]}}):
+            answer = await client.chat.completions.create(
+                model=model, messages=WEATHER_TURN, max_tokens=64, extra_headers={"onehop-route": route},
+                extra_body={"chat_template_kwargs": {"enable_thinking": False}, **extra},
+            )
+            content = answer.choices[0].message.content or ""
+            if "response_format" in extra:
+                value = json.loads(content)
+                assert set(value) == {"n", "ok"} and 0 <= value["n"] <= 9 and isinstance(value["ok"], bool), content
+            else:
+                assert content in ("yes", "no"), content

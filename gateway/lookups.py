@@ -1,0 +1,61 @@
+"""Endpoints answered without an engine: stored responses (`GET`/`DELETE /v1/responses/{id}`,
+from this replica's store) and Anthropic's `POST /v1/messages/count_tokens` (the prompt the
+model would see, rendered as a chat request is)."""
+
+from __future__ import annotations
+
+import msgspec
+from aiohttp import web
+
+from gateway.endpoints import CHAT
+from gateway.errors import NotFound
+from gateway.messages import count_tokens_to_chat, decode_count_tokens_request
+from gateway.pipeline import read_body
+from gateway.state import GATEWAY
+from gateway.validate import check_text_size
+
+_encode = msgspec.json.Encoder().encode
+
+
+class DeletedResponse(msgspec.Struct):
+    id: str
+    object: str = "response"
+    deleted: bool = True
+
+
+class TokenCount(msgspec.Struct):
+    input_tokens: int
+
+
+def _json(value: object) -> web.Response:
+    return web.Response(body=_encode(value), content_type="application/json")
+
+
+def _missing(response_id: str) -> NotFound:
+    return NotFound(f"Response with id '{response_id}' not found.", param="response_id")
+
+
+async def handle_get_response(http: web.Request) -> web.Response:
+    response_id = http.match_info["response_id"]
+    stored = http.app[GATEWAY].responses.get(response_id)
+    if stored is None:
+        raise _missing(response_id)
+    return _json(stored.response)
+
+
+async def handle_delete_response(http: web.Request) -> web.Response:
+    response_id = http.match_info["response_id"]
+    if not http.app[GATEWAY].responses.delete(response_id):
+        raise _missing(response_id)
+    return _json(DeletedResponse(id=response_id))
+
+
+async def handle_count_tokens(http: web.Request) -> web.Response:
+    state = http.app[GATEWAY]
+    body = await read_body(http, state.config.timeouts.client_body_s)
+    chat = count_tokens_to_chat(decode_count_tokens_request(body))
+    model = state.model(chat.model)
+    check_text_size(CHAT.text_chars(chat), model.engines.max_model_len(), model.max_chars_per_token)
+    async with state.admitted():  # a render is work like any other
+        prompts = await CHAT.render(model, chat, _encode(chat))
+    return _json(TokenCount(input_tokens=len(prompts[0])))

@@ -1,0 +1,870 @@
+"""OpenAI's Responses API (`POST /v1/responses`) as a chat completion.
+
+`decode_request` reads the request (what is not served is refused by name), `to_chat` turns
+it into the chat request the pipeline runs, and `ResponsesPresenter` turns the chat answer
+into a Response object, or the chat chunks into the Responses events:
+
+    response.created, response.in_progress           (after the first chunk: an engine that
+    (response.output_item.added                       fails before it gets an HTTP status)
+      reasoning: content_part.added, reasoning_text.delta*, reasoning_text.done, content_part.done
+      message:   content_part.added, output_text.delta*, output_text.done, content_part.done
+      call:      function_call_arguments.delta*, function_call_arguments.done
+     response.output_item.done)*                     one item open at a time, a new one
+    response.completed | response.incomplete         whenever the kind of delta changes
+
+Every event has one `sequence_number` from 0, the error event included. A finished response
+is kept with the chat conversation it ended in this replica's `ResponseStore`, so that
+`previous_response_id` continues it without the client sending it again.
+
+Names follow the `openai` SDK's types. Top-level request fields are strict (a misspelt one is
+refused by name); items, tools and the small config objects are not, because clients send
+back the items of earlier answers with fields OpenAI keeps adding.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import UNSET, Meta, Struct, UnsetType
+
+from engine.openai_schema import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionMessage,
+    ChatCompletionRequest,
+    ChatDelta,
+    ChatLogprobs,
+    ChatLogprobToken,
+    ChatMessageParam,
+    ChatTool,
+    DeltaToolCall,
+    FunctionCall,
+    FunctionDefinition,
+    Int64,
+    NamedFunction,
+    NamedToolChoice,
+    ReasoningEffort,
+    ToolCall,
+    ToolChoice,
+    TopLogprob,
+    Usage,
+)
+from gateway.errors import GatewayError, InvalidRequest
+from gateway.translate import Presented, Turn
+
+# ------------------------------------------------------------ request
+
+_MEDIA_PARTS = frozenset({"input_image", "input_file", "input_audio"})
+_TEXT_PARTS = frozenset({"input_text", "output_text", "refusal", "reasoning_text", "summary_text"})
+
+
+class ContentPart(Struct, omit_defaults=True):
+    """A text part of a message, of a function call's output or of a reasoning item."""
+
+    type: str
+    text: str | None = None
+    refusal: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.type in _MEDIA_PARTS:
+            raise ValueError(f"content parts of type '{self.type}' are not supported: only text is")
+        if self.type not in _TEXT_PARTS:
+            raise ValueError(f"unknown content part type '{self.type}'")
+
+    @property
+    def value(self) -> str:
+        return (self.refusal if self.type == "refusal" else self.text) or ""
+
+
+_ITEM_FIELDS: dict[str, tuple[str, ...]] = {
+    "message": ("role", "content"),
+    "function_call": ("call_id", "name", "arguments"),
+    "function_call_output": ("call_id", "output"),
+    "reasoning": (),
+}
+"""The input item kinds served, and the fields each must have."""
+
+
+class InputItem(Struct, kw_only=True, omit_defaults=True):
+    """One `input` item. One flat Struct, not a tagged union: a message may leave out its
+    `type`, and msgspec's tagged unions cannot default a missing tag."""
+
+    type: str = "message"
+    id: str | None = None
+    status: str | None = None
+    role: Literal["user", "assistant", "system", "developer"] | None = None
+    content: str | list[ContentPart] | None = None  # a message's; a reasoning item's reasoning_text
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | list[ContentPart] | None = None
+    summary: list[ContentPart] | None = None
+    encrypted_content: str | None = None  # OpenAI's models' reasoning, unreadable here: ignored
+
+    def __post_init__(self) -> None:
+        required = _ITEM_FIELDS.get(self.type)
+        if required is None:
+            raise ValueError(f"input items of type '{self.type}' are not supported")
+        for name in required:
+            if getattr(self, name) is None:
+                raise ValueError(f"a {self.type} item needs `{name}`")
+
+
+class FunctionTool(Struct, kw_only=True, omit_defaults=True):
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.type != "function":
+            raise ValueError(f"tools of type '{self.type}' are not supported: only function tools are")
+        if self.name is None:
+            raise ValueError("a function tool needs `name`")
+
+
+class FunctionChoice(Struct, kw_only=True):
+    type: str
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.type != "function":
+            raise ValueError(f"tool_choice of type '{self.type}' is not supported")
+        if self.name is None:
+            raise ValueError("a function tool_choice needs `name`")
+
+
+ResponsesToolChoice = Literal["none", "auto", "required"] | FunctionChoice
+
+
+class TextFormat(Struct, kw_only=True, omit_defaults=True):
+    type: Literal["text", "json_schema", "json_object"]
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.type == "json_schema" and (self.name is None or self.schema is None):
+            raise ValueError("a json_schema format needs `name` and `schema`")
+
+
+class TextConfig(Struct, omit_defaults=True):
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None  # accepted, not acted on
+
+
+class ReasoningConfig(Struct, omit_defaults=True):
+    effort: ReasoningEffort | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None  # no summaries are written
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None  # the deprecated spelling
+
+
+class ResponsesRequest(Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
+    """OpenAI's Responses request; any other field is refused by name."""
+
+    background: bool | None = None  # refused when true
+    conversation: str | dict[str, Any] | None = None  # refused when set
+    include: list[str] | None = None
+    input: str | list[InputItem] = []
+    instructions: str | None = None
+    max_output_tokens: Annotated[int, Meta(ge=1)] | None = None
+    max_tool_calls: int | None = None  # counts calls of built-in tools, of which there are none here
+    metadata: dict[str, str] | None = None
+    model: str | None = None
+    parallel_tool_calls: bool | None = None
+    previous_response_id: str | None = None
+    prompt: dict[str, Any] | None = None  # refused when set
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    reasoning: ReasoningConfig | None = None
+    safety_identifier: str | None = None
+    service_tier: str | None = None
+    store: bool | None = None
+    stream: bool | None = False
+    stream_options: dict[str, Any] | None = None  # include_obfuscation: nothing is obfuscated
+    temperature: float | None = None
+    text: TextConfig | None = None
+    tool_choice: ResponsesToolChoice | None = None
+    tools: list[FunctionTool] | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    top_p: float | None = None
+    truncation: Literal["auto", "disabled"] | None = None  # `auto` accepted; nothing is cut
+    user: str | None = None
+
+    # vLLM extensions
+    top_k: int | None = None
+    seed: Int64 | None = None
+
+
+_DECODER = msgspec.json.Decoder(ResponsesRequest)
+_encode = msgspec.json.Encoder().encode
+_UNKNOWN = re.compile(r"Object contains unknown field `([^`]*)`")
+_LOCATED = re.compile(r"(.*) - at `\$\.?([^`]*)`")
+_UNSERVED: list[tuple[str, Callable[[ResponsesRequest], bool], str]] = [
+    ("background", lambda r: bool(r.background), "background responses are not supported"),
+    ("conversation", lambda r: r.conversation is not None, "conversations are not supported: use previous_response_id"),
+    ("prompt", lambda r: r.prompt is not None, "stored prompt templates are not supported"),
+]
+
+
+def decode_request(body: bytes) -> ResponsesRequest:
+    try:
+        request = _DECODER.decode(body)
+    except msgspec.DecodeError as exc:
+        raise _invalid(str(exc)) from exc
+    except RecursionError as exc:  # msgspec's own bound, far deeper than any we accept
+        raise InvalidRequest("invalid responses request: JSON nested too deeply") from exc
+    for name, asks, why in _UNSERVED:
+        if asks(request):
+            raise InvalidRequest(f"{name}: {why}", param=name)
+    return request
+
+
+def _invalid(text: str) -> InvalidRequest:
+    """msgspec's words as OpenAI's: an unknown top-level field gets `unknown_parameter`,
+    anything else names where it is (`tools[0]`, `input[2].content[0]`)."""
+    if unknown := _UNKNOWN.fullmatch(text):
+        name = unknown.group(1)
+        return InvalidRequest(f"Unrecognized request argument supplied: {name}", param=name, code="unknown_parameter")
+    if located := _LOCATED.fullmatch(text):
+        detail, param = located.groups()
+        return InvalidRequest(f"Invalid '{param}': {detail}", param=param)
+    return InvalidRequest(f"invalid responses request: {text}")
+
+
+# ------------------------------------------------------------ request → chat request
+
+
+def to_chat(request: ResponsesRequest, history: list[ChatMessageParam]) -> ChatCompletionRequest:
+    """`history`: the conversation stored for `previous_response_id`. Its instructions were not
+    stored (OpenAI's rule): only this request's come first."""
+    messages = [ChatMessageParam(role="system", content=request.instructions)] if request.instructions else []
+    items = [InputItem(role="user", content=request.input)] if isinstance(request.input, str) else request.input
+    messages = _Conversation([*messages, *history]).add(items)
+    if not messages:
+        raise InvalidRequest("input must not be empty", param="input")
+    logprobs = bool(request.top_logprobs) or "message.output_text.logprobs" in (request.include or ())
+    return ChatCompletionRequest(
+        messages=messages,
+        model=request.model,
+        logprobs=logprobs,
+        top_logprobs=request.top_logprobs or 0,
+        max_completion_tokens=request.max_output_tokens,
+        n=1,
+        response_format=_response_format(request.text),
+        seed=request.seed,
+        stream=bool(request.stream),
+        temperature=request.temperature,
+        top_p=request.top_p,
+        tools=[_chat_tool(tool) for tool in request.tools] if request.tools else None,
+        tool_choice=_chat_tool_choice(request.tool_choice),
+        parallel_tool_calls=request.parallel_tool_calls is not False,
+        user=request.user,
+        top_k=request.top_k,
+        chat_template_kwargs=_template_kwargs(request.reasoning),
+    )
+
+
+class _Conversation:
+    """Input items as chat messages: function calls join the assistant message right before
+    them, and a reasoning item waits for the assistant turn it precedes."""
+
+    def __init__(self, messages: list[ChatMessageParam]) -> None:
+        self.messages = messages
+        self._reasoning: str | None = None
+
+    def add(self, items: list[InputItem]) -> list[ChatMessageParam]:
+        for item in items:
+            if item.type == "reasoning":
+                self._reasoning = _reasoning_text(item)
+            elif item.type == "function_call":
+                function = FunctionCall(item.name or "", item.arguments or "")
+                self._call(ToolCall(id=item.call_id or "", function=function))
+            else:
+                self._append(_item_message(item))
+        return self.messages  # reasoning that no assistant turn follows is dropped
+
+    def _append(self, message: ChatMessageParam) -> None:
+        if message.role == "assistant" and self._reasoning is not None:
+            message.reasoning = self._reasoning
+        self._reasoning = None
+        self.messages.append(message)
+
+    def _call(self, call: ToolCall) -> None:
+        last = self.messages[-1] if self.messages else None
+        if last is None or last.role != "assistant":
+            self._append(ChatMessageParam(role="assistant", content="", tool_calls=[call]))
+            return
+        # A copy, not an edit: the last message may belong to a stored conversation.
+        reasoning = last.reasoning if last.reasoning or self._reasoning is None else self._reasoning
+        calls = [*(last.tool_calls or ()), call]
+        self.messages[-1] = msgspec.structs.replace(last, tool_calls=calls, reasoning=reasoning)
+        self._reasoning = None
+
+
+def _item_message(item: InputItem) -> ChatMessageParam:
+    if item.type == "function_call_output":
+        return ChatMessageParam(role="tool", tool_call_id=item.call_id, content=_text(item.output))
+    role = "system" if item.role == "developer" else item.role or "user"
+    return ChatMessageParam(role=role, content=_text(item.content))
+
+
+def _text(content: str | list[ContentPart] | None) -> str:
+    """Text parts joined, as vLLM joins them for chat templates that take a string."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "\n".join(part.value for part in content)
+
+
+def _reasoning_text(item: InputItem) -> str | None:
+    """The reasoning's own text, else its summary (all a client of OpenAI's models has)."""
+    return _text(item.content) or "\n\n".join(part.value for part in item.summary or ()) or None
+
+
+def _chat_tool(tool: FunctionTool) -> ChatTool:
+    strict = tool.strict if tool.strict is not None else UNSET
+    return ChatTool(function=FunctionDefinition(tool.name or "", tool.description, tool.parameters, strict=strict))
+
+
+def _chat_tool_choice(choice: ResponsesToolChoice | None) -> ToolChoice | UnsetType:
+    if choice is None:
+        return UNSET
+    return choice if isinstance(choice, str) else NamedToolChoice(function=NamedFunction(choice.name or ""))
+
+
+def _response_format(text: TextConfig | None) -> dict[str, Any] | None:
+    form = text.format if text is not None else None
+    if form is None or form.type == "text":
+        return None
+    if form.type == "json_object":
+        return {"type": "json_object"}
+    schema = {"name": form.name, "schema": form.schema, "strict": form.strict, "description": form.description}
+    return {"type": "json_schema", "json_schema": {k: v for k, v in schema.items() if v is not None}}
+
+
+def _template_kwargs(reasoning: ReasoningConfig | None) -> dict[str, Any] | None:
+    if reasoning is None or reasoning.effort is None:
+        return None
+    return {"enable_thinking": reasoning.effort != "none"}
+
+
+# ------------------------------------------------------------ the answer
+
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
+
+
+class ReasoningText(Struct, tag_field="type", tag="reasoning_text"):
+    text: str
+
+
+class TopLogprobOut(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | UnsetType = UNSET  # in output_text parts; the delta events carry none
+
+
+class LogprobOut(Struct):
+    token: str
+    logprob: float
+    top_logprobs: list[TopLogprobOut]
+    bytes: list[int] | UnsetType = UNSET
+
+
+class OutputText(Struct, kw_only=True, tag_field="type", tag="output_text"):
+    text: str
+    annotations: list[Any] = []
+    logprobs: list[LogprobOut] = []
+
+
+class ReasoningItem(Struct, kw_only=True, tag_field="type", tag="reasoning"):
+    id: str
+    summary: list[Any] = []
+    content: list[ReasoningText] = []
+    status: ItemStatus = "completed"
+
+
+class MessageItem(Struct, kw_only=True, tag_field="type", tag="message"):
+    id: str
+    status: ItemStatus
+    role: Literal["assistant"] = "assistant"
+    content: list[OutputText] = []
+
+
+class FunctionCallItem(Struct, kw_only=True, tag_field="type", tag="function_call"):
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: ItemStatus
+
+
+OutputItem = ReasoningItem | MessageItem | FunctionCallItem
+
+
+class InputTokensDetails(Struct):
+    cached_tokens: int = 0
+    cache_write_tokens: int = 0  # required by the SDK's model; not measured here
+
+
+class OutputTokensDetails(Struct):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(Struct):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+class IncompleteDetails(Struct):
+    reason: str
+
+
+class Response(Struct, kw_only=True):
+    """Every field is written, null included, as OpenAI's are; the request's settings echoed."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete"]
+    background: bool = False
+    completed_at: int | None = None
+    error: dict[str, Any] | None = None
+    incomplete_details: IncompleteDetails | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    max_tool_calls: int | None = None
+    model: str
+    output: list[OutputItem] = []
+    parallel_tool_calls: bool = True
+    previous_response_id: str | None = None
+    prompt_cache_key: str | None = None
+    reasoning: ReasoningConfig | None = None
+    safety_identifier: str | None = None
+    service_tier: str = "default"
+    store: bool = True
+    temperature: float | None = None
+    text: TextConfig
+    tool_choice: ResponsesToolChoice = "auto"
+    tools: list[FunctionTool] = []
+    top_logprobs: int = 0
+    top_p: float | None = None
+    truncation: str = "disabled"
+    usage: ResponseUsage | None = None
+    user: str | None = None
+    metadata: dict[str, str] = {}
+
+
+_PLAIN_TEXT = TextConfig(format=TextFormat(type="text"))
+_INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
+"""The chat finish reasons that leave a response incomplete, with OpenAI's reason for each."""
+
+
+_ECHOED = (
+    "instructions", "max_output_tokens", "max_tool_calls", "previous_response_id", "prompt_cache_key", "reasoning",
+    "safety_identifier", "temperature", "top_p", "user",
+)
+"""Request fields a Response repeats as they were sent."""
+
+
+def _response(
+    request: ResponsesRequest,
+    meta: Presented,
+    output: list[OutputItem],
+    usage: ResponseUsage | None,
+    finish: str | None,
+) -> Response:
+    """`finish`: the chat finish reason, None while the answer is still to come."""
+    reason = _INCOMPLETE.get(finish or "")
+    status = "in_progress" if finish is None else "incomplete" if reason else "completed"
+    return Response(
+        id=meta.response_id, created_at=meta.created, status=status, model=meta.model, output=output, usage=usage,
+        completed_at=int(time.time()) if status == "completed" else None,
+        incomplete_details=IncompleteDetails(reason) if reason else None,
+        parallel_tool_calls=request.parallel_tool_calls is not False,
+        store=request.store is not False,
+        text=request.text or _PLAIN_TEXT,
+        tool_choice=request.tool_choice or "auto",
+        tools=request.tools or [],
+        top_logprobs=request.top_logprobs or 0,
+        truncation=request.truncation or "disabled",
+        metadata=request.metadata or {},
+        **{name: getattr(request, name) for name in _ECHOED},
+    )
+
+
+def _output(message: ChatCompletionMessage, logprobs: ChatLogprobs | None) -> list[OutputItem]:
+    items: list[OutputItem] = []
+    if reasoning := _present(message.reasoning) or _present(message.reasoning_content):
+        items.append(ReasoningItem(id=_item_id("rs"), content=[ReasoningText(reasoning)]))
+    if message.content:
+        text = OutputText(text=message.content, logprobs=_logprobs(_tokens(logprobs), with_bytes=True))
+        items.append(MessageItem(id=_item_id("msg"), status="completed", content=[text]))
+    for call in message.tool_calls or ():
+        name, arguments = call.function.name, call.function.arguments
+        items.append(FunctionCallItem(id=_item_id("fc"), call_id=call.id, name=name, arguments=arguments, status="completed"))
+    return items
+
+
+def _usage(usage: Usage | UnsetType | None) -> ResponseUsage | None:
+    if not usage:
+        return None
+    cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else None
+    reasoning = usage.completion_tokens_details.reasoning_tokens if usage.completion_tokens_details else 0
+    output = usage.completion_tokens or 0
+    details = InputTokensDetails(cached_tokens=cached or 0), OutputTokensDetails(reasoning_tokens=reasoning)
+    return ResponseUsage(usage.prompt_tokens, details[0], output, details[1], usage.total_tokens)
+
+
+def _logprobs(tokens: Iterable[ChatLogprobToken], with_bytes: bool) -> list[LogprobOut]:
+    def raw(entry: ChatLogprobToken | TopLogprob) -> list[int] | UnsetType:
+        if not with_bytes:
+            return UNSET
+        return entry.bytes if entry.bytes is not None else list(entry.token.encode())
+
+    def top(entry: TopLogprob) -> TopLogprobOut:
+        return TopLogprobOut(entry.token, entry.logprob, raw(entry))
+
+    return [LogprobOut(t.token, t.logprob, [top(entry) for entry in t.top_logprobs], raw(t)) for t in tokens]
+
+
+def _tokens(logprobs: ChatLogprobs | None) -> list[ChatLogprobToken]:
+    return (logprobs.content or []) if logprobs is not None else []
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _present(value: str | UnsetType | None) -> str | None:
+    """A chat field's text, if it has any (chat fields may be UNSET, None or empty)."""
+    return value if isinstance(value, str) and value else None
+
+
+def _assistant(output: list[OutputItem]) -> ChatMessageParam:
+    """The answer as the chat message a later turn continues from."""
+    reasoning = "".join(part.text for item in output if isinstance(item, ReasoningItem) for part in item.content)
+    content = "".join(part.text for item in output if isinstance(item, MessageItem) for part in item.content)
+    calls = [
+        ToolCall(id=item.call_id, function=FunctionCall(item.name, item.arguments))
+        for item in output
+        if isinstance(item, FunctionCallItem)
+    ]
+    return ChatMessageParam(role="assistant", content=content, tool_calls=calls or UNSET, reasoning=reasoning or UNSET)
+
+
+# ------------------------------------------------------------ stream events
+
+
+class _Event(Struct, kw_only=True):
+    type: str
+    sequence_number: int = -1  # numbered as it is written
+
+
+class LifecycleEvent(_Event, kw_only=True):
+    response: Response
+
+
+class ItemEvent(_Event, kw_only=True):
+    output_index: int
+    item: OutputItem
+
+
+class PartEvent(_Event, kw_only=True):
+    item_id: str
+    output_index: int
+    content_index: int = 0
+    part: OutputText | ReasoningText
+
+
+class DeltaEvent(_Event, kw_only=True):
+    item_id: str
+    output_index: int
+    content_index: int | UnsetType = UNSET
+    delta: str
+    logprobs: list[LogprobOut] | UnsetType = UNSET
+
+
+class DoneEvent(_Event, kw_only=True):
+    item_id: str
+    output_index: int
+    content_index: int | UnsetType = UNSET
+    text: str | UnsetType = UNSET
+    logprobs: list[LogprobOut] | UnsetType = UNSET
+    name: str | UnsetType = UNSET  # function_call_arguments.done: OpenAI's events carry the name
+    arguments: str | UnsetType = UNSET
+
+
+class ErrorEvent(_Event, kw_only=True):
+    code: str | None
+    message: str
+    param: str | None
+
+
+class _Streamed:
+    """An output item being streamed: its pieces so far, joined once when it closes."""
+
+    def __init__(self, prefix: str, index: int, key: object) -> None:
+        self.id, self.index, self.key = _item_id(prefix), index, key
+        self.pieces: list[str] = []
+
+    def _item_event(self, kind: str, item: OutputItem) -> ItemEvent:
+        return ItemEvent(type=f"response.output_item.{kind}", output_index=self.index, item=item)
+
+    def _part_event(self, kind: str, part: OutputText | ReasoningText) -> PartEvent:
+        return PartEvent(type=f"response.content_part.{kind}", item_id=self.id, output_index=self.index, part=part)
+
+    def _delta_event(self, kind: str, text: str, **fields: Any) -> DeltaEvent:
+        self.pieces.append(text)
+        return DeltaEvent(type=f"response.{kind}.delta", item_id=self.id, output_index=self.index, delta=text, **fields)
+
+    def _done_event(self, kind: str, **fields: Any) -> DoneEvent:
+        return DoneEvent(type=f"response.{kind}.done", item_id=self.id, output_index=self.index, **fields)
+
+
+class _StreamedReasoning(_Streamed):
+    def opened(self) -> list[_Event]:
+        item = ReasoningItem(id=self.id, status="in_progress")
+        return [self._item_event("added", item), self._part_event("added", ReasoningText(""))]
+
+    def delta(self, text: str, tokens: list[ChatLogprobToken]) -> _Event:
+        return self._delta_event("reasoning_text", text, content_index=0)
+
+    def closed(self, status: ItemStatus) -> tuple[OutputItem, list[_Event]]:
+        """The finished item, and the events that close it (`output_item.done` last)."""
+        part = ReasoningText("".join(self.pieces))
+        item = ReasoningItem(id=self.id, content=[part], status=status)
+        done = self._done_event("reasoning_text", content_index=0, text=part.text)
+        return item, [done, self._part_event("done", part), self._item_event("done", item)]
+
+
+class _StreamedMessage(_Streamed):
+    def __init__(self, prefix: str, index: int, key: object) -> None:
+        super().__init__(prefix, index, key)
+        self.tokens: list[ChatLogprobToken] = []
+
+    def opened(self) -> list[_Event]:
+        item = MessageItem(id=self.id, status="in_progress")
+        return [self._item_event("added", item), self._part_event("added", OutputText(text=""))]
+
+    def delta(self, text: str, tokens: list[ChatLogprobToken]) -> _Event:
+        self.tokens += tokens
+        return self._delta_event("output_text", text, content_index=0, logprobs=_logprobs(tokens, with_bytes=False))
+
+    def closed(self, status: ItemStatus) -> tuple[OutputItem, list[_Event]]:
+        text = "".join(self.pieces)
+        part = OutputText(text=text, logprobs=_logprobs(self.tokens, with_bytes=True))
+        item = MessageItem(id=self.id, status=status, content=[part])
+        logprobs = _logprobs(self.tokens, with_bytes=False)
+        done = self._done_event("output_text", content_index=0, text=text, logprobs=logprobs)
+        return item, [done, self._part_event("done", part), self._item_event("done", item)]
+
+
+class _StreamedCall(_Streamed):
+    def __init__(self, prefix: str, index: int, key: object, call_id: str, name: str) -> None:
+        super().__init__(prefix, index, key)
+        self.call_id, self.name = call_id, name
+
+    def opened(self) -> list[_Event]:
+        return [self._item_event("added", self._item("", "in_progress"))]
+
+    def delta(self, text: str, tokens: list[ChatLogprobToken]) -> _Event:
+        return self._delta_event("function_call_arguments", text)
+
+    def closed(self, status: ItemStatus) -> tuple[OutputItem, list[_Event]]:
+        item = self._item("".join(self.pieces), status)
+        done = self._done_event("function_call_arguments", name=self.name, arguments=item.arguments)
+        return item, [done, self._item_event("done", item)]
+
+    def _item(self, arguments: str, status: ItemStatus) -> FunctionCallItem:
+        return FunctionCallItem(id=self.id, call_id=self.call_id, name=self.name, arguments=arguments, status=status)
+
+
+Streamed = _StreamedReasoning | _StreamedMessage | _StreamedCall
+
+
+class _StreamedOutput:
+    """The output items of one streamed answer. One is open at a time: a delta of another
+    kind (or of another tool call) closes it and opens the next."""
+
+    def __init__(self) -> None:
+        self.items: list[OutputItem] = []
+        self.open: Streamed | None = None
+
+    def feed(self, delta: ChatDelta, logprobs: ChatLogprobs | None) -> list[_Event]:  # hot: once per chunk
+        events: list[_Event] = []
+        if reasoning := _present(delta.reasoning) or _present(delta.reasoning_content):
+            events += self._to("reasoning", lambda index: _StreamedReasoning("rs", index, "reasoning"))
+            events.append(self._delta(reasoning, []))
+        if content := _present(delta.content):
+            events += self._to("message", lambda index: _StreamedMessage("msg", index, "message"))
+            events.append(self._delta(content, _tokens(logprobs)))
+        for call in delta.tool_calls or ():
+            events += self._call(call)
+        return events
+
+    def close(self, status: ItemStatus) -> list[_Event]:
+        if self.open is None:
+            return []
+        item, events = self.open.closed(status)
+        self.items.append(item)
+        self.open = None
+        return events
+
+    def _to(self, key: object, make: Callable[[int], Streamed]) -> list[_Event]:
+        if self.open is not None and self.open.key == key:
+            return []
+        events = self.close("completed")
+        self.open = make(len(self.items))
+        return events + self.open.opened()
+
+    def _delta(self, text: str, tokens: list[ChatLogprobToken]) -> _Event:
+        assert self.open is not None
+        return self.open.delta(text, tokens)
+
+    def _call(self, call: DeltaToolCall) -> list[_Event]:
+        function = call.function or None
+        call_id = call.id if isinstance(call.id, str) else _item_id("call")  # a call's first delta has both
+        name = (_present(function.name) if function else None) or ""
+        key = ("call", call.index)
+        events = self._to(key, lambda index: _StreamedCall("fc", index, key, call_id, name))
+        arguments = _present(function.arguments) if function else None
+        if arguments is not None:
+            events.append(self._delta(arguments, []))
+        return events
+
+
+# ------------------------------------------------------------ presenter
+
+
+class _Frames:
+    """Events as SSE frames, numbered in the order they are written."""
+
+    def __init__(self) -> None:
+        self.sequence = 0
+
+    def __call__(self, events: Iterable[_Event]) -> bytes:
+        out = []
+        for event in events:
+            event.sequence_number = self.sequence
+            self.sequence += 1
+            out.append(b"event: " + event.type.encode() + b"\ndata: " + _encode(event) + b"\n\n")
+        return b"".join(out)
+
+
+class ResponsesPresenter:
+    """Chat answers as Responses (`gateway.translate.Presenter`), one presenter per request;
+    a finished response is stored unless the request says `store: false`."""
+
+    def __init__(self, store: ResponseStore | None) -> None:
+        self._store = store
+        self._frames = _Frames()  # one numbering for the stream and its error event
+
+    def whole(self, turn: Turn[ResponsesRequest], meta: Presented, completion: ChatCompletion) -> Response:
+        choice = completion.choices[0]
+        finish = choice.finish_reason or "stop"
+        output = _output(choice.message, choice.logprobs)
+        if output and finish in _INCOMPLETE:
+            output[-1].status = "incomplete"  # the item the limit cut, as a stream closes it
+        response = _response(turn.original, meta, output, _usage(completion.usage), finish)
+        self._keep(turn, response)
+        return response
+
+    async def stream(
+        self, turn: Turn[ResponsesRequest], meta: Presented, chunks: AsyncIterator[ChatCompletionChunk]
+    ) -> AsyncIterator[bytes]:
+        started = _response(turn.original, meta, [], None, None)
+        opening: list[_Event] = [
+            LifecycleEvent(type="response.created", response=started),
+            LifecycleEvent(type="response.in_progress", response=started),
+        ]
+        output, finish, usage = _StreamedOutput(), "stop", None
+        async with aclosing(chunks):  # type: ignore[type-var]
+            async for chunk in chunks:  # hot loop: one write per chunk
+                events, opening = opening, []
+                usage = chunk.usage or usage
+                for choice in chunk.choices:
+                    events += output.feed(choice.delta, choice.logprobs)
+                    finish = choice.finish_reason or finish
+                if events:
+                    yield self._frames(events)
+        events = opening + output.close("incomplete" if finish in _INCOMPLETE else "completed")
+        response = _response(turn.original, meta, output.items, _usage(usage), finish)
+        self._keep(turn, response)
+        yield self._frames([*events, LifecycleEvent(type=f"response.{response.status}", response=response)])
+
+    def error_frame(self, error: GatewayError) -> bytes:
+        return self._frames([ErrorEvent(type="error", code=error.code, message=error.message, param=error.param)])
+
+    def _keep(self, turn: Turn[ResponsesRequest], response: Response) -> None:
+        if self._store is None or turn.original.store is False:
+            return
+        messages = turn.chat.messages
+        carried = messages[1:] if turn.original.instructions else messages  # instructions are not carried
+        self._store.put(response.id, response, [*carried, _assistant(response.output)])
+
+
+# ------------------------------------------------------------ store
+
+MAX_STORED = 10_000
+MAX_STORED_BYTES = 64 * 1024 * 1024
+"""Encoded bytes kept; as Python objects they take a few times that."""
+
+
+@dataclass(slots=True)
+class StoredResponse:
+    response: Response | msgspec.Raw
+    """What `GET /v1/responses/{id}` answers: JSON-encodable as it is."""
+    conversation: list[ChatMessageParam]
+    """The chat messages the response ended, its answer last: a later turn's history."""
+    size: int
+
+
+class ResponseStore:
+    """This replica's finished responses, bounded by count and by encoded bytes, the least
+    recently used evicted first; O(1) but for the size estimate, one encode per put."""
+
+    def __init__(self, max_entries: int = MAX_STORED, max_bytes: int = MAX_STORED_BYTES) -> None:
+        self.max_entries, self.max_bytes = max_entries, max_bytes
+        self.bytes = 0
+        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, response_id: str, response: Response | bytes, conversation: list[ChatMessageParam]) -> bool:
+        """False when the entry alone is over the byte bound: it is not kept."""
+        body = msgspec.Raw(response) if isinstance(response, bytes) else response
+        size = len(response if isinstance(response, bytes) else _encode(response)) + len(_encode(conversation))
+        self.delete(response_id)
+        if size > self.max_bytes:
+            return False
+        self._entries[response_id] = StoredResponse(body, conversation, size)
+        self.bytes += size
+        while len(self._entries) > self.max_entries or self.bytes > self.max_bytes:
+            self.bytes -= self._entries.popitem(last=False)[1].size
+        return True
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        entry = self._entries.get(response_id)
+        if entry is not None:
+            self._entries.move_to_end(response_id)
+        return entry
+
+    def delete(self, response_id: str) -> bool:
+        entry = self._entries.pop(response_id, None)
+        if entry is not None:
+            self.bytes -= entry.size
+        return entry is not None
