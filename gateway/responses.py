@@ -204,6 +204,8 @@ class ResponsesRequest(Struct, kw_only=True, omit_defaults=True, forbid_unknown_
     # vLLM extensions
     top_k: int | None = None
     seed: Int64 | None = None
+    structured_outputs: dict[str, Any] | None = None
+    """vLLM's constraint options (`disable_any_whitespace`, ...), kept beside `text.format` as chat keeps them."""
 
 
 _DECODER = msgspec.json.Decoder(ResponsesRequest)
@@ -272,6 +274,7 @@ def to_chat(request: ResponsesRequest, history: list[ChatMessageParam]) -> ChatC
         user=request.user,
         top_k=request.top_k,
         chat_template_kwargs=_template_kwargs(request.reasoning),
+        structured_outputs=request.structured_outputs,
     )
 
 

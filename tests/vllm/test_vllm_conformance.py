@@ -293,5 +293,7 @@ def test_structured_outputs_agree(engines: dict[str, str], qwen3_tokenizer: Any,
     stock, onehop = (decode_generate_response(answers[name], "text") for name in PEERS)
     texts = [r.choices[0].text for r in (stock, onehop)]
     assert texts[0] == texts[1], texts
-    if "choice" in constraint:  # a random model may run out of tokens inside JSON whitespace
+    if "json" in constraint:  # the random model spends its 32 tokens in the whitespace JSON allows
+        assert texts[0].startswith("{")
+    else:
         assert texts[0] in ("yes", "no")
