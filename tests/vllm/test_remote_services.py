@@ -716,11 +716,15 @@ async def test_gateway_gets_schema_valid_json_from_stock_vllm(vllm_url: str, mod
     async with _gateway(vllm_url, model, tiny_model_dir, "local") as client:
         for extra in ({"response_format": SCHEMA_FORMAT}, {"structured_outputs": {"choice": ["yes", "no"]}}):
             answer = await client.chat.completions.create(
-                model=model, messages=WEATHER_TURN, max_tokens=64, extra_headers={"onehop-route": route},
+                model=model, messages=WEATHER_TURN, max_tokens=128, seed=0, extra_headers={"onehop-route": route},
                 extra_body={"chat_template_kwargs": {"enable_thinking": False}, **extra},
             )
             content = answer.choices[0].message.content or ""
-            if "response_format" in extra:
+            if "response_format" in extra and answer.choices[0].finish_reason == "length":
+                # The random model may spend every token in the whitespace JSON allows: what it
+                # wrote is still where the grammar let it go.
+                assert content.startswith("{") and not content[1:].strip(" \t\n\r").startswith(("}", "]")), content
+            elif "response_format" in extra:
                 value = json.loads(content)
                 assert set(value) == {"n", "ok"} and 0 <= value["n"] <= 9 and isinstance(value["ok"], bool), content
             else:
