@@ -83,14 +83,23 @@ class Runner(web.AppRunner):
         return server
 
 
-def run_app(app: web.Application, *, host: str, port: int, loop: asyncio.AbstractEventLoop, **runner_args: Any) -> None:
-    """Serve `app` until SIGINT or SIGTERM, then shut down gracefully (as `web.run_app` does)."""
+def run_app(
+    app: web.Application,
+    *,
+    host: str,
+    port: int,
+    loop: asyncio.AbstractEventLoop,
+    reuse_port: bool = False,
+    **runner_args: Any,
+) -> None:
+    """Serve `app` until SIGINT or SIGTERM, then shut down gracefully (as `web.run_app` does);
+    `reuse_port`: share the port with other processes (SO_REUSEPORT)."""
 
     async def serve() -> None:
         runner = Runner(app, handler_cancellation=True, **runner_args)
         await runner.setup()
         try:
-            await web.TCPSite(runner, host, port).start()
+            await web.TCPSite(runner, host, port, reuse_port=reuse_port or None).start()
             stop = asyncio.Event()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, stop.set)

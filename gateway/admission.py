@@ -18,9 +18,15 @@ from gateway.errors import RateLimited
 
 
 class Gate:
-    def __init__(self, config: Admission, on_reject: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self,
+        config: Admission,
+        on_reject: Callable[[], None] = lambda: None,
+        on_waiting: Callable[[int], None] = lambda waiting: None,
+    ) -> None:
         self.config = config
         self._on_reject = on_reject
+        self._on_waiting = on_waiting
         self._slots = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency is not None else None
         self.waiting = 0
         self.rejected = 0
@@ -42,6 +48,7 @@ class Gate:
             if self.waiting >= self.config.max_queue:
                 raise self._refuse(f"{self.config.max_concurrency} running, {self.waiting} waiting")
             self.waiting += 1
+            self._on_waiting(self.waiting)
             try:
                 async with asyncio.timeout(self.config.queue_timeout_s):
                     await slots.acquire()
@@ -49,6 +56,7 @@ class Gate:
                 raise self._refuse(f"no slot within {self.config.queue_timeout_s} s") from None
             finally:
                 self.waiting -= 1
+                self._on_waiting(self.waiting)
         else:
             await slots.acquire()  # free: returns at once
         try:

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +45,7 @@ from gateway.reload import WatchedFile
 from gateway.render import LocalRenderer
 from gateway.state import GATEWAY, GatewayState
 from gateway.supervisor import Supervisor
+from gateway.workers import WORKER_HEADER, worker_index, worker_port
 
 log = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode
@@ -307,13 +308,12 @@ def create_app(config: GatewayConfig) -> web.Application:
                 prefill=client(model, model.prefill_engines, prefill=True) if model.prefill_engines else None,
             )
         )
-    gate = Gate(config.admission, metrics.admission_rejections.inc)
+    gate = Gate(config.admission, metrics.admission_rejections.inc, metrics.admission_waiting.set)
     clients = [engines for plan in plans for engines in plan.clients()]
     decoding = [engines for plan in plans for engines in plan.clients() if engines is not plan.prefill]
     feedback = EngineFeedback(lambda: [url for engines in decoding for url in engines.pool.urls()], config.feedback_interval_s)
     state = GatewayState(config=config, gate=gate, clients=clients, feedback=feedback, tracing=tracing, metrics=metrics)
     app[GATEWAY] = state
-    metrics.watch_admission(gate)
     if config.auth.api_keys_env is not None:
         state.env_keys = keys_from_env(config.auth.api_keys_env)
         if not state.env_keys and config.auth.api_keys_file is None:
@@ -379,11 +379,29 @@ async def handle_health(http: web.Request) -> web.Response:
 
 
 def serve(config: GatewayConfig) -> None:
-    """`onehop gateway`: the gateway alone, against the engines in its config."""
+    """`onehop gateway`: the gateway alone, against the engines in its config (one process,
+    or one worker of `--workers N`: see `gateway.workers`)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(config)
     app.on_startup.append(_reload_on_sighup)
-    run_app(app, host=config.host, port=config.port, loop=new_event_loop(), access_log_class=AccessLogger)
+    index = worker_index()
+    if index is not None:
+        app.on_response_prepare.append(_worker_header(str(index)))
+    run_app(
+        app,
+        host=config.host,
+        port=worker_port(config.port),
+        loop=new_event_loop(),
+        reuse_port=index is not None,
+        access_log_class=AccessLogger,
+    )
+
+
+def _worker_header(index: str) -> Callable[[web.Request, web.StreamResponse], Awaitable[None]]:
+    async def name_worker(http: web.Request, response: web.StreamResponse) -> None:
+        response.headers[WORKER_HEADER] = index
+
+    return name_worker
 
 
 async def _reload_on_sighup(app: web.Application) -> None:

@@ -8,6 +8,7 @@ subcommand is one ``_add_*`` function and one handler.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -196,6 +197,13 @@ def _add_gateway(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
         description="Serve the OpenAI API against engines listed in a YAML config (see configs/gateway.yaml).",
     )
     gateway.add_argument("--config", type=Path, required=True, metavar="FILE")
+    gateway.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="gateway processes sharing the port (default: the CPUs this process may use; 1: no supervisor)",
+    )
     gateway.set_defaults(func=_run_gateway)
 
 
@@ -203,13 +211,24 @@ def _run_gateway(args: argparse.Namespace) -> int:
     from gateway.app import serve
     from gateway.config import ConfigError, load_config
 
+    from gateway.workers import Supervisor, default_workers, worker_index
+
     try:
         config = load_config(args.config)
     except ConfigError as exc:
         print(f"onehop gateway: {exc}", file=sys.stderr)
         return 2
-    serve(config)
-    return 0
+    workers = default_workers() if args.workers is None else args.workers
+    if workers < 1:
+        print("onehop gateway: --workers must be at least 1", file=sys.stderr)
+        return 2
+    if workers == 1 or worker_index() is not None:
+        from gateway.app import serve
+
+        serve(config)
+        return 0
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return Supervisor(args.config, workers, config.host, config.port).run()
 
 
 def _add_policy(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -1,9 +1,17 @@
-"""The gateway's Prometheus metrics, one registry per app. Names are in the README."""
+"""The gateway's Prometheus metrics, one registry per app. Names are in the README.
+
+Under `onehop gateway --workers N` (prometheus-client's multiprocess mode, on
+when `PROMETHEUS_MULTIPROC_DIR` is set before the client is imported) every
+worker writes its values to files in that folder, and a scrape, whichever
+worker answers it, reads them all: counters and histograms are summed, gauges
+are summed over live workers (in flight, waiting) or their maximum (a circuit
+open in any worker).
+"""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CollectorRegistry,
@@ -12,9 +20,9 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.multiprocess import MultiProcessCollector
 
-if TYPE_CHECKING:
-    from gateway.admission import Gate
+_MULTIPROCESS_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _GAP_BUCKETS = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -32,7 +40,10 @@ class GatewayMetrics:
             "onehop_gateway_requests", "OpenAI requests by endpoint, route, model and HTTP status.",
             ["endpoint", "route", "model", "status"], registry=r,
         )
-        self.in_flight = Gauge("onehop_gateway_in_flight_requests", "Requests being served now.", ["endpoint"], registry=r)
+        self.in_flight = Gauge(
+            "onehop_gateway_in_flight_requests", "Requests being served now.", ["endpoint"],
+            registry=r, multiprocess_mode="livesum",
+        )
         self.stage_seconds = Histogram(
             "onehop_gateway_stage_seconds",
             "Gateway time per request in each stage: render, policy, derender (the derender's own compute).",
@@ -79,15 +90,13 @@ class GatewayMetrics:
             registry=r,
         )
         self.admission_waiting = Gauge(
-            "onehop_gateway_admission_waiting", "Requests waiting for a slot (admission control).", registry=r
+            "onehop_gateway_admission_waiting", "Requests waiting for a slot (admission control).",
+            registry=r, multiprocess_mode="livesum",
         )
         self.circuit_open = Gauge(
-            "onehop_gateway_engine_circuit_open", "1 while an engine's circuit breaker is open, else 0.", ["engine"], registry=r
+            "onehop_gateway_engine_circuit_open", "1 while an engine's circuit breaker is open, else 0.", ["engine"],
+            registry=r, multiprocess_mode="livemax",
         )
-
-    def watch_admission(self, gate: "Gate") -> None:
-        """Read the admission gate's queue length at scrape time."""
-        self.admission_waiting.set_function(lambda: gate.waiting)
 
     def circuit(self, engine: str, is_open: bool) -> None:
         """An engine's circuit changed (or the engine joined the pool: closed), so dashboards see zeros, not gaps."""
@@ -95,4 +104,9 @@ class GatewayMetrics:
         self.circuit_open.labels(engine).set(1 if is_open else 0)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        folder = os.environ.get(_MULTIPROCESS_ENV)
+        if folder is None:
+            return generate_latest(self.registry)
+        every_worker = CollectorRegistry()
+        MultiProcessCollector(every_worker, path=folder)
+        return generate_latest(every_worker)

@@ -30,7 +30,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Protocol
 
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
@@ -771,7 +771,7 @@ class ResponsesPresenter:
     """Chat answers as Responses (`gateway.translate.Presenter`), one presenter per request;
     a finished response is stored unless the request says `store: false`."""
 
-    def __init__(self, store: ResponseStore | None) -> None:
+    def __init__(self, store: ResponseStorage | None) -> None:
         self._store = store
         self._frames = _Frames()  # one numbering for the stream and its error event
 
@@ -833,6 +833,16 @@ class StoredResponse:
     conversation: list[ChatMessageParam]
     """The chat messages the response ended, its answer last: a later turn's history."""
     size: int
+
+
+class ResponseStorage(Protocol):
+    """Where finished responses are kept: `ResponseStore`, or the one workers share."""
+
+    def put(self, response_id: str, response: Response | bytes, conversation: list[ChatMessageParam]) -> bool: ...
+
+    def get(self, response_id: str) -> StoredResponse | None: ...
+
+    def delete(self, response_id: str) -> bool: ...
 
 
 class ResponseStore:

@@ -18,7 +18,8 @@ from gateway.feedback import EngineFeedback
 from gateway.metrics import GatewayMetrics
 from gateway.policy import Policy
 from gateway.reload import WatchedFile
-from gateway.responses import ResponseStore
+from gateway.responses import ResponseStorage
+from gateway.shared_responses import response_store
 from gateway.runtime import ModelRuntime
 
 
@@ -39,9 +40,9 @@ class GatewayState:
     """Each served model under every name it answers to; built once at start."""
     background: set[asyncio.Task[None]] = field(default_factory=set)
     """Aborts sent after a client left; kept referenced until done."""
-    responses: ResponseStore = field(default_factory=ResponseStore)
+    responses: ResponseStorage = field(default_factory=response_store)
     """Responses API answers kept for `previous_response_id` and `GET /v1/responses/{id}`:
-    this replica's, bounded, lost on restart."""
+    this replica's (its workers share them), bounded, lost on restart."""
 
     def policy(self, model: ModelRuntime) -> Policy:
         """The policy file's, as last loaded; without one, the model's fixed route."""

@@ -767,7 +767,7 @@ class Launcher:
         port = free_port()
         config = write_gateway_config(setup, tokenizer_dir, engine_url, port, self.folder, remote_url=remote_url)
         name = f"gateway_{setup.name}"
-        return self._proc(name, spawn(["gateway", "--config", str(config)], self.folder / f"{name}.log"), port)
+        return self._proc(name, spawn(["gateway", "--config", str(config), "--workers", "1"], self.folder / f"{name}.log"), port)
 
     def start(self, setup: Setup) -> Servers:
         if setup.kind == "sim":

@@ -347,8 +347,10 @@ def start_gateway(
     name: str = "gateway",
     tracing: dict[str, Any] | None = None,
     extra: dict[str, Any] | None = None,
+    workers: int = 1,
 ) -> subprocess.Popen[bytes]:
-    """A gateway process in front of `engine_url`; `extra` adds or replaces top-level config keys."""
+    """A gateway in front of `engine_url` (one process unless `workers` says more: then the
+    supervisor's); `extra` adds or replaces top-level config keys."""
     config: dict[str, Any] = {
         "model": MODEL,
         "tokenizer": str(tokenizer_dir),
@@ -363,7 +365,7 @@ def start_gateway(
     config |= extra or {}
     path = folder / f"{name}.yaml"
     path.write_text(json.dumps(config))  # JSON is YAML
-    return spawn(["gateway", "--config", str(path)], folder / f"{name}.log")
+    return spawn(["gateway", "--config", str(path), "--workers", str(workers)], folder / f"{name}.log")
 
 
 def start_sink(port: int, log: Path) -> subprocess.Popen[bytes]:

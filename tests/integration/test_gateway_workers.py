@@ -1,0 +1,138 @@
+"""`onehop gateway --workers 2`: a real supervisor and two worker processes on one port,
+in front of a real sim engine. Every request goes on a new connection, so the kernel's
+SO_REUSEPORT hashing picks a worker each time (40 requests all on one worker: 2^-39)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import aiohttp
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.support.engine import engine_server
+
+REQUESTS = 40
+CHAT = {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@asynccontextmanager
+async def _workers(config: Path, log: Path) -> AsyncIterator[tuple[str, subprocess.Popen[bytes]]]:
+    port = yaml.safe_load(config.read_text())["port"]
+    command = [sys.executable, "-m", "gateway", "gateway", "--config", str(config), "--workers", "2"]
+    with log.open("wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        await _until_both_ready(base, process, log)
+        yield base, process
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+async def _until_both_ready(base: str, process: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + 120
+    seen: set[str] = set()
+    while seen != {"0", "1"}:
+        assert process.poll() is None, f"the gateway exited early:\n{log.read_text()}"
+        assert time.monotonic() < deadline, f"both workers did not answer within 120 s (saw {seen}):\n{log.read_text()}"
+        try:
+            seen |= {header for header in await _fresh(base, "GET", "/health", count=8) if header is not None}
+        except aiohttp.ClientError:
+            await asyncio.sleep(0.3)
+
+
+async def _fresh(base: str, method: str, path: str, *, count: int, key: str | None = None, body: object = None,
+                 want: int = 200) -> list[str | None]:
+    """`count` requests, each on its own connection; the worker that answered each."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    workers: list[str | None] = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+        for _ in range(count):
+            async with session.request(method, base + path, json=body, headers=headers) as response:
+                await response.read()
+                assert response.status == want, (path, response.status)
+                workers.append(response.headers.get("onehop-worker"))
+    return workers
+
+
+def _requests_total(text: str) -> float:
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        if family.name == "onehop_gateway_requests":
+            total += sum(s.value for s in family.samples if s.name.endswith("_total") and s.labels["endpoint"] == "chat")
+    return total
+
+
+async def test_two_workers_share_the_port_the_metrics_the_reload_and_the_store(
+    qwen3_tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("old-key\n")
+    config = tmp_path / "gateway.yaml"
+    async with engine_server(qwen3_tokenizer_dir) as (engine_url, _):
+        config.write_text(yaml.safe_dump({
+            "model": "sim", "tokenizer": str(qwen3_tokenizer_dir), "engines": [{"url": engine_url}],
+            "host": "127.0.0.1", "port": _free_port(),
+            # Only SIGHUP reloads the key file within the test's time.
+            "auth": {"api_keys_file": str(keys), "poll_s": 3600},
+        }))
+        async with _workers(config, tmp_path / "gateway.log") as (base, process):
+            # Requests spread over both processes.
+            served = await _fresh(base, "POST", "/v1/chat/completions", count=REQUESTS, key="old-key", body=CHAT)
+            assert set(served) == {"0", "1"}
+
+            # One scrape, whichever worker answers it, counts every worker's requests.
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+                for _ in range(4):
+                    async with session.get(base + "/metrics") as response:
+                        assert _requests_total(await response.text()) == REQUESTS
+
+            # A stored response is found by either worker.
+            async with aiohttp.ClientSession() as session:
+                async with session.post(
+                    base + "/v1/responses", json={"model": "sim", "input": "hi", "max_output_tokens": 4},
+                    headers={"Authorization": "Bearer old-key"},
+                ) as response:
+                    assert response.status == 200, await response.text()
+                    stored = (await response.json())["id"]
+            found = await _fresh(base, "GET", f"/v1/responses/{stored}", count=16, key="old-key")
+            assert set(found) == {"0", "1"}
+
+            # SIGHUP to the supervisor reloads the key file in both workers.
+            keys.write_text("new-key\n")
+            process.send_signal(signal.SIGHUP)
+            deadline = time.monotonic() + 20
+            while True:
+                try:
+                    answered = await _fresh(base, "GET", "/v1/models", count=16, key="new-key")
+                    break
+                except AssertionError:
+                    assert time.monotonic() < deadline, "the new key was not accepted by every worker within 20 s"
+                    await asyncio.sleep(0.2)
+            assert set(answered) == {"0", "1"}
+            refused = await _fresh(base, "GET", "/v1/models", count=16, key="old-key", want=401)
+            assert set(refused) == {"0", "1"}
+
+            # SIGTERM stops both workers, then the supervisor, and frees the port.
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=60) == 0
+            with socket.socket() as probe:
+                assert probe.connect_ex(("127.0.0.1", int(base.rsplit(":", 1)[1]))) != 0
