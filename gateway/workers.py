@@ -29,6 +29,7 @@ cache. Each response names its worker in the `onehop-worker` header.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 import signal
@@ -61,8 +62,20 @@ STOP_GRACE_S = 60.0
 
 
 def default_workers() -> int:
-    """The CPUs this process may run on."""
-    return len(os.sched_getaffinity(0))
+    """The CPUs this process may use: those it may run on, capped by its cgroup's CPU quota
+    (a container limited to 2 CPUs on a 64-core node gets 2 workers, not 64)."""
+    return max(1, min(len(os.sched_getaffinity(0)), _cgroup_cpus() or os.cpu_count() or 1))
+
+
+def _cgroup_cpus(path: Path = Path("/sys/fs/cgroup/cpu.max")) -> int | None:
+    """cgroup v2's `quota period` as whole CPUs (rounded up); None without a quota."""
+    try:
+        quota, period = path.read_text().split()[:2]
+    except (OSError, ValueError):
+        return None
+    if quota == "max":
+        return None
+    return max(1, math.ceil(int(quota) / int(period)))
 
 
 def worker_index() -> int | None:
