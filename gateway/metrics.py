@@ -11,6 +11,8 @@ open in any worker).
 from __future__ import annotations
 
 import os
+from bisect import bisect_left
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client import (
@@ -110,3 +112,40 @@ class GatewayMetrics:
         every_worker = CollectorRegistry()
         MultiProcessCollector(every_worker, path=folder)
         return generate_latest(every_worker)
+
+
+class LocalHistogram:
+    """One stream's observations of a histogram, kept as bucket counts and flushed once.
+
+    A per-write `Histogram.observe` takes the metric's lock and walks its buckets
+    on the hot path; here a write costs one bisection, and the stream's counts
+    reach the shared histogram when it ends (through the same per-bucket values
+    `observe` updates, so a scrape sees the same series either way).
+    """
+
+    __slots__ = ("_bounds", "_counts", "_sum")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self._bounds = list(bounds)  # upper bounds, +Inf last, as the histogram's
+        self._counts = [0] * len(self._bounds)
+        self._sum = 0.0
+
+    @classmethod
+    def like(cls, child: Histogram) -> LocalHistogram:
+        return cls(child._upper_bounds)  # noqa: SLF001 (prometheus-client keeps the bounds there)
+
+    def observe(self, value: float) -> None:
+        self._counts[bisect_left(self._bounds, value)] += 1  # `value <= bound`, as Histogram.observe
+        self._sum += value
+
+    def flush(self, child: Histogram) -> None:
+        """Add what was observed to `child` (a labelled histogram), then start again from zero."""
+        counts = self._counts
+        if not any(counts):
+            return
+        for index, count in enumerate(counts):
+            if count:
+                child._buckets[index].inc(count)  # noqa: SLF001
+        child._sum.inc(self._sum)  # noqa: SLF001
+        self._counts = [0] * len(counts)
+        self._sum = 0.0

@@ -123,6 +123,10 @@ class ClientStream:
         await self._write(data)
         self._timer.wrote()
 
+    def finished(self) -> None:
+        """The stream is over, whole or not: its timings go to the metrics."""
+        self._timer.flush()
+
     async def close(self, tail: bytes = DONE_FRAME) -> web.StreamResponse:
         """Write the last frames (an error event, `[DONE]`) and end the stream."""
         await self._write(tail)
@@ -173,24 +177,28 @@ async def respond_stream(
     limit_s = http.app[GATEWAY].config.timeouts.stream_deadline_s
     deadline = asyncio.timeout_at(_deadline(http, limit_s))
     try:
-        async with deadline, aclosing(frames):  # a client that leaves closes them at once, not at collection
-            async for data in frames:
-                if stream is None:
-                    stream = await open_stream(http, route)
-                await stream.send(data)
-    except ClientGone:
-        raise
-    except Exception as exc:
-        if isinstance(exc, TimeoutError) and deadline.expired():
-            exc = StreamDeadline(f"the stream ran past timeouts.stream_deadline_s={limit_s:g} s")
-        error = stream_error(exc)
+        try:
+            async with deadline, aclosing(frames):  # a client that leaves closes them at once, not at collection
+                async for data in frames:
+                    if stream is None:
+                        stream = await open_stream(http, route)
+                    await stream.send(data)
+        except ClientGone:
+            raise
+        except Exception as exc:
+            if isinstance(exc, TimeoutError) and deadline.expired():
+                exc = StreamDeadline(f"the stream ran past timeouts.stream_deadline_s={limit_s:g} s")
+            error = stream_error(exc)
+            if stream is None:
+                raise error from exc
+            log.error("stream %s failed after its first byte: %s", request_id, error.message, exc_info=_unexpected(exc))
+            tail = end(error)
         if stream is None:
-            raise error from exc
-        log.error("stream %s failed after its first byte: %s", request_id, error.message, exc_info=_unexpected(exc))
-        tail = end(error)
-    if stream is None:
-        stream = await open_stream(http, route)
-    return await stream.close(tail)
+            stream = await open_stream(http, route)
+        return await stream.close(tail)
+    finally:
+        if stream is not None:
+            stream.finished()
 
 
 def _deadline(http: web.Request, limit_s: float | None) -> float | None:
@@ -233,19 +241,77 @@ async def pieces(engine: aiohttp.ClientResponse, timeouts: StreamTimeouts) -> As
     each later one within `idle_s` of the one before. Only the reads are timed: a client
     that is slow to take what was read is not the engine's stall."""
     content = engine.content
+    watch = ReadDeadline(timeouts.first_token_s, timeouts.idle_s)
     try:
-        async with asyncio.timeout(timeouts.first_token_s):
-            piece = await content.readany()
-    except TimeoutError as exc:
-        raise EngineTimeout(f"the engine sent nothing within first_token_s={timeouts.first_token_s} s") from exc
-    idle = timeouts.idle_s
-    while piece:
-        yield piece
+        piece = await watch.read(content)
+        while piece:
+            watch.pause()
+            yield piece
+            watch.resume()
+            piece = await watch.read(content)
+    finally:
+        watch.close()
+
+
+class ReadDeadline:
+    """The read timeouts of one engine stream, on one timer for the stream's life.
+
+    An `asyncio.timeout` per read arms and cancels a timer per chunk; here a read
+    only moves the deadline (a clock read), and the timer, when it fires early,
+    re-arms itself at the moved deadline. While the stream's reader is away (the
+    piece it read is being written to the client) the deadline does not run.
+    When it does pass, the reading task is cancelled and the read raises
+    `EngineTimeout`, as `asyncio.timeout` would raise TimeoutError.
+    """
+
+    __slots__ = ("_deadline", "_first_s", "_handle", "_idle", "_loop", "_started", "_reading", "_task", "expired")
+
+    def __init__(self, first_s: float, idle_s: float) -> None:
+        self._loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        self._task = task
+        self._first_s, self._idle = first_s, idle_s
+        self._started = False
+        """Whether the first piece came (the first deadline is `first_s`, the later ones `idle_s`)."""
+        self._deadline = self._loop.time() + first_s
+        self._reading = True
+        self.expired: str | None = None
+        self._handle = self._loop.call_at(self._deadline, self._check)
+
+    def _check(self) -> None:
+        now = self._loop.time()
+        if not self._reading:
+            self._handle = self._loop.call_at(now + self._idle, self._check)
+        elif now < self._deadline:
+            self._handle = self._loop.call_at(self._deadline, self._check)
+        else:
+            self.expired = (
+                f"the engine stream stalled: nothing for idle_s={self._idle} s"
+                if self._started
+                else f"the engine sent nothing within first_token_s={self._first_s} s"
+            )
+            self._task.cancel()
+
+    async def read(self, content: aiohttp.StreamReader) -> bytes:
         try:
-            async with asyncio.timeout(idle):
-                piece = await content.readany()
-        except TimeoutError as exc:
-            raise EngineTimeout(f"the engine stream stalled: nothing for idle_s={idle} s") from exc
+            piece = await content.readany()
+        except asyncio.CancelledError:
+            if self.expired is not None and self._task.uncancel() == 0:
+                raise EngineTimeout(self.expired) from None
+            raise
+        self._started = True
+        return piece
+
+    def pause(self) -> None:
+        self._reading = False
+
+    def resume(self) -> None:
+        self._reading = True
+        self._deadline = self._loop.time() + self._idle
+
+    def close(self) -> None:
+        self._handle.cancel()
 
 
 ENGINE_COMMENT = b": onehop-engine-"
@@ -385,23 +451,36 @@ async def relay_json(http: web.Request, engine: aiohttp.ClientResponse) -> web.R
     return web.Response(body=body, content_type="application/json")
 
 
-async def engine_payloads(engine: aiohttp.ClientResponse, timeouts: StreamTimeouts) -> AsyncIterator[bytes]:
-    """The `data:` payloads of an engine stream, up to its `[DONE]`; a stream that ends
-    without one was cut short (an empty or partial answer must not pass for a whole one)."""
+async def engine_batches(engine: aiohttp.ClientResponse, timeouts: StreamTimeouts) -> AsyncIterator[list[bytes]]:
+    """The `data:` payloads of an engine stream, up to its `[DONE]`, in the batches they
+    arrived in (one read: when the gateway is behind, several events); a stream that ends
+    without `[DONE]` was cut short (an empty or partial answer must not pass for a whole one)."""
     reader = SSEReader()
     try:
         async for piece in pieces(engine, timeouts):
-            for payload in reader.feed(piece):
-                if payload == DONE:
-                    return
-                yield payload
-        for payload in reader.flush():
-            if payload == DONE:
+            payloads = reader.feed(piece)
+            if DONE in payloads:
+                if payloads[0] != DONE:
+                    yield payloads[: payloads.index(DONE)]
                 return
-            yield payload
+            if payloads:
+                yield payloads
+        payloads = reader.flush()
+        if payloads:
+            if payloads[0] != DONE:
+                yield payloads
+            return
     except SSEError as exc:
         raise EngineFailed(f"the engine's stream is not SSE: {exc}") from exc
     raise EngineFailed("the engine stream ended before [DONE]")
+
+
+async def engine_payloads(engine: aiohttp.ClientResponse, timeouts: StreamTimeouts) -> AsyncIterator[bytes]:
+    """`engine_batches`, one payload at a time."""
+    async with aclosing(engine_batches(engine, timeouts)) as batches:
+        async for batch in batches:
+            for payload in batch:
+                yield payload
 
 
 def feed_chunk(derender: Derender, mode: str, payload: bytes) -> list[Any]:
@@ -438,30 +517,47 @@ def feed_choice(derender: Derender, mode: str, choice: Any) -> Any:
     )
 
 
+async def derendered_batches(
+    engine: aiohttp.ClientResponse, derender: Derender, mode: str, timeouts: StreamTimeouts, work: DerenderWork
+) -> AsyncIterator[list[Any]]:
+    """The text and token routes, streaming: engine chunks in, OpenAI chunk objects out, one
+    list per engine read (the role chunks with the first output, the usage chunk last)."""
+    started = False
+    async with aclosing(engine_batches(engine, timeouts)) as batches:
+        async for batch in batches:
+            chunks: list[Any] = []
+            failure: Exception | None = None
+            work.begin()
+            try:
+                for payload in batch:
+                    chunks += feed_chunk(derender, mode, payload)
+            except Exception as exc:  # what the events before it made still goes out, then the error
+                failure = exc
+            finally:
+                work.end()
+            if not started and (chunks or failure is None):
+                started = True  # the role chunk goes with the first output (once it is known good), as the engine's does
+                chunks = [*derender.start(), *chunks]
+            if chunks:
+                yield chunks
+            if failure is not None:
+                raise failure
+    last = [] if started else derender.start()
+    usage = derender.usage_chunk()
+    if usage is not None:
+        last.append(usage)
+    if last:
+        yield last
+
+
 async def derendered(
     engine: aiohttp.ClientResponse, derender: Derender, mode: str, timeouts: StreamTimeouts, work: DerenderWork
 ) -> AsyncIterator[Any]:
-    """The text and token routes, streaming: engine chunks in, OpenAI chunk objects out
-    (the role chunks with the first output, the usage chunk last)."""
-    started = False
-    async for payload in engine_payloads(engine, timeouts):
-        work.begin()
-        try:
-            chunks = feed_chunk(derender, mode, payload)
-        finally:
-            work.end()
-        if not started:  # the role chunk goes with the first output (once it is known good), as the engine's does
-            started = True
-            for chunk in derender.start():
+    """`derendered_batches`, one chunk at a time (for merging or presenting)."""
+    async with aclosing(derendered_batches(engine, derender, mode, timeouts, work)) as batches:
+        async for batch in batches:
+            for chunk in batch:
                 yield chunk
-        for chunk in chunks:
-            yield chunk
-    if not started:
-        for chunk in derender.start():
-            yield chunk
-    usage = derender.usage_chunk()
-    if usage is not None:
-        yield usage
 
 
 async def encoded(chunks: AsyncGenerator[Any, None]) -> AsyncIterator[bytes]:
@@ -469,6 +565,14 @@ async def encoded(chunks: AsyncGenerator[Any, None]) -> AsyncIterator[bytes]:
     async with aclosing(chunks):
         async for chunk in chunks:
             yield frame(_encode(chunk))
+
+
+async def encoded_batches(batches: AsyncGenerator[list[Any], None]) -> AsyncIterator[bytes]:
+    """Each batch of chunk objects → its SSE frames in one write: a client the gateway fell
+    behind gets what piled up in one write, not one per chunk."""
+    async with aclosing(batches):
+        async for batch in batches:
+            yield b"".join([b"data: " + _encode(chunk) + b"\n\n" for chunk in batch])
 
 
 async def relayed_chunks(

@@ -353,7 +353,9 @@ async def test_gateway_metrics_after_real_requests(gateway: Any) -> None:
     # Streams only: one first-token time each, and a gap per later write.
     assert by_route("onehop_gateway_time_to_first_token_seconds", "_count") == {"derender": 1, "tokens": 1}
     gaps = by_route("onehop_gateway_inter_token_latency_seconds", "_count")
-    assert gaps["tokens"] == streamed["tokens"] - 1  # the token route writes each chunk it sends
+    # The token route writes what one engine read made in one write: a chunk each, or fewer
+    # writes when several engine events came together.
+    assert 1 <= gaps["tokens"] <= streamed["tokens"] - 1
     assert gaps["derender"] >= 1  # the relay writes what arrives, however the bytes were cut
     assert by_route("onehop_gateway_request_duration_seconds", "_count") == {"derender": 2, "text": 1, "tokens": 2, "none": 1}
     stages = {
