@@ -219,3 +219,15 @@ async def test_the_only_engine_with_scale_out_off_is_a_503(qwen3_tokenizer_dir: 
                         await _chat(client)
                 assert caught.value.status_code == 503 and "generate API" in caught.value.message
             assert state.model("sim").engines.pool.endpoints[off_url].breaker.state is Circuit.CLOSED
+
+
+async def test_responses_api_takes_vllms_derender_too(qwen3_tokenizer_dir: Path) -> None:
+    """Another API presented from the chat answer: the form's answer feeds the presenter."""
+    stock = StockVllm()
+    async with engine_server(qwen3_tokenizer_dir) as (engine_url, _):
+        async with stock_vllm(engine_url, stock) as vllm_url, gateway_server(qwen3_tokenizer_dir, vllm_url) as (base, _):
+            async with _client(base) as client:
+                response = await client.responses.create(model="sim", input="Say something.", max_output_tokens=40)
+    assert response.status in ("completed", "incomplete") and response.output
+    (sent,) = stock.generated
+    assert sent["output_mode"] == "derender" and "parse_context" in sent
