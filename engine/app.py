@@ -32,6 +32,7 @@ from engine.openai_schema import ModelCard, ModelList
 from engine.protocol import encode
 from engine.state import ENGINE, EngineState
 from engine.telemetry import Tracing
+from engine.vllm_derender import FORM as VLLM_FORM
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,9 @@ class Capabilities(msgspec.Struct, kw_only=True):
     """How the parser names were chosen: `configured`, or what `auto` detection saw."""
     structured_outputs: list[str] = []
     """The structured-output kinds it enforces (`json`, `json_object`, `choice`, `regex`, ...)."""
+    derender_forms: list[str] = []
+    """The `derender` request forms served: `onehop` (`chat_request`/`completion_request`,
+    streamed or not) and `vllm` (vLLM 0.33's `parse_context`, non-streaming)."""
 
 
 @functools.lru_cache(maxsize=4)
@@ -189,6 +193,7 @@ async def handle_capabilities(http: web.Request) -> web.Response:
             parsers=state.parsers() if has_text else {},
             parser_choice=state.parser_choice,
             structured_outputs=sorted(constraints(state)),
+            derender_forms=["onehop", VLLM_FORM] if has_text else [],
         )
     )
 

@@ -41,6 +41,7 @@ from engine.protocol import (
     SamplingParams,
     encode,
 )
+from engine.vllm_derender import VllmDerenderWriter
 
 
 @dataclass(frozen=True, slots=True)
@@ -415,4 +416,6 @@ def make_writer(request: GenerateRequest, context: WriterContext) -> OutputWrite
         return TokensWriter(request, context)
     if request.output_mode == "text":
         return TextWriter(request, context)
+    if request.vllm_derender:
+        return VllmDerenderWriter(request, context, text_params(request.sampling_params))
     return DerenderWriter(request, context)

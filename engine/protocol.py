@@ -2,10 +2,16 @@
 
 Wire-compatible with vLLM 0.32's token-in/token-out protocol, so a stock vLLM
 server is a valid engine for the ``tokens`` and ``text`` modes and a onehop
-engine answers vLLM's clients. onehop's extension, marked below, is
-``output_mode="derender"``: the request carries the original OpenAI request
-once and the engine answers with OpenAI ``ChatCompletion``/``Completion``
-objects (and their chunks), ready to relay.
+engine answers vLLM's clients. ``output_mode="derender"`` comes in two forms:
+
+- onehop's: the request carries the original OpenAI request
+  (``chat_request``/``completion_request``) once and the engine answers with
+  OpenAI ``ChatCompletion``/``Completion`` objects (and their chunks), ready
+  to relay;
+- vLLM 0.33's: the request carries the slim ``parse_context`` its ``/render``
+  fills (or nothing, on a server without parsers), is never streamed, and the
+  answer is a ``GenerateDerenderResponse``: the parsed assistant message per
+  choice beside the usual generate fields.
 
 Errors:
 
@@ -39,12 +45,15 @@ from engine.openai_schema import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatCompletionMessage,
     ChatLogprobs,
+    ChatTool,
     Completion,
     CompletionChunk,
     CompletionRequest,
     ErrorInfo,
     ErrorResponse,
+    NamedToolChoice,
     PerRequestMetrics,
     PromptLogprobs,
     RepetitionDetectionParams,
@@ -59,6 +68,8 @@ from engine.openai_schema import (
 __all__ = [
     "AbortRequest",
     "EngineError",
+    "GenerateDerenderChoice",
+    "GenerateDerenderResponse",
     "GenerateLogProb",
     "GenerateLogProbs",
     "GenerateLogProbsContent",
@@ -73,12 +84,14 @@ __all__ = [
     "GenerateTokensStreamChoice",
     "GenerateTokensStreamResponse",
     "OutputMode",
+    "ParseContext",
     "ProtocolError",
     "ReasoningParserKwargs",
     "SamplingParams",
     "StreamOptions",
     "WeightVersionSpan",
     "decode_abort_request",
+    "decode_generate_derender_response",
     "decode_generate_request",
     "decode_generate_request_view",
     "decode_generate_response",
@@ -218,6 +231,25 @@ class ReasoningParserKwargs(Struct, forbid_unknown_fields=True):
     chat_template_kwargs: dict[str, Any] = {}
 
 
+class ParseContext(Struct, omit_defaults=True, forbid_unknown_fields=True, kw_only=True):
+    """vLLM 0.33's ``ParseContext``: what its ``/render`` keeps of a chat request so a
+    generate server can parse the output (``output_mode="derender"``), defaults and all.
+
+    vLLM keeps unknown fields and refuses them only in derender mode (a newer
+    ``/render``); here they are refused by name at every level, as everywhere
+    in this contract.
+    """
+
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = "none"
+    parallel_tool_calls: bool | None = True
+    include_reasoning: bool = True
+    # With /render's defaults applied (add_generation_prompt, enable_thinking, ...).
+    chat_template_kwargs: dict[str, Any] = {}
+    # Tool calls already in the rendered conversation, for sequential ids.
+    history_tool_call_cnt: Annotated[int, Meta(ge=0)] = 0
+
+
 class GenerateRequest(Struct, omit_defaults=True, forbid_unknown_fields=True, kw_only=True):
     request_id: str = msgspec.field(default_factory=random_uuid)
     token_ids: Annotated[list[TokenId], Meta(min_length=1)]
@@ -230,7 +262,10 @@ class GenerateRequest(Struct, omit_defaults=True, forbid_unknown_fields=True, kw
     reasoning_ended: bool | None = None
     reasoning_parser_kwargs: ReasoningParserKwargs | None = None
     return_token_ids: bool | None = None
-    output_mode: OutputMode = "tokens"  # "derender" is onehop's
+    output_mode: OutputMode = "tokens"
+    # vLLM 0.33: read only with output_mode="derender" (ignored at other levels,
+    # so a rendered request can go to a prefill leg unchanged).
+    parse_context: ParseContext | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     # vLLM's field allows 1024 characters, but its validator stops at 128.
@@ -277,6 +312,11 @@ class GenerateRequest(Struct, omit_defaults=True, forbid_unknown_fields=True, kw
             "kv_transfer_params": self.kv_transfer_params,
             "ec_transfer_params": self.ec_transfer_params,
         }
+        context = self.parse_context
+        if context is not None:
+            own["parse_context.chat_template_kwargs"] = context.chat_template_kwargs
+            for i, tool in enumerate(context.tools or ()):
+                own[f"parse_context.tools[{i}].function.parameters"] = tool.function.parameters
         for name, value in own.items():
             if value is not None and json_depth(value, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
                 return name
@@ -286,11 +326,24 @@ class GenerateRequest(Struct, omit_defaults=True, forbid_unknown_fields=True, kw
                 return f"{name}.{inner}"
         return None
 
+    @property
+    def vllm_derender(self) -> bool:
+        """Derender in vLLM 0.33's form: no OpenAI request, a `GenerateDerenderResponse` answer."""
+        return self.output_mode == "derender" and self.chat_request is None and self.completion_request is None
+
     def _validate_derender(self) -> None:
         originals = [r for r in (self.chat_request, self.completion_request) if r is not None]
+        if not originals:
+            if self.stream:  # vLLM 0.33's rule and words
+                raise ProtocolError("output_mode='derender' does not support stream=true.")
+            return
         if len(originals) != 1:
             raise ProtocolError(
                 "output_mode='derender' needs exactly one of chat_request and completion_request"
+            )
+        if self.parse_context is not None:
+            raise ProtocolError(
+                "parse_context (vLLM's derender) and chat_request/completion_request (onehop's) are exclusive"
             )
         if bool(originals[0].stream) != bool(self.stream):
             raise ProtocolError("stream must match the stream of the original request")
@@ -378,6 +431,18 @@ class GenerateTextChoice(_GenerateChoiceBase, kw_only=True):
     logprobs: ChatLogprobs | None = None
 
 
+class GenerateDerenderChoice(_GenerateChoiceBase, kw_only=True):
+    """vLLM 0.33's derender choice: the assistant message parsed from the output.
+
+    ``message`` is vLLM's ``ChatMessage`` (``reasoning``, no ``tool_calls`` key
+    without calls); ``logprobs``, ``token_ids`` and ``sampling_mask`` are null
+    when ``include_reasoning=false`` hides the reasoning they would reveal.
+    """
+
+    message: ChatCompletionMessage
+    logprobs: ChatLogprobs | None = None
+
+
 class _GenerateResponseBase(Struct, kw_only=True):
     request_id: str = msgspec.field(default_factory=random_uuid)
     model: str | None = None
@@ -404,6 +469,15 @@ class GenerateTextResponse(
 ):
     output_mode: ClassVar[str] = "text"
     choices: list[GenerateTextChoice]
+
+
+class GenerateDerenderResponse(
+    _GenerateResponseBase, tag_field="output_mode", tag="derender", kw_only=True
+):
+    """vLLM 0.33's answer to a non-streaming ``output_mode="derender"`` request."""
+
+    output_mode: ClassVar[str] = "derender"
+    choices: list[GenerateDerenderChoice]
 
 
 # ------------------------------------------------------------ stream chunks (hot path)
@@ -452,7 +526,9 @@ class GenerateTextStreamResponse(
     choices: list[GenerateTextStreamChoice]
 
 
-GenerateResponse = GenerateTokensResponse | GenerateTextResponse | ChatCompletion | Completion
+GenerateResponse = (
+    GenerateTokensResponse | GenerateTextResponse | GenerateDerenderResponse | ChatCompletion | Completion
+)
 GenerateStreamResponse = (
     GenerateTokensStreamResponse
     | GenerateTextStreamResponse
@@ -501,6 +577,7 @@ _SUMMARY = msgspec.json.Decoder(EngineSummary)
 _RESPONSES: dict[str, msgspec.json.Decoder[Any]] = {
     "tokens": msgspec.json.Decoder(GenerateTokensResponse),
     "text": msgspec.json.Decoder(GenerateTextResponse),
+    "derender": msgspec.json.Decoder(GenerateDerenderResponse),
     "chat.completion": msgspec.json.Decoder(ChatCompletion),
     "text_completion": msgspec.json.Decoder(Completion),
 }
@@ -549,6 +626,15 @@ def decode_abort_request(data: bytes) -> AbortRequest:
 def decode_generate_response(data: bytes, mode: OutputMode | None = None) -> GenerateResponse:
     """A non-streaming ``/inference/v1/generate`` body; raises EngineError for an error body."""
     return cast(GenerateResponse, _dispatch(_RESPONSES, data, mode, "generate response"))
+
+
+def decode_generate_derender_response(data: bytes) -> GenerateDerenderResponse:
+    """vLLM 0.33's non-streaming derender answer (one decode); raises EngineError for an error body."""
+    try:
+        return cast(GenerateDerenderResponse, _RESPONSES["derender"].decode(data))
+    except msgspec.DecodeError as exc:
+        _raise_engine_error(data)
+        raise ProtocolError(f"invalid generate derender response: {exc}") from exc
 
 
 def decode_generate_stream_chunk(

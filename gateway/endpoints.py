@@ -142,6 +142,10 @@ class Endpoint(Protocol[R]):
         """What the derender route's engine request carries besides the prompt (the client's request)."""
         ...
 
+    def chat_request(self, request: R) -> ChatCompletionRequest | None:
+        """The chat request this runs as (what vLLM's derender form is filled from); None for completions."""
+        ...
+
     def derender(self, request: R, answer: Answer, prompt: list[int], index: int) -> Any: ...
 
     def remote_derender(self, answer: Answer, body: bytes, prompt: list[int]) -> RemoteDerender:
@@ -233,6 +237,7 @@ class Chat:
             max_tokens=_max_tokens(request),
             prompt_tokens=len(prompts[0]),
             tools=bool(request.tools),
+            forced_tool=bool(request.tools) and request.effective_tool_choice() not in (None, "none", "auto"),
             reasoning=bool(kwargs.get("enable_thinking", True)),
             headers=_headers(http),
             tenant=http.get(TENANT_KEY),
@@ -247,6 +252,9 @@ class Chat:
 
     def engine_fields(self, body: bytes, index: int) -> dict[str, Any]:
         return {"chat_request": msgspec.Raw(body)}
+
+    def chat_request(self, request: ChatCompletionRequest) -> ChatCompletionRequest:
+        return request
 
     def derender(self, request: ChatCompletionRequest, answer: Answer, prompt: list[int], index: int) -> ChatDerender:
         # The text options come from the same request fields the engine's sampling params were built from.
@@ -340,6 +348,9 @@ class Completions:
     def engine_fields(self, body: bytes, index: int) -> dict[str, Any]:
         return {"completion_request": msgspec.Raw(body), "prompt_index": index}
 
+    def chat_request(self, request: CompletionRequest) -> None:
+        return None
+
     def derender(self, request: CompletionRequest, answer: Answer, prompt: list[int], index: int) -> CompletionsDerender:
         n = request.n or 1
         return CompletionsDerender(
@@ -401,6 +412,9 @@ class TranslatedChat(Generic[F]):
 
     def engine_fields(self, body: bytes, index: int) -> dict[str, Any]:
         return CHAT.engine_fields(body, index)
+
+    def chat_request(self, request: Turn[F]) -> ChatCompletionRequest:
+        return request.chat
 
     def derender(self, request: Turn[F], answer: Answer, prompt: list[int], index: int) -> ChatDerender:
         return CHAT.derender(request.chat, answer, prompt, index)

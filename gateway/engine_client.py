@@ -5,12 +5,20 @@ answered (status and headers). Streams: the first event must come within
 `first_token_s` (`first_event`), then each read within `idle_s`. Non-streaming
 requests are bounded as a whole by `request_s`. A non-200 answer is turned
 into the matching gateway error with the engine's own message.
+
+What an engine serves is probed once: a onehop engine lists its output modes
+(`/inference/v1/capabilities`); stock vLLM has no such document (404) and
+serves text and tokens, plus its own non-streaming derender form from 0.33 on
+(its `/version` tells). A stock vLLM without `--enable-scale-out` answers 403
+on the generate API: it is healthy (its circuit stays as it is) but serves no
+route, so it is not picked again until `ROUTES_OFF_RECHECK_S` have passed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -29,6 +37,7 @@ from gateway.errors import (
     ClientGone,
     EngineFailed,
     EngineTimeout,
+    EngineRoutesOff,
     EngineUnavailable,
     GatewayError,
     InvalidRequest,
@@ -37,11 +46,17 @@ from gateway.errors import (
     Unprocessable,
     with_context_code,
 )
+from gateway.vllm_derender import serves_derender
 
 log = logging.getLogger(__name__)
 
 GENERATE_PATH = "/inference/v1/generate"
 CAPABILITIES_PATH = "/inference/v1/capabilities"
+VERSION_PATH = "/version"
+ROUTES_OFF_RECHECK_S = 60.0
+"""How long an engine that refused the generate API (403) is left out before it is tried again
+(it may have been restarted with scale-out on); the next request it gets is retried elsewhere
+if it refuses again, so a recheck costs one extra hop."""
 PROBE_TIMEOUT_S = 5.0
 ABORT_PATH = "/inference/v1/abort_requests"
 ABORT_TIMEOUT_S = 5.0
@@ -70,6 +85,8 @@ def engine_error(status: int, body: bytes) -> GatewayError:
         message = error.message if isinstance(error, _ErrorView) else (error or parsed.detail or "")
     except msgspec.DecodeError:
         message = body[:500].decode("utf-8", "replace")
+    if status == 403:  # stock vLLM with its scale-out endpoints off, in its own words
+        return EngineRoutesOff(f"the engine does not serve the generate API (403): {message}")
     kind = _STATUS_ERRORS.get(status)
     if kind is not None:
         return with_context_code(kind(message or f"the engine refused the request ({status})", status=status if status != 422 else None))
@@ -87,6 +104,13 @@ class _Capabilities(msgspec.Struct):
 
 
 _CAPABILITIES = msgspec.json.Decoder(_Capabilities)
+
+
+class _Version(msgspec.Struct):
+    version: str = ""
+
+
+_VERSION = msgspec.json.Decoder(_Version)
 
 
 class EngineMismatch(EngineUnavailable):
@@ -141,6 +165,10 @@ class EngineClient:
         self._routes: dict[str, frozenset[str]] = {}
         self._constraints: dict[str, frozenset[str]] = {}
         """Per engine, the structured-output kinds it enforces (stock vLLM: all of them)."""
+        self._vllm_derender: set[str] = set()
+        """Engines whose derender route is stock vLLM's own form (0.33 on), not onehop's."""
+        self._off: dict[str, float] = {}
+        """Engines that refused the generate API (403), and when."""
         self._remote = remote
         self._timeouts = timeouts
         self._health = health
@@ -187,18 +215,6 @@ class EngineClient:
         while True:
             try:
                 routes = await self.routes(endpoint.url)
-                if constraint is None or constraint in self._constraints[endpoint.url]:
-                    return endpoint, routes
-                tried.add(endpoint.url)
-                other = self._another(tried, prompt)
-                if other is None:
-                    raise InvalidRequest(
-                        f"no engine of this model enforces structured_outputs.{constraint}"
-                        f" ({'engines: ' + ', '.join(sorted(tried))})",
-                        param="structured_outputs",
-                    )
-                endpoint = other
-                continue
             except EngineUnavailable as exc:
                 self.pool.failed(endpoint)
                 tried.add(endpoint.url)
@@ -210,12 +226,28 @@ class EngineClient:
                 log.warning("engine %s cannot be probed (%s); picking %s", endpoint.url, exc, other.url)
                 self._on_retry(endpoint.url)
                 endpoint = other
+                continue
+            if routes and (constraint is None or constraint in self._constraints[endpoint.url]):
+                return endpoint, routes
+            # Its generate API is off (a 403), or it lacks the constraint: not a failure, just not this one.
+            tried.add(endpoint.url)
+            other = self._another(tried, prompt)
+            if other is not None:
+                endpoint = other
+                continue
+            if not routes:
+                raise EngineUnavailable(f"no engine serves the generate API (refused with 403: {', '.join(sorted(self._off))})")
+            raise InvalidRequest(
+                f"no engine of this model enforces structured_outputs.{constraint}"
+                f" ({'engines: ' + ', '.join(sorted(tried))})",
+                param="structured_outputs",
+            )
 
     def _another(self, tried: set[str], prompt: Sequence[int] | None = None) -> Endpoint | None:
         """An engine not tried yet, if any (with none left the last failure is the answer,
         naming its cause, rather than "every circuit is open")."""
         try:
-            return self.pool.pick(tried, prompt=prompt)
+            return self.pool.pick(tried | self._routes_off(), prompt=prompt)
         except EngineUnavailable:
             return None
 
@@ -244,6 +276,18 @@ class EngineClient:
                     answered = True
                     yield current.url, response
                 return
+            except EngineRoutesOff as exc:
+                if answered:
+                    raise
+                # It answered: healthy, so its circuit is left closed; it serves nothing of ours.
+                self.pool.succeeded(current)
+                self._turned_off(current.url, exc)
+                tried.add(current.url)
+                other = self._another(tried)
+                if other is None:
+                    raise
+                endpoint = other
+                self._on_retry(current.url)
             except (EngineUnavailable, EngineFailed) as exc:
                 if answered:
                     raise  # it failed after answering: not a reason to try another engine
@@ -321,7 +365,14 @@ class EngineClient:
 
     async def routes(self, url: str) -> frozenset[str]:
         """Routes this engine can serve, probed once: a onehop engine lists its output modes;
-        a stock vLLM server (no capabilities endpoint) serves text and tokens."""
+        a stock vLLM server (no capabilities endpoint) serves text and tokens, and from 0.33 on
+        derender in its own form (`derender_form`). None while its generate API is off."""
+        off = self._off.get(url)
+        if off is not None:
+            if time.monotonic() - off < ROUTES_OFF_RECHECK_S:
+                return frozenset()
+            del self._off[url]
+            self._routes.pop(url, None)  # probed again: it may have been restarted
         known = self._routes.get(url)
         if known is not None:
             return known
@@ -333,13 +384,27 @@ class EngineClient:
         self._routes[url] = frozenset(routes)
         return self._routes[url]
 
+    def derender_form(self, url: str) -> str:
+        """How the engine at `url` takes the derender route: `vllm` (stock vLLM ≥ 0.33's
+        non-streaming `parse_context` form) or `onehop` (the client's request, streamed or not)."""
+        return "vllm" if url in self._vllm_derender else "onehop"
+
+    def _routes_off(self) -> set[str]:
+        now = time.monotonic()
+        return {url for url, at in self._off.items() if now - at < ROUTES_OFF_RECHECK_S}
+
+    def _turned_off(self, url: str, exc: EngineRoutesOff) -> None:
+        if url not in self._routes_off():
+            log.warning("engine %s is left out for %g s: %s", url, ROUTES_OFF_RECHECK_S, exc.message)
+        self._off[url] = time.monotonic()
+
     async def _probe(self, url: str) -> tuple[set[str], frozenset[str]]:
         """The engine's output modes and the structured-output kinds it enforces."""
         try:
             async with asyncio.timeout(PROBE_TIMEOUT_S):
                 async with self.session.get(url + CAPABILITIES_PATH) as response:
                     if response.status == 404:  # stock vLLM: its grammar backends enforce every kind
-                        return {"tokens", "text"}, frozenset(CONSTRAINT_KINDS)
+                        return await self._stock_modes(url), frozenset(CONSTRAINT_KINDS)
                     body = await response.read()
                     if response.status != 200:
                         raise EngineUnavailable(f"the engine's capabilities answer was {response.status}")
@@ -358,6 +423,21 @@ class EngineClient:
         if caps.max_model_len is not None:
             self._max_model_len = caps.max_model_len
         return set(caps.output_modes), frozenset(caps.structured_outputs)
+
+    async def _stock_modes(self, url: str) -> set[str]:
+        """A stock vLLM's output modes: text and tokens, and derender from 0.33 on."""
+        async with self.session.get(url + VERSION_PATH) as response:
+            body = await response.read() if response.status == 200 else b"{}"
+        try:
+            version = _VERSION.decode(body).version
+        except msgspec.DecodeError:
+            version = ""
+        if not serves_derender(version):
+            self._vllm_derender.discard(url)
+            return {"tokens", "text"}
+        log.info("engine %s is vLLM %s: its own derender form serves non-streaming chat", url, version)
+        self._vllm_derender.add(url)
+        return {"tokens", "text", "derender"}
 
     def max_model_len(self) -> int | None:
         """The context length the pool's engines reported (None until one did, or from stock vLLM)."""

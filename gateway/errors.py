@@ -19,7 +19,8 @@ and as client libraries match on (`context_length_exceeded`, `model_not_found`,
     ├── Unprocessable       422   invalid_request_error / null (well-formed but impossible)
     ├── RateLimited         429   requests / rate_limit_exceeded
     ├── EngineUnavailable   503   server_error / engine_unavailable (no engine answered)
-    │   └── EngineTimeout   504   server_error / engine_timeout (too slow, or went silent)
+    │   ├── EngineTimeout   504   server_error / engine_timeout (too slow, or went silent)
+    │   └── EngineRoutesOff 503   server_error / engine_unavailable (a 403: its generate API is off)
     ├── StreamDeadline      504   server_error / stream_deadline_exceeded (not retried)
     └── EngineFailed        502   server_error / engine_failed (an answer we cannot pass on)
 
@@ -132,6 +133,11 @@ class EngineTimeout(EngineUnavailable):
     status = 504
     type = "server_error"
     code: str | None = "engine_timeout"
+
+
+class EngineRoutesOff(EngineUnavailable):
+    """The engine answered 403 to the generate API (stock vLLM without `--enable-scale-out`):
+    it is healthy, it just serves none of the gateway's routes; another engine is tried."""
 
 
 class StreamDeadline(GatewayError):

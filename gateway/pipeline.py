@@ -32,6 +32,7 @@ from aiohttp import web
 from msgspec import UNSET
 
 from engine.openai_schema import Usage
+from gateway import vllm_derender
 from gateway.disagg import prefill
 from gateway.endpoints import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Answer, Endpoint
 from gateway.engine_client import Target
@@ -217,6 +218,9 @@ class Exchange:
             for i, prompt in enumerate(prompts)
         ]
         self.mode = "tokens" if target.route in ("tokens", "tokens-remote") else "text"
+        # A stock vLLM ≥ 0.33 takes the derender route in its own form (routing picks it
+        # only for a non-streaming chat): parse_context in, GenerateDerenderResponse out.
+        self.vllm_form = target.route == "derender" and target.engines.derender_form(target.endpoint.url) == "vllm"
         self.work = DerenderWork(http, self.route) if target.route in ("text", "tokens") else None
         self._derender: Any = None
         if self.route == "tokens-remote" and several:
@@ -234,9 +238,32 @@ class Exchange:
             stream=self.stream,
             include_usage=self.answer.include_usage,
             continuous_usage=self.answer.continuous_usage,
-            derender_fields=self.endpoint.engine_fields(self.body, leg.index),
+            derender_fields=self._derender_fields(leg),
             kv_transfer_params=leg.kv,
         )
+
+    def _derender_fields(self, leg: Leg) -> dict[str, Any]:
+        if not self.vllm_form:
+            return self.endpoint.engine_fields(self.body, leg.index)
+        chat = self.endpoint.chat_request(self.request)
+        assert chat is not None  # routing offers vLLM's form to chat requests only
+        return {"parse_context": vllm_derender.parse_context(chat)}
+
+    def _from_vllm(self, raw: bytes) -> Any:
+        """vLLM's derender answer as the client's ChatCompletion (its outcome on the server span)."""
+        answer, chat = self.answer, self.endpoint.chat_request(self.request)
+        completion = vllm_derender.chat_completion(
+            raw,
+            response_id=answer.response_id,
+            model=answer.model_name,
+            created=answer.created,
+            reasoning_field=answer.model.reasoning_field,
+            return_token_ids=bool(chat is not None and chat.return_token_ids),
+        )
+        usage = completion.usage
+        reasons = [choice.finish_reason for choice in completion.choices]
+        describe_outcome(self.http[SPAN_KEY], reasons, usage.prompt_tokens, usage.completion_tokens or 0)
+        return completion
 
     @asynccontextmanager
     async def _open(self, leg: Leg) -> AsyncIterator[aiohttp.ClientResponse]:
@@ -310,6 +337,9 @@ class Exchange:
             return self._merged_answer(await all_of([self._answer(leg) for leg in self.legs]))
         leg = self.legs[0]
         async with self._open(leg) as engine:
+            if self.vllm_form:
+                raw = await read_answer(engine)
+                return web.Response(body=_encode(self._from_vllm(raw)), content_type="application/json")
             if self.route == "derender":
                 return await relay_json(self.http, engine)
             if self.route == "tokens-remote":
@@ -341,6 +371,8 @@ class Exchange:
     async def _answer(self, leg: Leg) -> Any:
         async with self._open(leg) as engine:
             raw = await read_answer(engine)
+        if self.vllm_form:
+            return self._from_vllm(raw)
         if self.route == "derender":
             return relayed_answer(raw, self.endpoint.answer_decoder)
         if self.route == "tokens-remote":

@@ -184,6 +184,8 @@ class RequestFeatures:
     constraint: str | None = None
     """The structured-output kind the request sets (`json`, `regex`, ...): only engines that
     enforce it are picked."""
+    forced_tool: bool = False
+    """`tool_choice` is `required` or a named function (onehop forces the call in the prompt)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "headers", {k.lower(): v for k, v in self.headers.items()})

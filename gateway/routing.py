@@ -1,7 +1,8 @@
 """Choose the route and the engine for one request: the override header, else the policy.
 
 The policy decides against what the picked engine serves (its probed output
-modes, minus the gateway-parsed routes when onehop lacks the model's parsers)
+modes, minus the gateway-parsed routes when onehop lacks the model's parsers,
+minus a stock vLLM's derender for what its form cannot answer)
 and its live load; a rule that names a pool moves the request to that pool,
 and the route is decided again against what that pool's engines serve.
 """
@@ -13,6 +14,7 @@ from collections.abc import Sequence
 from aiohttp import web
 
 from gateway.config import ROUTES, Route
+from gateway import vllm_derender
 from gateway.engine_client import EngineClient, Target
 from gateway.errors import EngineUnavailable, InvalidRequest
 from gateway.observe import SPAN_KEY, measured
@@ -64,6 +66,8 @@ def _decide(
     `cost`, `default` or `header`), a bounded label for metrics, and the rule's pool."""
     if features.endpoint == "chat" and not model.parses_locally:
         available = available - GATEWAY_PARSED  # a capability fallback: the engine must parse
+    if "derender" in available and engines.derender_form(url) == "vllm" and not vllm_derender.serves(features):
+        available = available - {"derender"}  # stock vLLM's derender: non-streaming chat only
     wanted = http.headers.get(ROUTE_HEADER)
     if wanted and state.config.route_header:
         if wanted not in ROUTES:

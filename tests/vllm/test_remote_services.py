@@ -645,6 +645,34 @@ async def test_gateway_serves_chat_through_stock_vllm(vllm_url: str, model: str,
     assert answers["tokens"]["reasoning"] or answers["tokens"]["content"]
 
 
+async def test_gateway_takes_stock_vllm_032_as_032(vllm_url: str, model: str, tiny_model_dir: Path) -> None:
+    """vLLM 0.32 has no derender form (0.33's): its /version says so, and the gateway offers it
+    the text and tokens routes only."""
+    import aiohttp as http_client
+
+    from gateway.engine_client import EngineClient
+    from gateway.config import Health, Timeouts
+    from gateway.pool import Pool
+
+    async with http_client.ClientSession() as session:
+        async with session.get(vllm_url + "/version") as response:
+            assert (await response.json())["version"].startswith("0.32")
+    engines = EngineClient(Pool([], Health()), Timeouts(), Health())
+    await engines.start()
+    try:
+        assert await engines.routes(vllm_url) == {"tokens", "text"}
+        assert engines.derender_form(vllm_url) == "onehop"
+    finally:
+        await engines.close()
+    import openai
+
+    async with _gateway(vllm_url, model, tiny_model_dir, "local") as client:
+        with pytest.raises(openai.BadRequestError, match="not available on this engine"):
+            await client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "Hello"}], max_tokens=4, extra_headers={"onehop-route": "derender"}
+            )
+
+
 async def _completion(client: Any, model: str, route: str, stream: bool) -> dict[str, Any]:
     kwargs: dict[str, Any] = {
         "model": model,
