@@ -15,7 +15,9 @@ The supervisor (this module, in the parent process) does not serve:
   SIGTERM or SIGINT go to every worker, which drain as a single gateway does,
   and the supervisor exits when they have;
 - a worker that dies is started again, after a pause that doubles from 1 s
-  up to 30 s while workers keep dying within a minute of their start;
+  up to 30 s while workers keep dying within a minute of their start; after
+  `GIVE_UP` such quick deaths in a row (a config that cannot start, a port
+  taken) the supervisor stops every worker and exits 1;
 - the run directory (a temporary folder removed at exit) holds what the
   workers share: prometheus-client's multiprocess files, so any worker's
   `/metrics` answers the sum over all of them, and the Responses store
@@ -57,6 +59,8 @@ RESTART_MIN_S = 1.0
 RESTART_MAX_S = 30.0
 STABLE_S = 60.0
 """A worker that ran this long resets the restart pause."""
+GIVE_UP = 5
+"""Quick deaths in a row (each within STABLE_S of its start) after which the supervisor gives up."""
 STOP_GRACE_S = 60.0
 """How long workers may drain after SIGTERM before they are killed."""
 
@@ -110,6 +114,7 @@ class Supervisor:
     port: int
     _stopping: bool = False
     _slots: list[_Worker] = field(default_factory=list)
+    _quick_deaths: int = 0
 
     def run(self) -> int:
         folder = Path(tempfile.mkdtemp(prefix="onehop-gateway-"))
@@ -147,16 +152,23 @@ class Supervisor:
                     self._start(slot, env)
                 elif process is not None and process.poll() is not None:
                     self._died(slot, process, now, metrics)
+            if self._quick_deaths >= GIVE_UP:
+                log.error("gateway workers died %d times in a row within %.0f s of their start: giving up", GIVE_UP, STABLE_S)
+                return 1
             time.sleep(0.1)
         return 0
 
     def _died(self, slot: _Worker, process: subprocess.Popen[bytes], now: float, metrics: Path) -> None:
         _mark_dead(process.pid, metrics)
-        slot.pause_s = RESTART_MIN_S if now - slot.started >= STABLE_S else min(slot.pause_s * 2, RESTART_MAX_S)
+        quick = now - slot.started < STABLE_S
+        self._quick_deaths = self._quick_deaths + 1 if quick else 0
+        if not quick:
+            slot.pause_s = RESTART_MIN_S
         log.error("gateway worker %d (pid %d) exited with %s; starting it again in %.0f s",
                   slot.index, process.pid, process.returncode, slot.pause_s)
         slot.process = None
         slot.restart_at = now + slot.pause_s
+        slot.pause_s = min(slot.pause_s * 2, RESTART_MAX_S)
 
     def _forward(self, sig: int) -> None:
         for slot in self._slots:

@@ -136,3 +136,67 @@ async def test_two_workers_share_the_port_the_metrics_the_reload_and_the_store(
             assert process.wait(timeout=60) == 0
             with socket.socket() as probe:
                 assert probe.connect_ex(("127.0.0.1", int(base.rsplit(":", 1)[1]))) != 0
+
+
+def _children(pid: int) -> set[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return {int(child) for child in f.read().split()}
+
+
+async def _turn(base: str, previous: str | None) -> tuple[str, str | None]:
+    """One Responses turn on a fresh connection, continuing `previous`: its id and the worker."""
+    body: dict[str, object] = {"model": "sim", "input": "and then?", "max_output_tokens": 4}
+    if previous is not None:
+        body["previous_response_id"] = previous
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+        async with session.post(base + "/v1/responses", json=body) as response:
+            assert response.status == 200, await response.text()
+            return (await response.json())["id"], response.headers.get("onehop-worker")
+
+
+async def test_a_conversation_crosses_workers_and_a_killed_worker_comes_back(
+    qwen3_tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    config = tmp_path / "gateway.yaml"
+    async with engine_server(qwen3_tokenizer_dir) as (engine_url, _):
+        config.write_text(yaml.safe_dump({
+            "model": "sim", "tokenizer": str(qwen3_tokenizer_dir), "engines": [{"url": engine_url}],
+            "host": "127.0.0.1", "port": _free_port(),
+        }))
+        async with _workers(config, tmp_path / "gateway.log") as (base, process):
+            # Each turn names the one before; the kernel picks the worker of each connection.
+            previous, workers = None, set()
+            for _ in range(12):
+                previous, worker = await _turn(base, previous)
+                workers.add(worker)
+            assert workers == {"0", "1"}
+
+            served = await _fresh(base, "POST", "/v1/chat/completions", count=10, body=CHAT)
+            victim = min(_children(process.pid))
+            os.kill(victim, signal.SIGKILL)
+            deadline = time.monotonic() + 120
+            while victim in _children(process.pid) or len(_children(process.pid)) < 2:
+                assert time.monotonic() < deadline, "the killed worker was not started again"
+                await asyncio.sleep(0.2)  # until the supervisor reaped it and started another
+            await _until_both_ready(base, process, tmp_path / "gateway.log")
+            served += await _fresh(base, "POST", "/v1/chat/completions", count=10, body=CHAT)
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+                async with session.get(base + "/metrics") as response:
+                    # The dead worker's requests stay counted; the new one's are added.
+                    assert _requests_total(await response.text()) == len(served)
+            process.send_signal(signal.SIGTERM)  # the replacement drains and stops like the first ones
+            assert await asyncio.to_thread(process.wait, 60) == 0
+
+
+def test_workers_that_cannot_start_make_the_supervisor_give_up(tmp_path: Path) -> None:
+    """A config whose workers die at once (here: a tokenizer folder that is not one) ends the
+    supervisor with status 1 after a few restarts, rather than restarting forever."""
+    config = tmp_path / "gateway.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": "sim", "tokenizer": str(tmp_path / "no-such-tokenizer"), "engines": [{"url": "http://127.0.0.1:9"}],
+        "host": "127.0.0.1", "port": _free_port(),
+    }))
+    command = [sys.executable, "-m", "gateway", "gateway", "--config", str(config), "--workers", "2"]
+    process = subprocess.run(command, capture_output=True, timeout=120)
+    assert process.returncode == 1, process.stderr.decode()[-2000:]
+    assert b"giving up" in process.stderr
