@@ -67,8 +67,9 @@ def load_folder(folder: str | Path) -> TokenizerFolder:
     except Exception as exc:  # the tokenizers library raises bare Exceptions for malformed files
         raise TokenizerFolderError(f"{path} could not be loaded: {exc}") from exc
     config = _read_json(root / CONFIG_FILE)
-    named = _named_tokens(root, config)
-    _add_tokens(tokenizer, config, named)
+    merged = _with_legacy_tokens(root, config)
+    named = {key: merged[key] for key in NAMED_SPECIAL_TOKENS if merged.get(key) is not None}
+    _add_tokens(tokenizer, config, named, _extra_tokens(merged))
     if config.get("split_special_tokens"):
         tokenizer.encode_special_tokens = True
     return TokenizerFolder(tokenizer, _template_variables(config, named), _templates(root, config))
@@ -86,13 +87,20 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _named_tokens(root: Path, config: dict[str, Any]) -> dict[str, Any]:
-    """The named special tokens as the config gives them (a string or an AddedToken dict)."""
-    named = {key: config[key] for key in NAMED_SPECIAL_TOKENS if config.get(key) is not None}
-    if "added_tokens_decoder" not in config:
-        legacy = _read_json(root / LEGACY_SPECIAL_TOKENS_FILE)
-        named.update({key: value for key, value in legacy.items() if key in NAMED_SPECIAL_TOKENS and value is not None})
-    return named
+def _with_legacy_tokens(root: Path, config: dict[str, Any]) -> dict[str, Any]:
+    """The config with `special_tokens_map.json` over it, for configs from before `added_tokens_decoder`.
+
+    Its `additional_special_tokens` are not read: transformers 5 renamed them
+    `extra_special_tokens` before merging this file, and reads only the new name from it."""
+    merged = {**config, "extra_special_tokens": _extra_tokens(config)}
+    if "added_tokens_decoder" in config:
+        return merged
+    for key, value in _read_json(root / LEGACY_SPECIAL_TOKENS_FILE).items():
+        if key == "extra_special_tokens" and isinstance(value, list):
+            merged[key] = merged[key] + [token for token in value if token not in merged[key]]
+        elif key in NAMED_SPECIAL_TOKENS:
+            merged[key] = value
+    return merged
 
 
 def _content(token: Any) -> str:
@@ -124,13 +132,13 @@ def _extra_tokens(config: dict[str, Any]) -> list[Any]:
     return list(extra.values()) if isinstance(extra, dict) else list(extra)
 
 
-def _add_tokens(tokenizer: Tokenizer, config: dict[str, Any], named: dict[str, Any]) -> None:
+def _add_tokens(tokenizer: Tokenizer, config: dict[str, Any], named: dict[str, Any], extra: list[Any]) -> None:
     """Add what the config declares and `tokenizer.json` lacks, then mark the special ones special."""
     declared = config.get("added_tokens_decoder") or {}
     have = {token.content for token in tokenizer.get_added_tokens_decoder().values()}
     missing = [_added_token(declared[key]) for key in sorted(declared, key=int) if _content(declared[key]) not in have]
     have |= {token.content for token in missing}
-    specials = [*named.values(), *_extra_tokens(config)]
+    specials = [*named.values(), *extra]
     missing += [_added_token(token, special=True) for token in specials if _content(token) not in have]
     if missing:
         tokenizer.add_tokens(missing)
@@ -154,5 +162,7 @@ def _templates(root: Path, config: dict[str, Any]) -> dict[str, str]:
     if isinstance(declared, str):
         return {DEFAULT_TEMPLATE: declared}
     if isinstance(declared, list):
+        if not all(isinstance(entry, dict) and "name" in entry and "template" in entry for entry in declared):
+            raise TokenizerFolderError(f"{root / CONFIG_FILE}: each listed chat_template needs a name and a template")
         return {str(entry["name"]): str(entry["template"]) for entry in declared}
     return {}

@@ -4,7 +4,8 @@ Every chat template the project ships or tests with (Qwen3's, and each family
 fixture's), plus two folders written here for what those do not use: templates
 listed in `tokenizer_config.json` or in `additional_chat_templates/`, a BOS in
 the post-processor and as an AddedToken dict, a token only the config declares,
-and a template that calls every helper transformers gives templates. Where
+special tokens only in a legacy `special_tokens_map.json`, and a template that
+calls every helper transformers gives templates. Where
 transformers cannot render an input, the gateway must refuse it too.
 """
 
@@ -153,6 +154,25 @@ def _written_folder(root: Path, name: str, base: Path, *, list_templates: bool) 
     return folder
 
 
+def _legacy_folder(root: Path, base: Path) -> Path:
+    """A config from before `added_tokens_decoder`: the special tokens in `special_tokens_map.json`."""
+    folder = root / "legacy"
+    folder.mkdir()
+    shutil.copyfile(base / "tokenizer.json", folder / "tokenizer.json")
+    config = json.loads((base / "tokenizer_config.json").read_text(encoding="utf-8"))
+    for key in ("added_tokens_decoder", "bos_token", "eos_token"):
+        config.pop(key, None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    legacy = {
+        "bos_token": {"content": "<|endoftext|>", "lstrip": False, "rstrip": False, "normalized": False, "single_word": False},
+        "eos_token": "<|im_end|>",
+        "additional_special_tokens": ["<|legacy_extra|>"],
+    }
+    (folder / "special_tokens_map.json").write_text(json.dumps(legacy), encoding="utf-8")
+    (folder / "chat_template.jinja").write_text(HELPERS_TEMPLATE.replace("<|extra|>", "{{ eos_token }}<|legacy_extra|>"), encoding="utf-8")
+    return folder
+
+
 FOLDERS: dict[str, Callable[[Path, Path], Path]] = {
     "qwen3": lambda qwen3, _: qwen3,
     "deepseek": lambda qwen3, _: deepseek.deepseek_tokenizer_dir(qwen3),
@@ -166,6 +186,7 @@ FOLDERS: dict[str, Callable[[Path, Path], Path]] = {
     "pythonic": lambda qwen3, _: pythonic.pythonic_tokenizer_dir(qwen3),
     "listed_templates": lambda qwen3, tmp: _written_folder(tmp, "listed", qwen3, list_templates=True),
     "template_files": lambda qwen3, tmp: _written_folder(tmp, "files", qwen3, list_templates=False),
+    "legacy_special_tokens": lambda qwen3, tmp: _legacy_folder(tmp, qwen3),
 }
 
 
@@ -214,7 +235,7 @@ def test_documents_and_raised_errors_equal_transformers(pair: tuple[LocalRendere
     _check(pair, EXTRA_CASES[name])
 
 
-@pytest.mark.parametrize("text", ["hello world", "<|im_start|>user\nhi<|im_end|>", "  lead <|extra|> trail ", "<|endoftext|>x"])
+@pytest.mark.parametrize("text", ["hello world", "<|im_start|>user\nhi<|im_end|>", "  lead <|extra|> trail ", "<|endoftext|>x<|legacy_extra|>"])
 def test_special_tokens_are_added_as_transformers_adds_them(pair: tuple[LocalRenderer, Any], text: str) -> None:
     renderer, tokenizer = pair
     for add_special_tokens in (True, False):
