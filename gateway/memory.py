@@ -10,14 +10,13 @@ returns them. Elsewhere (musl, macOS) there is no such call and nothing to do.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
-
 
 
 def release_freed_memory() -> None:
-    name = ctypes.util.find_library("c")
-    if name is None:
+    try:
+        process = ctypes.CDLL(None)  # the symbols already loaded, libc's among them
+    except (OSError, TypeError):  # no dlopen of the process itself (Windows)
         return
-    trim = getattr(ctypes.CDLL(name), "malloc_trim", None)
+    trim = getattr(process, "malloc_trim", None)
     if trim is not None:
         trim(0)

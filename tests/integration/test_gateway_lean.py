@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 IDLE_RSS_BOUND_MIB = 150
-"""Measured 110.7 MiB on the Qwen3 tokenizer (554.7 MiB with transformers loaded)."""
+"""Measured 109.7 MiB on the Qwen3 tokenizer (554.7 MiB with transformers loaded)."""
 START_TIMEOUT_S = 60.0
 
 _GATEWAY_PATH = """
