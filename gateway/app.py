@@ -18,21 +18,22 @@ import msgspec
 from aiohttp import web
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from engine.app import load_vocab
 from engine.http_server import ERROR_BODY, new_event_loop, run_app
-from engine.derender.vocab import TokenVocab
+from engine.derender.vocab import TokenVocab, vocab_for
 from engine.derender.parsers import REASONING_PARSERS, TOOL_PARSERS
 from engine.derender.parsers.detect import resolve
 from engine.openai_schema import ModelCard, ModelList
 from engine.telemetry import Tracing, extract
 from gateway.access_log import AccessLogger
 from gateway.admission import Gate
+from gateway.chat_template import ChatTemplateError
 from gateway.auth import TENANT_KEY, check_key, keys_from_env, load_key_file, needs_key
 from gateway.config import ConfigError, EngineEndpoint, GatewayConfig, ModelConfig
 from gateway.engine_client import ABORT_TIMEOUT_S, EngineClient, EngineMismatch, Expected
 from gateway.errors import ERROR_BODIES, ERROR_KEY, REQUEST_ID_KEY, Handler, RouteNotFound, gateway_error_middleware, status_error_json
 from gateway.feedback import EngineFeedback
 from gateway.observe import GONE_KEY, MODEL_KEY, OPERATIONS, SPAN_KEY, STARTED_KEY
+from gateway.memory import release_freed_memory
 from gateway.lookups import handle_count_tokens, handle_delete_response, handle_get_response
 from gateway.messages import error_body as messages_error_body
 from gateway.pipeline import handle_chat, handle_completion, handle_messages, handle_responses
@@ -43,6 +44,7 @@ from gateway.policy import Policy, PolicyError, load_policy
 from gateway.pool import Pool
 from gateway.reload import WatchedFile
 from gateway.render import LocalRenderer
+from gateway.tokenizer_folder import TokenizerFolderError
 from gateway.state import GATEWAY, GatewayState
 from gateway.supervisor import Supervisor
 from gateway.workers import WORKER_HEADER, worker_index, worker_port
@@ -81,9 +83,12 @@ def _longest_token(vocab: TokenVocab) -> int:
 async def _runtime(plan: _ModelPlan) -> ModelRuntime:
     """Load what serving the model needs (off the loop: tokenizer files are large)."""
     config = plan.config
-    renderer, vocab = await asyncio.gather(
-        asyncio.to_thread(LocalRenderer, config.tokenizer), asyncio.to_thread(load_vocab, config.tokenizer)
-    )
+    try:
+        renderer = await asyncio.to_thread(LocalRenderer, config.tokenizer)
+    except (TokenizerFolderError, ChatTemplateError) as exc:
+        raise ConfigError(f"model {config.name}: {exc}") from exc
+    # One tokenizer for render and derender: each copy of a 151k-token vocabulary is ~45 MB.
+    vocab = await asyncio.to_thread(vocab_for, renderer.tokenizer)
     assert config.route is not None and config.render is not None and config.reasoning_field is not None  # defaults filled
     return ModelRuntime(
         name=config.name,
@@ -126,6 +131,7 @@ async def _start(state: GatewayState, plans: list[_ModelPlan], loops: Supervisor
         runtime = await _runtime(plan)
         for name in plan.config.names():
             state.models[name] = runtime
+    release_freed_memory()
     for engines in state.clients:
         loops.start("health", engines.watch_health)
         loops.start("dns", lambda engines=engines: engines.watch_dns(config.health.dns_interval_s))  # type: ignore[misc]

@@ -1,13 +1,15 @@
 """Render: an OpenAI request → prompt token ids, once per request.
 
-Local render runs the model folder's chat template (transformers) and
-tokenizes the result. Tokenization is cached per chat turn: the rendered text
-is cut right before each turn-opening special token (`<|im_start|>` for
-ChatML), which is exactly where the tokenizer itself splits the text (added
-tokens are matched before any other processing), so the ids equal tokenizing
-the whole text, and a system prompt or tool list repeated across requests is
-tokenized once. The cache is bounded in bytes (an estimate of what its
-strings and id lists hold), not entries: one huge turn cannot pin memory.
+Local render runs the model folder's chat template (`gateway.chat_template`:
+jinja2 as transformers runs it, without transformers) and tokenizes the
+result with `tokenizers` (`gateway.tokenizer_folder`). Tokenization is cached
+per chat turn: the rendered text is cut right before each turn-opening
+special token (`<|im_start|>` for ChatML), which is exactly where the
+tokenizer itself splits the text (added tokens are matched before any other
+processing), so the ids equal tokenizing the whole text, and a system
+prompt or tool list repeated across requests is tokenized once. The cache
+is bounded in bytes (an estimate of what its strings and id lists hold), not
+entries: one huge turn cannot pin memory.
 
 Every tokenizer call runs off the event loop, on the renderer's worker
 threads, several at once: a huge request must not hold up the small ones
@@ -24,12 +26,14 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import msgspec
+from tokenizers import Tokenizer
 
 from engine.openai_schema import ChatCompletionRequest, CompletionRequest
+from gateway.chat_template import ChatTemplate, ChatTemplateError, pick_template
 from gateway.errors import InvalidRequest
+from gateway.tokenizer_folder import load_folder
 
 _TURN_MARKERS = ("<|im_start|>",)
 CACHE_BYTES = 64 * 1024 * 1024
@@ -42,10 +46,10 @@ _RELEASE_GIL_CHARS = 4096
 
 class LocalRenderer:
     def __init__(self, tokenizer_dir: str | Path, *, workers: int = RENDER_WORKERS, cache_bytes: int = CACHE_BYTES) -> None:
-        from transformers import AutoTokenizer
-
-        self._tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-        self._backend = self._tokenizer.backend_tokenizer
+        folder = load_folder(tokenizer_dir)
+        self._backend = folder.tokenizer
+        self._special_tokens = folder.special_tokens
+        self._templates = {name: ChatTemplate(source) for name, source in folder.templates.items()}
         markers = [m for m in _TURN_MARKERS if self._backend.token_to_id(m) is not None]
         self._split = re.compile("(?=" + "|".join(re.escape(m) for m in markers) + ")") if markers else None
         self._segments: OrderedDict[str, list[int]] = OrderedDict()
@@ -59,8 +63,9 @@ class LocalRenderer:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     @property
-    def tokenizer(self) -> Any:
-        return self._tokenizer
+    def tokenizer(self) -> Tokenizer:
+        """The `tokenizers` backend prompts are encoded with (special tokens as the folder declares)."""
+        return self._backend
 
     async def chat(self, request: ChatCompletionRequest, *, suffix: str | None = None) -> list[int]:
         """The rendered prompt's ids, then `suffix`'s (the forced tool-call opening)."""
@@ -79,17 +84,17 @@ class LocalRenderer:
     def chat_text(self, request: ChatCompletionRequest) -> str:
         messages = [msgspec.to_builtins(message) for message in request.messages]
         tools = [msgspec.to_builtins(tool) for tool in request.tools] if request.tools else None
-        kwargs = dict(request.chat_template_kwargs or {})
         try:
-            return self._tokenizer.apply_chat_template(
+            return pick_template(self._templates, tools=tools is not None).render(
                 messages,
                 tools=tools,
+                documents=request.documents,
                 add_generation_prompt=request.add_generation_prompt and not request.continue_final_message,
                 continue_final_message=request.continue_final_message,
-                tokenize=False,
-                **kwargs,
+                special_tokens=self._special_tokens,
+                kwargs=request.chat_template_kwargs,
             )
-        except Exception as exc:  # template errors are the request's fault (a bad role, a missing field)
+        except ChatTemplateError as exc:  # template errors are the request's fault (a bad role, a missing field)
             raise InvalidRequest(f"the chat template could not render these messages: {exc}", param="messages") from exc
 
     def completion_prompts_sync(self, request: CompletionRequest) -> list[list[int]]:
