@@ -311,7 +311,9 @@ class _Times:
     """Thread CPU of the request's output work: each step from the backend's output to its
     bytes written (derender, serialization, SSE framing, the write, the metrics), the tail
     and the JSON body. The first step, the tail and the body are timed whole; of the other
-    steps one in `CPU_SAMPLE_EVERY` is, and the rest are counted at those steps' mean."""
+    steps one in `CPU_SAMPLE_EVERY` is, and the rest are counted at those steps' mean. A
+    write that has to wait for a slow client's socket lets other requests run inside a
+    timed step, and their CPU then counts here too."""
 
 
 CPU_SAMPLE_EVERY = 16
@@ -451,7 +453,8 @@ async def _drive(
         async with contextlib.aclosing(outputs):
             async for batch in outputs:
                 start = clock()
-                if countdown:  # the hot path: no thread-CPU read
+                # The hot path repeats the step below rather than branch on sampling in it.
+                if countdown:  # no thread-CPU read
                     countdown -= 1
                     counts[bisect_left(bounds, start - last)] += 1  # type: ignore[operator]  # StepBuckets.observe without its sum
                     last = start

@@ -2,7 +2,8 @@
 
 Names are documented in the README. `onehop_engine_output_cpu_seconds_total`
 is the number the gateway's cost policy reads: CPU the engine spent turning
-ids into text or OpenAI objects, by output mode.
+ids into text or OpenAI objects and writing them, by output mode (how it is
+measured: `engine.generate._Times.output_s`).
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ class EngineMetrics:
         )
         self.output_cpu = Counter(
             "onehop_engine_output_cpu_seconds",
-            "Engine CPU spent detokenizing, parsing and formatting output, by output mode.",
+            "Engine CPU spent on output (detokenizing, parsing, serializing, writing), by output mode.",
             ["mode"],
             registry=r,
         )
