@@ -2,11 +2,14 @@
 
 Names are documented in the README. `onehop_engine_output_cpu_seconds_total`
 is the number the gateway's cost policy reads: CPU the engine spent turning
-ids into text or OpenAI objects, by output mode.
+ids into text or OpenAI objects and writing them, by output mode (how it is
+measured: `engine.generate._Times.output_s`).
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client import (
@@ -16,10 +19,77 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _GAP_BUCKETS = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 _CPU_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1)
+
+
+class StepBuckets:
+    """One label set of a `StepHistogram`: plain bucket counts, no lock.
+
+    Hot path: `observe` runs once per generated token. prometheus_client's
+    `Histogram.observe` takes a lock and walks the buckets (about 0.7 µs here,
+    a fifth of a token's derender); a C-level bisect and a list increment cost
+    about a tenth of that. The engine serves from one event-loop thread, and
+    scrapes run on it too, so nothing else writes these counts meanwhile.
+    """
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last slot is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1  # `le` is inclusive, as bisect_left finds it
+        self.sum += value
+
+    def merge(self, counts: Sequence[int], total: float) -> None:
+        """Add the per-bucket counts (not cumulative) and the sum of many observations."""
+        mine = self.counts
+        for i, count in enumerate(counts):
+            mine[i] += count
+        self.sum += total
+
+
+class StepHistogram(Collector):
+    """A histogram with prometheus_client's name, labels, buckets and exposition, for per-token samples."""
+
+    def __init__(
+        self, name: str, documentation: str, labelnames: Sequence[str], *, buckets: Sequence[float], registry: CollectorRegistry
+    ) -> None:
+        self._name = name
+        self._documentation = documentation
+        self._labelnames = tuple(labelnames)
+        self._bounds = tuple(float(bound) for bound in buckets)
+        self._children: dict[tuple[str, ...], StepBuckets] = {}
+        registry.register(self)
+
+    def labels(self, *values: str) -> StepBuckets:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = StepBuckets(self._bounds)
+        return child
+
+    def describe(self) -> list[HistogramMetricFamily]:
+        return [HistogramMetricFamily(self._name, self._documentation, labels=self._labelnames)]
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        family = HistogramMetricFamily(self._name, self._documentation, labels=self._labelnames)
+        edges = [floatToGoString(bound) for bound in self._bounds] + ["+Inf"]
+        for values, child in self._children.items():
+            total = 0
+            cumulative: list[tuple[str, float]] = []
+            for edge, count in zip(edges, child.counts, strict=True):
+                total += count
+                cumulative.append((edge, total))
+            family.add_metric(list(values), cumulative, child.sum)
+        yield family
 
 
 @dataclass
@@ -37,7 +107,7 @@ class EngineMetrics:
         )
         self.output_cpu = Counter(
             "onehop_engine_output_cpu_seconds",
-            "Engine CPU spent detokenizing, parsing and formatting output, by output mode.",
+            "Engine CPU spent on output (detokenizing, parsing, serializing, writing), by output mode.",
             ["mode"],
             registry=r,
         )
@@ -55,7 +125,7 @@ class EngineMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.inter_token_latency = Histogram(
+        self.inter_token_latency = StepHistogram(
             "onehop_engine_inter_token_latency_seconds",
             "Gap between two backend outputs of one request (a decode step, plus any wait).",
             ["mode"],

@@ -7,8 +7,11 @@ A writer lives for one request and keeps one derender state per choice:
 one backend step of one choice into at most one SSE payload (one choice per
 event, as vLLM streams) and can also build the non-streaming body.
 
-The engine spends its CPU here; `cpu_s` accumulates the thread CPU of every
-call so the cost policy can see what each mode costs on the GPU pod.
+The engine spends its output CPU here; `engine.generate` times each step
+around the writer (and the write after it), so the writers keep no clock.
+A streamed request keeps per choice only what its next chunk needs (the
+detokenizer, stop strings, parsers, counts); the whole answer — every id,
+text delta and logprob — is kept only when the non-streaming body is built.
 """
 
 from __future__ import annotations
@@ -56,8 +59,6 @@ class WriterContext:
 
 
 class OutputWriter(Protocol):
-    cpu_s: float
-
     def head(self) -> list[bytes]:
         """Payloads to stream before any output (chat role chunks)."""
 
@@ -101,7 +102,10 @@ class _Choices:
         n = request.sampling_params.n
         self.request = request
         self.context = context
+        self.keep = not request.stream
+        """The body is built at the end: keep every id (a stream only counts them)."""
         self.token_ids: list[list[int]] = [[] for _ in range(n)]
+        self.counts = [0] * n
         self.finish: list[tuple[str | None, int | str | None]] = [(None, None)] * n
         options = request.stream_options
         self.include_usage = bool(options and options.include_usage)
@@ -115,7 +119,7 @@ class _Choices:
             ]
 
     def usage(self) -> Usage:
-        return _usage(len(self.request.token_ids), sum(len(ids) for ids in self.token_ids))
+        return _usage(len(self.request.token_ids), sum(self.counts))
 
     def open_choices(self) -> list[int]:
         return [i for i, (reason, _) in enumerate(self.finish) if reason is None]
@@ -134,7 +138,9 @@ class _Choices:
             ids = ids[: step.kept]
             text = "".join(piece for piece, _ in step.pieces)
             finish_reason, stop_reason = step.finish_reason, step.stop_reason
-        self.token_ids[index].extend(ids)
+        self.counts[index] += len(ids)
+        if self.keep:
+            self.token_ids[index].extend(ids)
         if finish_reason is not None:
             self.finish[index] = (finish_reason, stop_reason)
         if output.kv_transfer_params is not None:
@@ -155,7 +161,6 @@ class _ModeWriter:
     _response_type: type[GenerateTokensResponse | GenerateTextResponse]
 
     def __init__(self, request: GenerateRequest, context: WriterContext, *, decode: bool) -> None:
-        self.cpu_s = 0.0
         self._c = _Choices(request, context, decode=decode)
         self._logprobs: list[list[Any]] = [[] for _ in range(request.sampling_params.n)]
 
@@ -174,20 +179,16 @@ class _ModeWriter:
         )
 
     def step(self, output: BackendOutput) -> bytes | None:
-        start = time.thread_time()
-        try:
-            advanced = self._c.advance(output)
-            if advanced is None:
-                return None
-            choice = self._stream_choice(output, *advanced)
-            if choice is None:
-                return None
-            chunk = self._stream_type(request_id=self._c.request.request_id, choices=[choice])  # type: ignore[list-item]
-            if self._c.continuous:
-                chunk.usage = self._c.usage()
-            return encode(chunk)
-        finally:
-            self.cpu_s += time.thread_time() - start
+        advanced = self._c.advance(output)
+        if advanced is None:
+            return None
+        choice = self._stream_choice(output, *advanced)
+        if choice is None:
+            return None
+        chunk = self._stream_type(request_id=self._c.request.request_id, choices=[choice])  # type: ignore[list-item]
+        if self._c.continuous:
+            chunk.usage = self._c.usage()
+        return encode(chunk)
 
     def tail(self) -> list[bytes]:
         if not self._c.include_usage:
@@ -195,10 +196,9 @@ class _ModeWriter:
         return [encode(self._stream_type(request_id=self._c.request.request_id, choices=[], usage=self._c.usage()))]
 
     def body(self) -> bytes:
-        start = time.thread_time()
         request = self._c.request
         wants_logprobs = request.sampling_params.logprobs is not None
-        out = encode(
+        return encode(
             self._response_type(
                 request_id=request.request_id,
                 model=self._c.context.model,
@@ -209,8 +209,6 @@ class _ModeWriter:
                 kv_transfer_params=self._c.kv_transfer_params,
             )
         )
-        self.cpu_s += time.thread_time() - start
-        return out
 
     def _stream_choice(
         self, output: BackendOutput, ids: Sequence[int], text: str, finish: str | None, stop: int | str | None
@@ -234,7 +232,7 @@ class TokensWriter(_ModeWriter):
         self, output: BackendOutput, ids: Sequence[int], text: str, finish: str | None, stop: int | str | None
     ) -> GenerateTokensStreamChoice:
         logprobs = _kept_logprobs(output, len(ids))
-        if logprobs is not None:
+        if logprobs is not None and self._c.keep:
             self._logprobs[output.index].extend(logprobs)
         return GenerateTokensStreamChoice(
             index=output.index,
@@ -273,11 +271,12 @@ class TextWriter(_ModeWriter):
     def _stream_choice(
         self, output: BackendOutput, ids: Sequence[int], text: str, finish: str | None, stop: int | str | None
     ) -> GenerateTextStreamChoice | None:
-        self._texts[output.index].append(text)
         raw = _kept_logprobs(output, len(ids))
         logprobs = chat_logprobs(self._vocab, raw, self._TOP) if raw is not None else None
-        if logprobs is not None:
-            self._logprobs[output.index].extend(logprobs)
+        if self._c.keep:
+            self._texts[output.index].append(text)
+            if logprobs is not None:
+                self._logprobs[output.index].extend(logprobs)
         if not ids and not text and finish is None:
             return None
         return GenerateTextStreamChoice(
@@ -310,8 +309,8 @@ class DerenderWriter:
 
     def __init__(self, request: GenerateRequest, context: WriterContext) -> None:
         assert context.vocab is not None
-        self.cpu_s = 0.0
         sampling = request.sampling_params
+        keep_answer = not request.stream  # only the non-streaming body needs the whole answer
         options = request.stream_options
         include_usage = bool(options and options.include_usage)
         continuous = bool(options and options.continuous_usage_stats)
@@ -335,6 +334,7 @@ class DerenderWriter:
                 response_id=_response_id(request.request_id, "chatcmpl-"),
                 include_usage=include_usage,
                 continuous_usage=continuous,
+                keep_answer=keep_answer,
             )
         else:
             completion = request.completion_request
@@ -356,6 +356,7 @@ class DerenderWriter:
                 response_id=_response_id(request.request_id, "cmpl-"),
                 include_usage=include_usage,
                 continuous_usage=continuous,
+                keep_answer=keep_answer,
             )
 
     def head(self) -> list[bytes]:
@@ -375,30 +376,23 @@ class DerenderWriter:
         )
 
     def step(self, output: BackendOutput) -> bytes | None:
-        start = time.thread_time()
-        try:
-            if self._derender.choices[output.index].finished:
-                return None
-            chunk = self._derender.step(
-                output.index,
-                output.token_ids,
-                output.logprobs,
-                finish_reason=output.finish_reason,
-                stop_reason=output.stop_reason,
-            )
-            return None if chunk is None else encode(chunk)
-        finally:
-            self.cpu_s += time.thread_time() - start
+        if self._derender.choices[output.index].finished:
+            return None
+        chunk = self._derender.step(
+            output.index,
+            output.token_ids,
+            output.logprobs,
+            finish_reason=output.finish_reason,
+            stop_reason=output.stop_reason,
+        )
+        return None if chunk is None else encode(chunk)
 
     def tail(self) -> list[bytes]:
         chunk = self._derender.usage_chunk()
         return [] if chunk is None else [encode(chunk)]
 
     def body(self) -> bytes:
-        start = time.thread_time()
-        out = encode(self._derender.response())
-        self.cpu_s += time.thread_time() - start
-        return out
+        return encode(self._derender.response())
 
 
 def template_kwargs(request: GenerateRequest) -> dict[str, object]:

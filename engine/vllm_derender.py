@@ -82,7 +82,6 @@ class VllmDerenderWriter:
 
     def __init__(self, request: GenerateRequest, context: WriterContext, text: TextParams) -> None:
         assert context.vocab is not None
-        self.cpu_s = 0.0
         self._request = request
         self._model = context.model
         parse = request.parse_context
@@ -124,29 +123,24 @@ class VllmDerenderWriter:
         )
 
     def step(self, output: BackendOutput) -> bytes | None:
-        start = time.thread_time()
-        try:
-            if output.kv_transfer_params is not None:
-                self._kv_transfer_params = output.kv_transfer_params
-            if not self._derender.choices[output.index].finished:
-                self._derender.step(
-                    output.index,
-                    output.token_ids,
-                    output.logprobs,
-                    finish_reason=output.finish_reason,
-                    stop_reason=output.stop_reason,
-                )
-            return None  # nothing is streamed in this form
-        finally:
-            self.cpu_s += time.thread_time() - start
+        if output.kv_transfer_params is not None:
+            self._kv_transfer_params = output.kv_transfer_params
+        if not self._derender.choices[output.index].finished:
+            self._derender.step(
+                output.index,
+                output.token_ids,
+                output.logprobs,
+                finish_reason=output.finish_reason,
+                stop_reason=output.stop_reason,
+            )
+        return None  # nothing is streamed in this form
 
     def tail(self) -> list[bytes]:
         return []
 
     def body(self) -> bytes:
-        start = time.thread_time()
         request = self._request
-        out = encode(
+        return encode(
             GenerateDerenderResponse(
                 request_id=request.request_id,
                 model=self._model,
@@ -157,8 +151,6 @@ class VllmDerenderWriter:
                 kv_transfer_params=self._kv_transfer_params,
             )
         )
-        self.cpu_s += time.thread_time() - start
-        return out
 
     def _choice(self, state: ChatChoiceState) -> GenerateDerenderChoice:
         made = state.choice()

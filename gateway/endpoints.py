@@ -82,6 +82,8 @@ class Answer:
     created: int
     include_usage: bool
     continuous_usage: bool
+    keep_answer: bool = True
+    """The whole answer is built at the end (not streamed): derenders keep every delta for it."""
 
 
 class CompletionsDerender(CompletionDerender):
@@ -275,6 +277,7 @@ class Chat:
             created=answer.created,
             include_usage=answer.include_usage,
             continuous_usage=answer.continuous_usage,
+            keep_answer=answer.keep_answer,
         )
 
     def remote_derender(self, answer: Answer, body: bytes, prompt: list[int]) -> remote.RemoteChatDerender:
@@ -364,6 +367,7 @@ class Completions:
             created=answer.created,
             include_usage=answer.include_usage,
             continuous_usage=answer.continuous_usage,
+            keep_answer=answer.keep_answer,
         )
 
     def remote_derender(self, answer: Answer, body: bytes, prompt: list[int]) -> remote.RemoteCompletionDerender:

@@ -211,6 +211,7 @@ class Exchange:
             # several answers: usage is summed here; a presenter reports it in its own shape
             include_usage=self.client_usage or several or self.presenter is not None,
             continuous_usage=continuous,
+            keep_answer=not self.stream,
         )
         self.sampling = endpoint.route_sampling(sampling, model, target.route)
         self.legs = [

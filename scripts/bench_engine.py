@@ -12,16 +12,41 @@ chat workload (reasoning, then two tool calls; ~1k output tokens) through
 Modes: tokens, text, derender, and derender with logprobs + top_logprobs=20.
 
     .venv/bin/python scripts/bench_engine.py [--requests 8] [--concurrency 4] [--json out.json]
+
+`--overhead` measures instead, in this process, what the engine's per-step
+instrumentation costs as a share of the output work it measures. The same
+request (same writer, same backend outputs, one token a step, SSE framing in
+the consumer) runs three ways, interleaved, round after round:
+
+- bare: the engine's step loop with no clock and no metric;
+- before: the per-step pattern of commit f66ad7d, reconstructed here
+  (`_drive_before`): a monotonic read and a prometheus_client
+  `Histogram.observe` of the gap per step, and two `time.thread_time` reads
+  around each writer step (the writer's own `try/finally`, here a wrapper:
+  one more Python call per step than the original, ~0.05 µs);
+- after: the engine's own `engine.generate._drive`.
+
+Each is timed by thread CPU over the whole request, with the garbage
+collector paused (collected before each run). The cost is the median over
+rounds of (variant - bare) / bare, each round's variant against that round's
+bare run, so a neighbour that slows the machine for a while slows both.
+`metered` is what the after-run put in the output-CPU metric (its sampled
+estimate), as a share of the thread CPU the whole request took; the rest is
+the backend iteration, which is not output work.
+
+    .venv/bin/python scripts/bench_engine.py --overhead [--rounds 15] [--words 700]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import random
 import signal
+import statistics
 import socket
 import subprocess
 import sys
@@ -177,6 +202,373 @@ async def measure(requests: int, concurrency: int, words: int) -> dict[str, Any]
     return {"rows": rows, "requests": requests, "concurrency": concurrency, "tokens_per_request": output_tokens}
 
 
+def _logprob_entry(token: int, position: int, k: int) -> Any:
+    from engine.protocol import GenerateLogProb, GenerateLogProbsContent
+
+    logprob = -0.05 - ((token * 31 + position * 17) % 101) / 200
+    top = [GenerateLogProb(token_id=token, logprob=logprob, rank=1)]
+    top += [GenerateLogProb(token_id=(token + rank * 7919) % 151643, logprob=logprob - 1.5 * rank, rank=rank + 1) for rank in range(1, k + 1)]
+    return GenerateLogProbsContent(token_id=token, logprob=logprob, rank=1, top_logprobs=top)
+
+
+def backend_steps(ids: list[int], k: int | None) -> list[Any]:
+    """One backend output per token, as the sim backend streams them; the last one finishes."""
+    from engine.backends.base import BackendOutput
+
+    last = len(ids) - 1
+    return [
+        BackendOutput(
+            index=0,
+            token_ids=[token],
+            logprobs=[_logprob_entry(token, i, k)] if k is not None else None,
+            finish_reason="stop" if i == last else None,
+        )
+        for i, token in enumerate(ids)
+    ]
+
+
+class _StepTimed:
+    """The writer step of f66ad7d: thread CPU read before and after every call."""
+
+    def __init__(self, writer: Any) -> None:
+        self._writer = writer
+        self.cpu_s = 0.0
+
+    def head(self) -> list[bytes]:
+        return self._writer.head()  # type: ignore[no-any-return]
+
+    def tail(self) -> list[bytes]:
+        return self._writer.tail()  # type: ignore[no-any-return]
+
+    def open_choices(self) -> list[int]:
+        return self._writer.open_choices()  # type: ignore[no-any-return]
+
+    def step(self, output: Any) -> bytes | None:
+        start = time.thread_time()
+        try:
+            return self._writer.step(output)  # type: ignore[no-any-return]
+        finally:
+            self.cpu_s += time.thread_time() - start
+
+
+async def _drive_bare(writer: Any, outputs: Any) -> Any:
+    async for batch in outputs:
+        for output in batch:
+            payload = writer.step(output)
+            if payload is not None:
+                yield payload
+        if not writer.open_choices():
+            break
+    for payload in writer.tail():
+        yield payload
+
+
+async def _drive_before(metrics: Any, mode: str, writer: Any, outputs: Any, times: Any) -> Any:
+    """f66ad7d's step loop (head and first-token metrics trimmed: they run once a request)."""
+    itl = metrics.labels(mode)
+    produced = 0
+    async for batch in outputs:
+        now = time.monotonic()
+        if times.first is None:
+            times.first = now
+        else:
+            itl.observe(now - times.last)
+        times.last = now
+        for output in batch:
+            produced += len(output.token_ids)
+            payload = writer.step(output)
+            if payload is not None:
+                yield payload
+        if not writer.open_choices():
+            break
+    for payload in writer.tail():
+        yield payload
+
+
+async def _replay(steps: list[Any]) -> Any:
+    for output in steps:
+        yield [output]
+
+
+async def _consume(payloads: Any) -> int:
+    sent = 0
+    async for payload in payloads:
+        sent += len(b"data: " + payload + b"\n\n")  # the SSE framing the engine's stream does
+    return sent
+
+
+def measure_overhead(rounds: int, words: int) -> dict[str, Any]:
+    from prometheus_client import CollectorRegistry, Histogram
+    from transformers import AutoTokenizer
+
+    import msgspec
+
+    from engine.derender.vocab import vocab_for
+    from engine.generate import _drive, _Times
+    from engine.metrics import _GAP_BUCKETS, EngineMetrics
+    from engine.outputs import WriterContext, make_writer
+    from engine.protocol import decode_generate_request
+    from engine.qwen3.vocab import IM_END_ID
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_tokenizer())
+    context = WriterContext(model="sim", vocab=vocab_for(tokenizer), reasoning_parser="qwen3", tool_parser="hermes")
+    messages = [{"role": "user", "content": "Weather and time in Paris?"}]
+    prompt = list(tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=True)["input_ids"])
+    ids = tokenizer.encode(script_text(words)) + [IM_END_ID]
+    old_itl = Histogram("old_itl", "f66ad7d's inter-token histogram", ["mode"], buckets=_GAP_BUCKETS, registry=CollectorRegistry())
+    loop = asyncio.new_event_loop()
+    rows = []
+    try:
+        for label, mode in MODES.items():
+            body = request_body(prompt, mode)
+            steps = backend_steps(ids, mode.get("logprobs"))
+
+            def request() -> Any:
+                return decode_generate_request(msgspec.json.encode(body))
+
+            def bare() -> tuple[None, Any]:
+                return None, _drive_bare(make_writer(request(), context), _replay(steps))
+
+            def before() -> tuple[Any, Any]:
+                times = _Times(arrived=time.monotonic())
+                writer = _StepTimed(make_writer(request(), context))
+                return writer, _drive_before(old_itl, mode["output_mode"], writer, _replay(steps), times)
+
+            def after() -> tuple[Any, Any]:
+                times = _Times(arrived=time.monotonic())
+                generate = request()
+                return times, _drive(EngineMetrics(), generate, make_writer(generate, context), _replay(steps), times)
+
+            variants = {"bare": bare, "before": before, "after": after}
+            runs: dict[str, list[float]] = {name: [] for name in variants}
+            metered: list[float] = []
+            for turn in range(rounds):
+                names = list(variants)
+                names = names[turn % 3 :] + names[: turn % 3]  # rotate the order: no variant always runs first
+                for name in names:
+                    meter, payloads = variants[name]()
+                    gc.collect()
+                    gc.disable()  # a collection lands in whichever variant runs then: noise, not cost
+                    start = time.thread_time()
+                    loop.run_until_complete(_consume(payloads))
+                    spent = time.thread_time() - start
+                    gc.enable()
+                    runs[name].append(spent)
+                    if name == "after":
+                        metered.append(meter.output_s / spent)
+            bare_runs = runs["bare"]
+            rows.append(
+                {
+                    "mode": label,
+                    "tokens": len(ids),
+                    "work_us_per_token": statistics.median(bare_runs) / len(ids) * 1e6,
+                    "before_pct": _paired_cost(runs["before"], bare_runs),
+                    "after_pct": _paired_cost(runs["after"], bare_runs),
+                    "metered_share": statistics.median(metered),
+                }
+            )
+            print(f"measured {label}", file=sys.stderr)
+    finally:
+        os.killpg(engine.pid, signal.SIGTERM)
+        engine.wait(timeout=30)
+    return {"rows": rows, "requests": requests, "concurrency": concurrency, "tokens_per_request": output_tokens}
+
+
+def _logprob_entry(token: int, position: int, k: int) -> Any:
+    from engine.protocol import GenerateLogProb, GenerateLogProbsContent
+
+    logprob = -0.05 - ((token * 31 + position * 17) % 101) / 200
+    top = [GenerateLogProb(token_id=token, logprob=logprob, rank=1)]
+    top += [GenerateLogProb(token_id=(token + rank * 7919) % 151643, logprob=logprob - 1.5 * rank, rank=rank + 1) for rank in range(1, k + 1)]
+    return GenerateLogProbsContent(token_id=token, logprob=logprob, rank=1, top_logprobs=top)
+
+
+def backend_steps(ids: list[int], k: int | None) -> list[Any]:
+    """One backend output per token, as the sim backend streams them; the last one finishes."""
+    from engine.backends.base import BackendOutput
+
+    last = len(ids) - 1
+    return [
+        BackendOutput(
+            index=0,
+            token_ids=[token],
+            logprobs=[_logprob_entry(token, i, k)] if k is not None else None,
+            finish_reason="stop" if i == last else None,
+        )
+        for i, token in enumerate(ids)
+    ]
+
+
+class _StepTimed:
+    """The writer step of f66ad7d: thread CPU read before and after every call."""
+
+    def __init__(self, writer: Any) -> None:
+        self._writer = writer
+        self.cpu_s = 0.0
+
+    def head(self) -> list[bytes]:
+        return self._writer.head()  # type: ignore[no-any-return]
+
+    def tail(self) -> list[bytes]:
+        return self._writer.tail()  # type: ignore[no-any-return]
+
+    def open_choices(self) -> list[int]:
+        return self._writer.open_choices()  # type: ignore[no-any-return]
+
+    def step(self, output: Any) -> bytes | None:
+        start = time.thread_time()
+        try:
+            return self._writer.step(output)  # type: ignore[no-any-return]
+        finally:
+            self.cpu_s += time.thread_time() - start
+
+
+async def _drive_bare(writer: Any, outputs: Any) -> Any:
+    async for batch in outputs:
+        for output in batch:
+            payload = writer.step(output)
+            if payload is not None:
+                yield payload
+        if not writer.open_choices():
+            break
+    for payload in writer.tail():
+        yield payload
+
+
+async def _drive_before(metrics: Any, mode: str, writer: Any, outputs: Any, times: Any) -> Any:
+    """f66ad7d's step loop (head and first-token metrics trimmed: they run once a request)."""
+    itl = metrics.labels(mode)
+    produced = 0
+    async for batch in outputs:
+        now = time.monotonic()
+        if times.first is None:
+            times.first = now
+        else:
+            itl.observe(now - times.last)
+        times.last = now
+        for output in batch:
+            produced += len(output.token_ids)
+            payload = writer.step(output)
+            if payload is not None:
+                yield payload
+        if not writer.open_choices():
+            break
+    for payload in writer.tail():
+        yield payload
+
+
+async def _replay(steps: list[Any]) -> Any:
+    for output in steps:
+        yield [output]
+
+
+async def _consume(payloads: Any) -> int:
+    sent = 0
+    async for payload in payloads:
+        sent += len(b"data: " + payload + b"\n\n")  # the SSE framing the engine's stream does
+    return sent
+
+
+def measure_overhead(rounds: int, words: int) -> dict[str, Any]:
+    from prometheus_client import CollectorRegistry, Histogram
+    from transformers import AutoTokenizer
+
+    import msgspec
+
+    from engine.derender.vocab import vocab_for
+    from engine.generate import _drive, _Times
+    from engine.metrics import _GAP_BUCKETS, EngineMetrics
+    from engine.outputs import WriterContext, make_writer
+    from engine.protocol import decode_generate_request
+    from engine.qwen3.vocab import IM_END_ID
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_tokenizer())
+    context = WriterContext(model="sim", vocab=vocab_for(tokenizer), reasoning_parser="qwen3", tool_parser="hermes")
+    messages = [{"role": "user", "content": "Weather and time in Paris?"}]
+    prompt = list(tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=True)["input_ids"])
+    ids = tokenizer.encode(script_text(words)) + [IM_END_ID]
+    old_itl = Histogram("old_itl", "f66ad7d's inter-token histogram", ["mode"], buckets=_GAP_BUCKETS, registry=CollectorRegistry())
+    loop = asyncio.new_event_loop()
+    rows = []
+    try:
+        for label, mode in MODES.items():
+            body = request_body(prompt, mode)
+            steps = backend_steps(ids, mode.get("logprobs"))
+
+            def request() -> Any:
+                return decode_generate_request(msgspec.json.encode(body))
+
+            def bare() -> tuple[None, Any]:
+                return None, _drive_bare(make_writer(request(), context), _replay(steps))
+
+            def before() -> tuple[Any, Any]:
+                times = _Times(arrived=time.monotonic())
+                writer = _StepTimed(make_writer(request(), context))
+                return writer, _drive_before(old_itl, mode["output_mode"], writer, _replay(steps), times)
+
+            def after() -> tuple[Any, Any]:
+                times = _Times(arrived=time.monotonic())
+                generate = request()
+                return times, _drive(EngineMetrics(), generate, make_writer(generate, context), _replay(steps), times)
+
+            variants = {"bare": bare, "before": before, "after": after}
+            best = {name: float("inf") for name in variants}
+            metered = 0.0
+            for turn in range(rounds):
+                names = list(variants)
+                names = names[turn % 3 :] + names[: turn % 3]  # rotate the order: no variant always runs first
+                for name in names:
+                    meter, payloads = variants[name]()
+                    gc.collect()
+                    gc.disable()  # a collection lands in whichever variant runs then: noise, not cost
+                    start = time.thread_time()
+                    loop.run_until_complete(_consume(payloads))
+                    spent = time.thread_time() - start
+                    gc.enable()
+                    if spent < best[name]:
+                        best[name] = spent
+                        if name == "after":
+                            metered = meter.output_s / spent
+            work = best["bare"]
+            rows.append(
+                {
+                    "mode": label,
+                    "tokens": len(ids),
+                    "work_us_per_token": work / len(ids) * 1e6,
+                    "before_pct": (best["before"] - work) / work * 100,
+                    "after_pct": (best["after"] - work) / work * 100,
+                    "metered_share": metered,
+                }
+            )
+            print(f"measured {label}", file=sys.stderr)
+    finally:
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
+    return {"rows": rows, "rounds": rounds, "tokens_per_request": len(ids)}
+
+
+def _paired_cost(variant: list[float], bare: list[float]) -> float:
+    """Median over rounds of (variant - bare) / bare, each round against its own bare run:
+    neighbours that slow the machine for a while slow both sides of a pair alike."""
+    return statistics.median((v - b) / b * 100 for v, b in zip(variant, bare, strict=True))
+
+
+def report_overhead(results: dict[str, Any]) -> str:
+    lines = [
+        f"Per-step instrumentation as a share of the output work it measures, one streamed request of "
+        f"{results['tokens_per_request']} tokens (one a step), median of {results['rounds']} interleaved rounds",
+        "",
+        "| mode | output work (µs / token) | before: f66ad7d's pattern | after | after: metered / thread CPU |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for row in results["rows"]:
+        lines.append(
+            f"| {row['mode']} | {row['work_us_per_token']:.2f} | {row['before_pct']:+.1f}% | {row['after_pct']:+.1f}% |"
+            f" {row['metered_share']:.0%} |"
+        )
+    return "\n".join(lines)
+
+
 def report(results: dict[str, Any]) -> str:
     rows = results["rows"]
     base = next(r for r in rows if r["mode"] == "tokens")
@@ -202,9 +594,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--words", type=int, default=700, help="reasoning words in the scripted output (~1k tokens)")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--overhead", action="store_true", help="measure the per-step instrumentation's cost instead")
+    parser.add_argument("--rounds", type=int, default=15, help="--overhead: interleaved rounds per mode")
     args = parser.parse_args(argv)
-    results = asyncio.run(measure(args.requests, args.concurrency, args.words))
-    print(report(results))
+    if args.overhead:
+        results = measure_overhead(args.rounds, args.words)
+        print(report_overhead(results))
+    else:
+        results = asyncio.run(measure(args.requests, args.concurrency, args.words))
+        print(report(results))
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2))
     return 0

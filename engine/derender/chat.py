@@ -4,7 +4,10 @@ One `ChatChoiceState` per choice lives for the whole request: a detokenizer,
 stop strings, and one reasoning/tool parser, each fed only the new tokens
 (O(delta) per chunk). `ChatDerender` wraps the choices of one request and
 emits `ChatCompletionChunk`s; the non-streaming `ChatCompletion` is the fold
-of the very same deltas, so both shapes always agree.
+of the very same deltas, so both shapes always agree. Only that fold needs
+the deltas kept: a stream (`keep_answer=False`) holds per choice what the
+next chunk needs and counts, not every delta and logprob (at top_logprobs=20
+those are ~1.4 KB a token).
 
 Output follows vLLM 0.32's coupled `/v1/chat/completions`, with these
 deliberate choices:
@@ -26,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from engine.derender.detokenizer import make_detokenizer
+from engine.derender.errors import AnswerNotKept
 from engine.derender.logprobs import chat_logprobs
 from engine.derender.markers import MarkerSplitter
 from engine.derender.parsers import (
@@ -169,7 +173,10 @@ class ChatChoiceState:
         "_content",
         "_calls",
         "_logprobs",
+        "_whole",
+        "_called",
         "token_ids",
+        "completion_tokens",
         "finish_reason",
         "stop_reason",
         "reasoning_tokens",
@@ -183,8 +190,10 @@ class ChatChoiceState:
         *,
         prompt_token_ids: Sequence[int] = (),
         new_tool_call_id: Callable[[], str] = new_tool_call_id,
+        keep_answer: bool = True,
     ) -> None:
         self.index = index
+        self._whole = keep_answer
         self._vocab = vocab
         self._options = options
         parsers = bind_parsers(vocab, options.reasoning_parser, options.tool_parser)
@@ -212,7 +221,10 @@ class ChatChoiceState:
         self._content: list[str] = []
         self._calls: list[_CallAcc] = []
         self._logprobs: list[ChatLogprobToken] = []
+        self._called = False
         self.token_ids: list[int] = []
+        """Every kept id when the answer is kept (`choice()` needs them), else empty."""
+        self.completion_tokens = 0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.reasoning_tokens = 0
@@ -270,7 +282,8 @@ class ChatChoiceState:
             for entry in logprobs:  # text mode sends every candidate; the client asked for `top`
                 if len(entry.top_logprobs) > top:
                     entry.top_logprobs = entry.top_logprobs[:top]
-            self._logprobs.extend(logprobs)
+            if self._whole:
+                self._logprobs.extend(logprobs)
         else:
             logprobs = None
         return self._emit(pieces, token_ids, logprobs, finish_reason, stop_reason)
@@ -283,11 +296,15 @@ class ChatChoiceState:
         finish_reason: str | None,
         stop_reason: int | str | None,
     ) -> ChatCompletionChunkChoice | None:
-        self.token_ids.extend(kept)
+        self.completion_tokens += len(kept)
         reasoning, content, tool_deltas = self._parse(pieces, finish_reason is not None)
-        self._reasoning.append(reasoning)
-        self._content.append(content)
-        self._collect_calls(tool_deltas)
+        if self._whole:
+            self.token_ids.extend(kept)
+            self._reasoning.append(reasoning)
+            self._content.append(content)
+            self._collect_calls(tool_deltas)
+        elif tool_deltas:
+            self._called = True
         if finish_reason is not None:
             self.finish_reason = self._final_reason(finish_reason, stop_reason)
             self.stop_reason = stop_reason
@@ -318,11 +335,13 @@ class ChatChoiceState:
         if not self._options.logprobs or logprobs is None:
             return None
         entries = chat_logprobs(self._vocab, logprobs[:kept], self._options.top_logprobs)
-        self._logprobs.extend(entries)
+        if self._whole:
+            self._logprobs.extend(entries)
         return entries
 
     def _final_reason(self, finish_reason: str, stop_reason: int | str | None) -> str:
-        if finish_reason == "stop" and self._calls and not isinstance(stop_reason, str):
+        called = self._called or bool(self._calls)
+        if finish_reason == "stop" and called and not isinstance(stop_reason, str):
             return "tool_calls"
         return finish_reason
 
@@ -370,6 +389,8 @@ class ChatChoiceState:
 
     def choice(self) -> ChatCompletionChoice:
         """The non-streaming choice: everything streamed so far, joined."""
+        if not self._whole:
+            raise AnswerNotKept("this choice streamed without keeping its answer")
         reasoning = "".join(self._reasoning) or None
         content = "".join(self._content) or None
         message = ChatCompletionMessage(content=content)
@@ -455,9 +476,18 @@ class ChatDerender:
         continuous_usage: bool = False,
         cached_tokens: int | None = None,
         new_tool_call_id: Callable[[], str] = new_tool_call_id,
+        keep_answer: bool = True,
     ) -> None:
+        """`keep_answer=False` for a stream: `response()` is then unavailable."""
         self.choices = [
-            ChatChoiceState(i, vocab, options, prompt_token_ids=prompt_token_ids, new_tool_call_id=new_tool_call_id)
+            ChatChoiceState(
+                i,
+                vocab,
+                options,
+                prompt_token_ids=prompt_token_ids,
+                new_tool_call_id=new_tool_call_id,
+                keep_answer=keep_answer,
+            )
             for i in range(n)
         ]
         self.id = response_id or f"chatcmpl-{uuid.uuid4().hex}"

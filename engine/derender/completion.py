@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from engine.derender.errors import AnswerNotKept
 from engine.derender.logprobs import completion_from_chat_logprobs, completion_logprobs
 from engine.derender.text import TextParams, TextPipeline
 from engine.derender.usage import usage_of
@@ -65,7 +66,9 @@ class CompletionChoiceState:
         "_offset",
         "_echo",
         "_logprobs",
+        "_whole",
         "token_ids",
+        "completion_tokens",
         "finish_reason",
         "stop_reason",
     )
@@ -78,8 +81,10 @@ class CompletionChoiceState:
         *,
         prompt_token_ids: Sequence[int] = (),
         echo_text: str = "",
+        keep_answer: bool = True,
     ) -> None:
         self.index = index
+        self._whole = keep_answer
         self._vocab = vocab
         self._options = options
         self._text = TextPipeline(vocab, options.text, prompt_token_ids=prompt_token_ids)
@@ -88,6 +93,8 @@ class CompletionChoiceState:
         self._offset = len(echo_text)  # logprob text offsets count the echoed prompt
         self._logprobs = CompletionLogprobs()
         self.token_ids: list[int] = []
+        """Every kept id when the answer is kept (`choice()` needs them), else empty."""
+        self.completion_tokens = 0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
 
@@ -105,7 +112,7 @@ class CompletionChoiceState:
     ) -> CompletionChunkChoice | None:
         step = self._text.feed(token_ids, finish_reason=finish_reason, stop_reason=stop_reason)
         kept = token_ids[: step.kept] if step.kept < len(token_ids) else token_ids
-        self.token_ids.extend(kept)
+        self._count(kept)
         generated = "".join(piece for piece, _ in step.pieces)
         entries = self._format_logprobs(logprobs, len(kept))
         return self._emit(generated, entries, kept, step.finish_reason, step.stop_reason)
@@ -120,7 +127,7 @@ class CompletionChoiceState:
         stop_reason: int | str | None = None,
     ) -> CompletionChunkChoice | None:
         """One step of an engine's `text` output (stop strings already applied there)."""
-        self.token_ids.extend(token_ids)
+        self._count(token_ids)
         entries = None
         if self._options.logprobs is not None and logprobs is not None:
             entries = self._keep(completion_from_chat_logprobs(logprobs, self._options.logprobs, self._offset))
@@ -136,7 +143,8 @@ class CompletionChoiceState:
     ) -> CompletionChunkChoice | None:
         text = self._echo + generated if self._echo else generated
         self._echo = ""
-        self._parts.append(text)
+        if self._whole:
+            self._parts.append(text)
         if finish_reason is not None:
             self.finish_reason, self.stop_reason = finish_reason, stop_reason
         if not text and entries is None and self.finish_reason is None:
@@ -152,6 +160,11 @@ class CompletionChoiceState:
             choice.token_ids = list(kept)
         return choice
 
+    def _count(self, ids: Sequence[int]) -> None:
+        self.completion_tokens += len(ids)
+        if self._whole:
+            self.token_ids.extend(ids)
+
     def _format_logprobs(
         self, logprobs: Sequence[GenerateLogProbsContent] | None, kept: int
     ) -> CompletionLogprobs | None:
@@ -162,6 +175,8 @@ class CompletionChoiceState:
     def _keep(self, entries: CompletionLogprobs) -> CompletionLogprobs:
         # Offsets advance by each token's own string, so they do not depend on chunking.
         self._offset += sum(len(token) for token in entries.tokens)
+        if not self._whole:
+            return entries
         whole = self._logprobs
         whole.text_offset += entries.text_offset
         whole.token_logprobs += entries.token_logprobs
@@ -170,6 +185,8 @@ class CompletionChoiceState:
         return entries
 
     def choice(self) -> CompletionChoice:
+        if not self._whole:
+            raise AnswerNotKept("this choice streamed without keeping its answer")
         return CompletionChoice(
             index=self.index,
             text="".join(self._parts),
@@ -197,10 +214,19 @@ class CompletionDerender:
         include_usage: bool = False,
         continuous_usage: bool = False,
         cached_tokens: int | None = None,
+        keep_answer: bool = True,
     ) -> None:
+        """`keep_answer=False` for a stream: `response()` is then unavailable."""
         echo = vocab.backend.decode(list(prompt_token_ids), skip_special_tokens=False) if options.echo else ""
         self.choices = [
-            CompletionChoiceState(first_index + i, vocab, options, prompt_token_ids=prompt_token_ids, echo_text=echo)
+            CompletionChoiceState(
+                first_index + i,
+                vocab,
+                options,
+                prompt_token_ids=prompt_token_ids,
+                echo_text=echo,
+                keep_answer=keep_answer,
+            )
             for i in range(n)
         ]
         self.id = response_id or f"cmpl-{uuid.uuid4().hex}"

@@ -2,6 +2,9 @@
 
     DerenderError            base class; the engine and gateway map it to a 400
     └── TokenIdOutOfRange    a token id the tokenizer has no entry for
+
+    AnswerNotKept            a streamed derender was asked for the whole answer
+                             it did not keep (a bug of the caller: a 500)
 """
 
 from __future__ import annotations
@@ -16,3 +19,7 @@ class TokenIdOutOfRange(DerenderError):
         super().__init__(f"token id {token_id} is out of range for a vocabulary of {vocab_size} tokens")
         self.token_id = token_id
         self.vocab_size = vocab_size
+
+
+class AnswerNotKept(RuntimeError):
+    """A derender made with `keep_answer=False` was asked for its non-streaming answer."""

@@ -10,7 +10,7 @@ from engine.openai_schema import CompletionTokensDetails, PromptTokensDetails, U
 
 class _Counted(Protocol):
     @property
-    def token_ids(self) -> list[int]: ...
+    def completion_tokens(self) -> int: ...
 
 
 def usage_of(
@@ -21,7 +21,7 @@ def usage_of(
     reasoning_tokens: int | None = None,
 ) -> Usage:
     """`reasoning_tokens` None leaves the details out (no reasoning parser), as vLLM does."""
-    completion = sum(len(choice.token_ids) for choice in choices)
+    completion = sum(choice.completion_tokens for choice in choices)
     usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion)
     if cached_tokens is not None:
         usage.prompt_tokens_details = PromptTokensDetails(cached_tokens=cached_tokens)

@@ -29,3 +29,14 @@ def test_short_run_reports_every_mode(tmp_path: Path) -> None:
         assert row["output_tokens"] == 2 * results["tokens_per_request"]
         assert row["process_cpu_s_per_1k"] >= 0  # clock ticks: a short run may read zero
         assert row["output_cpu_s_per_1k"] > 0
+
+
+def test_overhead_mode_compares_before_and_after_on_every_mode(tmp_path: Path) -> None:
+    out = tmp_path / "overhead.json"
+    assert load_bench().main(["--overhead", "--rounds", "2", "--words", "40", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert [row["mode"] for row in results["rows"]] == ["tokens", "text", "derender", "derender, top_logprobs=20"]
+    for row in results["rows"]:
+        assert row["tokens"] == results["tokens_per_request"] > 40
+        assert row["work_us_per_token"] > 0
+        assert row["metered_share"] > 0  # the after-run put its output CPU in the metric
