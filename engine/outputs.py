@@ -26,6 +26,7 @@ from engine.derender.chat import ChatDerender, ChatOptions, ReasoningField
 from engine.derender.completion import CompletionDerender, CompletionOptions
 from engine.derender.logprobs import chat_logprobs
 from engine.derender.text import TextParams, TextPipeline
+from engine.derender.usage import derender_summary, open_choices
 from engine.derender.vocab import TokenVocab
 from engine.openai_schema import ChatLogprobs, Usage
 from engine.protocol import (
@@ -365,15 +366,10 @@ class DerenderWriter:
         return []
 
     def open_choices(self) -> list[int]:
-        return [i for i, choice in enumerate(self._derender.choices) if not choice.finished]
+        return open_choices(self._derender)
 
     def summary(self) -> EngineSummary:
-        usage = self._derender.usage()
-        return EngineSummary(
-            finish_reasons=[choice.finish_reason for choice in self._derender.choices],
-            prompt_tokens=usage.prompt_tokens,
-            completion_tokens=usage.completion_tokens or 0,
-        )
+        return derender_summary(self._derender)
 
     def step(self, output: BackendOutput) -> bytes | None:
         if self._derender.choices[output.index].finished:

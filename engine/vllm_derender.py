@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from engine.backends.base import BackendOutput
 from engine.derender.chat import ChatChoiceState, ChatDerender, ChatOptions
 from engine.derender.text import TextParams
+from engine.derender.usage import derender_summary, open_choices
 from engine.errors import BadRequest
 from engine.openai_schema import ChatCompletionRequest, NamedToolChoice
 from engine.protocol import (
@@ -112,15 +113,10 @@ class VllmDerenderWriter:
         return []
 
     def open_choices(self) -> list[int]:
-        return [i for i, choice in enumerate(self._derender.choices) if not choice.finished]
+        return open_choices(self._derender)
 
     def summary(self) -> EngineSummary:
-        usage = self._derender.usage()
-        return EngineSummary(
-            finish_reasons=[choice.finish_reason for choice in self._derender.choices],
-            prompt_tokens=usage.prompt_tokens,
-            completion_tokens=usage.completion_tokens or 0,
-        )
+        return derender_summary(self._derender)
 
     def step(self, output: BackendOutput) -> bytes | None:
         if output.kv_transfer_params is not None:

@@ -6,11 +6,42 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from engine.openai_schema import CompletionTokensDetails, PromptTokensDetails, Usage
+from engine.protocol import EngineSummary
 
 
 class _Counted(Protocol):
     @property
     def completion_tokens(self) -> int: ...
+
+
+class _Choice(Protocol):
+    @property
+    def finished(self) -> bool: ...
+
+    @property
+    def finish_reason(self) -> str | None: ...
+
+
+class _Derender(Protocol):
+    @property
+    def choices(self) -> Sequence[_Choice]: ...
+
+    def usage(self) -> Usage: ...
+
+
+def open_choices(derender: _Derender) -> list[int]:
+    """Indices of a derender's choices that have not finished."""
+    return [i for i, choice in enumerate(derender.choices) if not choice.finished]
+
+
+def derender_summary(derender: _Derender) -> EngineSummary:
+    """Finish reasons and token counts of a derender's choices so far (the engine's summary)."""
+    usage = derender.usage()
+    return EngineSummary(
+        finish_reasons=[choice.finish_reason for choice in derender.choices],
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens or 0,
+    )
 
 
 def usage_of(
