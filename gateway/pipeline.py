@@ -42,9 +42,8 @@ from gateway.observe import GONE_KEY, MODEL_KEY, SPAN_KEY, DerenderWork, describ
 from gateway.relay import (
     derender_answer,
     derendered,
-    derendered_batches,
+    derendered_stream,
     encoded,
-    encoded_batches,
     read_answer,
     relay_json,
     relay_stream,
@@ -326,8 +325,8 @@ class Exchange:
                 remote = self.endpoint.remote_derender(self.answer, self.body, leg.prompt)
                 return await remote_stream(http, engine, remote, first, rid)
             assert self.work is not None
-            batches = derendered_batches(engine, self._new_derender(leg), self.mode, first, self.work)
-            return await respond_stream(http, self.route, rid, encoded_batches(batches))
+            derender = self._new_derender(leg)
+            return await derendered_stream(http, self.route, engine, derender, self.mode, first, self.work, rid)
 
     async def _respond_json(self) -> web.Response:
         if self.presenter is not None:

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import aiohttp
 import msgspec
 from aiohttp import web
+from opentelemetry.trace import Span
 
 from engine.derender.errors import DerenderError
 from engine.derender.text import OutputFinished
@@ -54,6 +55,7 @@ from gateway.errors import (
 from gateway.config import Timeouts as StreamTimeouts
 from gateway.observe import SPAN_KEY, STARTED_KEY, DerenderWork, StreamTimer, describe_outcome
 from gateway.remote import RemoteChatDerender, RemoteCompletionDerender, RemoteServiceError
+from gateway.splice import splice
 from gateway.sse import DONE, DONE_FRAME, MAX_EVENT_BYTES, SSEError, SSEReader, frame
 from gateway.state import GATEWAY
 
@@ -81,7 +83,7 @@ class ClientStream:
     wait for the client is timed, and a client that takes nothing for `client_write_s` is cut
     off as if it had left."""
 
-    __slots__ = ("_high", "_protocol", "_stall_s", "_timer", "_transport", "response")
+    __slots__ = ("_chunked", "_direct", "_high", "_protocol", "_stall_s", "_timer", "_transport", "_writer", "response")
 
     def __init__(self, http: web.Request, response: web.StreamResponse, timer: StreamTimer, stall_s: float) -> None:
         self.response = response
@@ -90,6 +92,10 @@ class ClientStream:
         self._protocol = http.protocol
         self._high = http.transport.get_write_buffer_limits()[1] if http.transport is not None else 0
         self._stall_s = stall_s
+        self._writer = http.writer
+        self._chunked = http.writer.chunked
+        self._direct = 0
+        """Bytes `write_now` put on the transport itself (aiohttp's writer counts them at the end)."""
 
     def _may_wait(self, size: int) -> bool:
         """A write waits for the client only when the transport is paused (its buffer went past
@@ -123,12 +129,30 @@ class ClientStream:
         await self._write(data)
         self._timer.wrote()
 
+    def write_now(self, data: bytes) -> bool:
+        """Write `data` without waiting, framed as aiohttp's writer would (the response is never
+        compressed), when the client keeps up; False when it is behind (the caller `send`s it)."""
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            raise ClientGone(self.response)
+        if self._protocol.writing_paused or transport.get_write_buffer_size() + len(data) >= self._high:
+            return False
+        if self._chunked:
+            transport.writelines((b"%x\r\n" % len(data), data, b"\r\n"))
+        else:
+            transport.write(data)
+        self._direct += len(data)
+        self._timer.wrote()
+        return True
+
     def finished(self) -> None:
         """The stream is over, whole or not: its timings go to the metrics."""
         self._timer.flush()
 
     async def close(self, tail: bytes = DONE_FRAME) -> web.StreamResponse:
         """Write the last frames (an error event, `[DONE]`) and end the stream."""
+        self._writer.output_size += self._direct  # the access log's body size
+        self._direct = 0
         await self._write(tail)
         try:
             async with asyncio.timeout(self._stall_s):  # the last chunk waits for the client too
@@ -142,6 +166,7 @@ class ClientStream:
 
 async def open_stream(http: web.Request, route: str) -> ClientStream:
     response = web.StreamResponse(headers=SSE_HEADERS)
+    assert not response.compression  # `write_now` frames bytes itself
     try:
         await response.prepare(http)
     except ConnectionResetError as exc:  # it left before the headers went out
@@ -158,7 +183,7 @@ async def respond_stream(
     http: web.Request,
     route: str,
     request_id: str,
-    frames: AsyncIterator[bytes],
+    frames: AsyncGenerator[bytes, ClientStream | None],
     *,
     done: bool = True,
     end: Callable[[GatewayError], bytes] = openai_error_end,
@@ -171,6 +196,9 @@ async def respond_stream(
     error middleware answers with its status); a failure after it, of any type,
     ends the stream with `end(error)` (OpenAI's: an error event and `[DONE]`)
     instead of breaking the chunked body.
+
+    Each `yield` of `frames` after the first receives the client's stream, so a
+    relay may write to it directly (`splice`); the others ignore it.
     """
     stream: ClientStream | None = None
     tail = DONE_FRAME if done else b""
@@ -179,7 +207,11 @@ async def respond_stream(
     try:
         try:
             async with deadline, aclosing(frames):  # a client that leaves closes them at once, not at collection
-                async for data in frames:
+                while True:
+                    try:
+                        data = await frames.asend(stream)
+                    except StopAsyncIteration:
+                        break
                     if stream is None:
                         stream = await open_stream(http, route)
                     await stream.send(data)
@@ -327,9 +359,11 @@ class EngineEvents:
     after the good events before it went out: nothing valid is held back.
     """
 
-    __slots__ = ("_broken", "_parts", "_size", "done", "summary")
+    __slots__ = ("_broken", "_parts", "_size", "_span", "done", "summary")
 
-    def __init__(self) -> None:
+    def __init__(self, span: Span | None = None) -> None:
+        self._span = span
+        """The server span the engine's summary describes."""
         self._parts: list[bytes] = []
         """A partial event, as it arrived: joined once, when its end comes (never re-scanned)."""
         self._size = 0
@@ -387,32 +421,55 @@ class EngineEvents:
             return True
         raise EngineFailed(f"the engine's stream is not SSE: {event[:120]!r}")
 
-    def finish(self) -> None:
+    def tail(self) -> bytes:
+        """Nothing more to send (the engine's `[DONE]` went out); raises for a stream cut short."""
         if self._broken is not None:
             raise self._broken
         if not self.done:
             raise EngineFailed("the engine stream ended before [DONE]")
+        if self.summary is not None and self._span is not None:
+            describe_outcome(self._span, self.summary.finish_reasons, self.summary.prompt_tokens, self.summary.completion_tokens)
+        return b""
 
 
 DONE_EVENT = b"data: " + DONE
 _JSON_OBJECT = msgspec.json.Decoder(msgspec.Struct)
 
 
-async def _relayed(http: web.Request, engine: aiohttp.ClientResponse, timeouts: StreamTimeouts) -> AsyncIterator[bytes]:
-    events = EngineEvents()
-    async for piece in pieces(engine, timeouts):
-        out = events.feed(piece)
-        if out:
-            yield out
-    events.finish()
-    _describe_summary(http, events.summary)
+class Events(Protocol):
+    """What `spliced` needs of the check or derender of an engine stream."""
+
+    def feed(self, data: bytes) -> bytes: ...
+
+    def tail(self) -> bytes: ...
+
+
+async def spliced(
+    engine: aiohttp.ClientResponse, timeouts: StreamTimeouts, events: Events
+) -> AsyncGenerator[bytes, ClientStream | None]:
+    """An engine stream through `events` to the client: up to the first output on the request's
+    task (a failure before it is still a status), the rest spliced from the engine's socket to the
+    client's, then the `tail`."""
+    stream: ClientStream | None = None
+    async with aclosing(pieces(engine, timeouts)) as head:
+        async for piece in head:
+            out = events.feed(piece)
+            if out:
+                stream = yield out
+                break
+    if stream is not None:  # after [DONE] too: the body is read to its end, so the connection is reused
+        await splice(engine, events, stream, timeouts.idle_s)
+    tail = events.tail()
+    if tail:
+        yield tail
 
 
 async def relay_stream(
     http: web.Request, engine: aiohttp.ClientResponse, timeouts: StreamTimeouts, request_id: str
 ) -> web.StreamResponse:
     """The derender route: the engine's SSE events, checked, as they come (its `[DONE]` included)."""
-    return await respond_stream(http, "derender", request_id, _relayed(http, engine, timeouts), done=False)
+    events = EngineEvents(http.get(SPAN_KEY))
+    return await respond_stream(http, "derender", request_id, spliced(engine, timeouts, events), done=False)
 
 
 def _describe_summary(http: web.Request, summary: EngineSummary | None) -> None:
@@ -517,37 +574,112 @@ def feed_choice(derender: Derender, mode: str, choice: Any) -> Any:
     )
 
 
+class Derendered:
+    """The text and token routes' derender of one engine stream, fed its bytes as they arrive.
+
+    `chunks` turns what one read brought into OpenAI chunk objects (the role
+    chunks with the first output, as the engine's own derender sends them), up
+    to the engine's `[DONE]`; `finish` checks the stream was whole and gives the
+    last ones (the usage chunk). An event that cannot be derendered is raised
+    after the chunks of the events before it went out: nothing valid is held back.
+    """
+
+    __slots__ = ("_broken", "_derender", "_mode", "_reader", "_started", "_work", "done")
+
+    def __init__(self, derender: Derender, mode: str, work: DerenderWork) -> None:
+        self._derender = derender
+        self._mode = mode
+        self._work = work
+        self._reader = SSEReader()
+        self._started = False
+        self._broken: Exception | None = None
+        self.done = False
+
+    def feed(self, piece: bytes) -> bytes:
+        """`chunks` as SSE frames, in one write."""
+        return b"".join([b"data: " + _encode(chunk) + b"\n\n" for chunk in self.chunks(piece)])
+
+    def chunks(self, piece: bytes) -> list[Any]:
+        if self._broken is not None:
+            raise self._broken
+        if self.done:
+            return []  # the client's answer is complete: whatever follows is not derendered
+        try:
+            payloads = self._reader.feed(piece)
+        except SSEError as exc:
+            raise EngineFailed(f"the engine's stream is not SSE: {exc}") from exc
+        return self._derendered(payloads)
+
+    def _derendered(self, payloads: list[bytes]) -> list[Any]:
+        if DONE in payloads:
+            self.done = True
+            payloads = payloads[: payloads.index(DONE)]
+        if not payloads:
+            return []
+        chunks: list[Any] = []
+        self._work.begin()
+        try:
+            for payload in payloads:
+                chunks += feed_chunk(self._derender, self._mode, payload)
+        except Exception as exc:  # what the events before it made still goes out, then the error
+            if not chunks:
+                raise
+            self._broken = exc
+        finally:
+            self._work.end()
+        if not self._started:
+            self._started = True  # the role chunk goes with the first output (once it is known good), as the engine's does
+            chunks = [*self._derender.start(), *chunks]
+        return chunks
+
+    def finish(self) -> list[Any]:
+        """The last chunks of a stream that ended whole; raises for one cut short."""
+        if self._broken is not None:
+            raise self._broken
+        last: list[Any] = []
+        if not self.done:
+            try:
+                payloads = self._reader.flush()
+            except SSEError as exc:
+                raise EngineFailed(f"the engine's stream is not SSE: {exc}") from exc
+            if not payloads:  # an empty or partial answer must not pass for a whole one
+                raise EngineFailed("the engine stream ended before [DONE]")
+            last = self._derendered(payloads)
+            self.done = True
+        if not self._started:
+            self._started = True
+            last = [*self._derender.start(), *last]
+        usage = self._derender.usage_chunk()
+        if usage is not None:
+            last.append(usage)
+        return last
+
+    def tail(self) -> bytes:
+        return b"".join([b"data: " + _encode(chunk) + b"\n\n" for chunk in self.finish()])
+
+
 async def derendered_batches(
     engine: aiohttp.ClientResponse, derender: Derender, mode: str, timeouts: StreamTimeouts, work: DerenderWork
 ) -> AsyncIterator[list[Any]]:
-    """The text and token routes, streaming: engine chunks in, OpenAI chunk objects out, one
-    list per engine read (the role chunks with the first output, the usage chunk last)."""
-    started = False
-    async with aclosing(engine_batches(engine, timeouts)) as batches:
-        async for batch in batches:
-            chunks: list[Any] = []
-            failure: Exception | None = None
-            work.begin()
-            try:
-                for payload in batch:
-                    chunks += feed_chunk(derender, mode, payload)
-            except Exception as exc:  # what the events before it made still goes out, then the error
-                failure = exc
-            finally:
-                work.end()
-            if not started and (chunks or failure is None):
-                started = True  # the role chunk goes with the first output (once it is known good), as the engine's does
-                chunks = [*derender.start(), *chunks]
+    """The text and token routes as chunk objects, one list per engine read (for merging or presenting)."""
+    events = Derendered(derender, mode, work)
+    async with aclosing(pieces(engine, timeouts)) as reads:
+        async for piece in reads:
+            chunks = events.chunks(piece)
             if chunks:
                 yield chunks
-            if failure is not None:
-                raise failure
-    last = [] if started else derender.start()
-    usage = derender.usage_chunk()
-    if usage is not None:
-        last.append(usage)
+    last = events.finish()
     if last:
         yield last
+
+
+async def derendered_stream(
+    http: web.Request, route: str, engine: aiohttp.ClientResponse, derender: Derender, mode: str,
+    timeouts: StreamTimeouts, work: DerenderWork, request_id: str,
+) -> web.StreamResponse:
+    """The text and token routes, streaming: derendered as the bytes arrive, spliced once the first chunks are out."""
+    events = Derendered(derender, mode, work)
+    return await respond_stream(http, route, request_id, spliced(engine, timeouts, events))
 
 
 async def derendered(
@@ -565,14 +697,6 @@ async def encoded(chunks: AsyncGenerator[Any, None]) -> AsyncIterator[bytes]:
     async with aclosing(chunks):
         async for chunk in chunks:
             yield frame(_encode(chunk))
-
-
-async def encoded_batches(batches: AsyncGenerator[list[Any], None]) -> AsyncIterator[bytes]:
-    """Each batch of chunk objects → its SSE frames in one write: a client the gateway fell
-    behind gets what piled up in one write, not one per chunk."""
-    async with aclosing(batches):
-        async for batch in batches:
-            yield b"".join([b"data: " + _encode(chunk) + b"\n\n" for chunk in batch])
 
 
 async def relayed_chunks(
