@@ -138,7 +138,7 @@ class ClientStream:
         if self._protocol.writing_paused or transport.get_write_buffer_size() + len(data) >= self._high:
             return False
         if self._chunked:
-            transport.writelines((b"%x\r\n" % len(data), data, b"\r\n"))
+            transport.write(b"%x\r\n%b\r\n" % (len(data), data))
         else:
             transport.write(data)
         self._direct += len(data)
@@ -375,6 +375,13 @@ class EngineEvents:
         if self._broken is not None:
             raise self._broken
         parts = self._parts
+        if not parts and data.startswith(b"data: {") and data.find(b"\n\n") == len(data) - 2 and not self.done:
+            # The usual read: one whole chunk event.
+            try:
+                _JSON_OBJECT.decode(data[6:])
+            except msgspec.DecodeError as exc:
+                raise EngineFailed(f"the engine sent an invalid chunk: {exc}: {data[:120]!r}") from exc
+            return data
         if data.rfind(b"\n\n") < 0 and not (parts and parts[-1].endswith(b"\n") and data.startswith(b"\n")):
             parts.append(data)
             self._size += len(data)
