@@ -33,6 +33,7 @@ from engine.protocol import CONSTRAINT_KINDS
 from engine.telemetry import Tracing, inject, record_error
 from gateway.config import Health, Route, Timeouts
 from gateway.pool import Endpoint, Pool
+from gateway.engine_stream import EngineResponse, StreamPool
 from gateway.errors import (
     ClientGone,
     EngineFailed,
@@ -188,10 +189,12 @@ class EngineClient:
         # Everything else on the session (vLLM's render/derender services, probes) keeps a read bound.
         default = aiohttp.ClientTimeout(total=None, connect=timeouts.connect_s, sock_read=timeouts.idle_s)
         self._session = aiohttp.ClientSession(timeout=default, connector=connector)
+        self._streams = StreamPool(timeouts.connect_s, KEEPALIVE_S)
 
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
+            self._streams.close()
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -254,7 +257,7 @@ class EngineClient:
     @asynccontextmanager
     async def open(
         self, first: Endpoint, body: bytes, *, stream: bool, request_id: str, parent: Span | None = None
-    ) -> AsyncIterator[tuple[str, aiohttp.ClientResponse]]:
+    ) -> AsyncIterator[tuple[str, aiohttp.ClientResponse | EngineResponse]]:
         """`generate` on `first`, or on other engines of the pool if it fails before answering.
 
         Nothing has reached the client yet when an engine refuses the connection,
@@ -307,7 +310,7 @@ class EngineClient:
     @asynccontextmanager
     async def generate(
         self, url: str, body: bytes, *, stream: bool, request_id: str, parent: Span | None = None
-    ) -> AsyncIterator[aiohttp.ClientResponse]:
+    ) -> AsyncIterator[aiohttp.ClientResponse | EngineResponse]:
         """One engine request, inside an `engine.generate` client span (a child of `parent`)
         whose context travels as `traceparent`; the span ends when the caller is done reading."""
         context = trace.set_span_in_context(parent) if parent is not None else None
@@ -330,12 +333,15 @@ class EngineClient:
         try:
             try:
                 async with asyncio.timeout(limit):
-                    response = await self.session.post(
-                        url + GENERATE_PATH,
-                        data=body,
-                        headers=headers,
-                        timeout=self._stream_timeout if stream else self._json_timeout,
-                    )
+                    if stream and StreamPool.serves(url):  # read in the socket's callbacks (engine_stream)
+                        response = await self._streams.post(url + GENERATE_PATH, body, headers)
+                    else:
+                        response = await self.session.post(
+                            url + GENERATE_PATH,
+                            data=body,
+                            headers=headers,
+                            timeout=self._stream_timeout if stream else self._json_timeout,
+                        )
             except aiohttp.ConnectionTimeoutError as exc:  # a TimeoutError too: caught first
                 raise EngineUnavailable(f"cannot connect to the engine within {self._timeouts.connect_s} s") from exc
             except TimeoutError as exc:

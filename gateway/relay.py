@@ -55,7 +55,7 @@ from gateway.errors import (
 from gateway.config import Timeouts as StreamTimeouts
 from gateway.observe import SPAN_KEY, STARTED_KEY, DerenderWork, StreamTimer, describe_outcome
 from gateway.remote import RemoteChatDerender, RemoteCompletionDerender, RemoteServiceError
-from gateway.splice import splice
+from gateway.splice import can_splice, splice
 from gateway.sse import DONE, DONE_FRAME, MAX_EVENT_BYTES, SSEError, SSEReader, frame
 from gateway.state import GATEWAY
 
@@ -458,12 +458,14 @@ async def spliced(
     task (a failure before it is still a status), the rest spliced from the engine's socket to the
     client's, then the `tail`."""
     stream: ClientStream | None = None
-    async with aclosing(pieces(engine, timeouts)) as head:
-        async for piece in head:
+    async with aclosing(pieces(engine, timeouts)) as reads:
+        async for piece in reads:
             out = events.feed(piece)
             if out:
-                stream = yield out
-                break
+                sent = yield out
+                if sent is not None and can_splice(engine):
+                    stream = sent
+                    break
     if stream is not None:  # after [DONE] too: the body is read to its end, so the connection is reused
         await splice(engine, events, stream, timeouts.idle_s)
     tail = events.tail()
