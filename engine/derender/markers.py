@@ -19,7 +19,7 @@ from engine.derender.stop import Piece
 
 
 class MarkerSplitter:
-    __slots__ = ("_ids", "_pattern", "_prefixes", "_longest", "_held")
+    __slots__ = ("_firsts", "_held", "_ids", "_longest", "_pattern", "_prefixes")
 
     def __init__(self, marker_ids: Mapping[str, int]) -> None:
         self._ids = dict(marker_ids)
@@ -27,12 +27,14 @@ class MarkerSplitter:
         self._pattern = re.compile("|".join(re.escape(text) for text in ordered)) if ordered else None
         self._prefixes = frozenset(text[:size] for text in ordered for size in range(1, len(text)))
         self._longest = max((len(p) for p in self._prefixes), default=0)
+        self._firsts = tuple({text[0] for text in ordered})
+        """Every marker, and every prefix of one, starts with one of these: text without any is plain."""
         self._held = ""
 
     def feed(self, text: str) -> list[Piece]:
         buffer = self._held + text if self._held else text
         self._held = ""
-        if self._pattern is None:
+        if self._pattern is None or not self._may_hold_marker(buffer):
             return [(buffer, -1)] if buffer else []
         pieces: list[Piece] = []
         position = 0
@@ -53,6 +55,12 @@ class MarkerSplitter:
     def finish(self) -> list[Piece]:
         held, self._held = self._held, ""
         return [(held, -1)] if held else []
+
+    def _may_hold_marker(self, text: str) -> bool:
+        for first in self._firsts:
+            if first in text:
+                return True
+        return False
 
     def _partial_suffix(self, text: str) -> int:
         for size in range(min(len(text), self._longest), 0, -1):
