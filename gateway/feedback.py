@@ -17,7 +17,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
 log = logging.getLogger(__name__)
 
@@ -40,15 +39,36 @@ class Load:
 
 
 def parse_sample(text: str, at: float) -> Sample:
+    """The two metrics the policy reads, found line by line. prometheus_client's parser, over
+    an engine's whole exposition (about 22 KB once every mode has served), took 2.6 ms a
+    scrape: a few µs of every relayed chunk at low load. Raises ValueError for text that is
+    not Prometheus exposition (an HTML error page)."""
     cpu = 0.0
     in_flight = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == CPU_METRIC:
-                cpu += sample.value
-            elif sample.name == IN_FLIGHT_METRIC:
-                in_flight += sample.value
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        if not (line[0].isalpha() or line[0] in "_:"):
+            raise ValueError(f"not a Prometheus sample line: {line[:80]!r}")
+        if line.startswith(CPU_METRIC):
+            cpu += _value(line, len(CPU_METRIC))
+        elif line.startswith(IN_FLIGHT_METRIC):
+            in_flight += _value(line, len(IN_FLIGHT_METRIC))
     return Sample(at=at, cpu_seconds=cpu, in_flight=int(in_flight))
+
+
+def _value(line: str, name_end: int) -> float:
+    """A sample line's value (`name{labels} value [timestamp]`); 0 for another metric whose
+    name only starts with the one looked for."""
+    rest = line[name_end:]
+    if rest.startswith("{"):
+        rest = rest[rest.rindex("}") + 1 :]  # label values may hold anything but the last brace
+    elif not rest.startswith(" "):
+        return 0.0
+    parts = rest.split()
+    if not parts:
+        raise ValueError(f"a Prometheus sample without a value: {line[:80]!r}")
+    return float(parts[0])
 
 
 def load_between(before: Sample, after: Sample) -> Load:

@@ -7,8 +7,12 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.feedback import load_between, parse_sample
+from engine.metrics import EngineMetrics
+from gateway.feedback import CPU_METRIC, IN_FLIGHT_METRIC, load_between, parse_sample
 from gateway.state import GATEWAY
 from tests.integration.test_gateway_separate_engine import MESSAGES
 from tests.support.engine import engine_server
@@ -148,3 +152,26 @@ async def test_the_policy_header_is_ascii_whatever_the_rule_is_called(qwen3_toke
             await server.close()
     assert (status, route) == (200, "tokens")
     assert reason == r"rule 'caf\xe9-\u89c4\u5219' (always) -> tokens"
+
+
+def test_feedback_reads_what_prometheus_clients_parser_reads() -> None:
+    """The line scan finds the same two sums as prometheus_client's parser, over a real engine
+    exposition plus lines that could fool it; it refuses what is not exposition."""
+    metrics = EngineMetrics()
+    for mode, seconds in (("text", 1.25), ("derender", 0.5), ("tokens", 0.125)):
+        metrics.output_cpu.labels(mode).inc(seconds)
+        metrics.inter_token_latency.labels(mode).observe(0.01)
+    metrics.in_flight.labels("text").set(3)
+    text = generate_latest(metrics.registry).decode() + (
+        'onehop_engine_output_cpu_seconds_total{mode="odd} label", x="{"} 2.0 1700000000000\n'
+        "onehop_engine_output_cpu_seconds_total_other 9.0\n"
+    )
+    expected = {CPU_METRIC: 0.0, IN_FLIGHT_METRIC: 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in expected:
+                expected[sample.name] += sample.value
+    sample = parse_sample(text, at=1.0)
+    assert (sample.cpu_seconds, sample.in_flight) == (expected[CPU_METRIC], int(expected[IN_FLIGHT_METRIC])) == (3.875, 3)
+    with pytest.raises(ValueError):
+        parse_sample("<html><body>502 Bad Gateway</body></html>", at=1.0)
