@@ -32,8 +32,7 @@ from yarl import URL
 from engine.protocol import CONSTRAINT_KINDS
 from engine.telemetry import Tracing, inject, record_error
 from gateway.config import Health, Route, Timeouts
-from gateway.pool import Endpoint, Pool
-from gateway.engine_stream import EngineResponse, StreamPool
+from gateway.engine_stream import EngineAnswer, StreamPool
 from gateway.errors import (
     ClientGone,
     EngineFailed,
@@ -47,6 +46,7 @@ from gateway.errors import (
     Unprocessable,
     with_context_code,
 )
+from gateway.pool import Endpoint, Pool
 from gateway.vllm_derender import serves_derender
 
 log = logging.getLogger(__name__)
@@ -257,7 +257,7 @@ class EngineClient:
     @asynccontextmanager
     async def open(
         self, first: Endpoint, body: bytes, *, stream: bool, request_id: str, parent: Span | None = None
-    ) -> AsyncIterator[tuple[str, aiohttp.ClientResponse | EngineResponse]]:
+    ) -> AsyncIterator[tuple[str, EngineAnswer]]:
         """`generate` on `first`, or on other engines of the pool if it fails before answering.
 
         Nothing has reached the client yet when an engine refuses the connection,
@@ -310,7 +310,7 @@ class EngineClient:
     @asynccontextmanager
     async def generate(
         self, url: str, body: bytes, *, stream: bool, request_id: str, parent: Span | None = None
-    ) -> AsyncIterator[aiohttp.ClientResponse | EngineResponse]:
+    ) -> AsyncIterator[EngineAnswer]:
         """One engine request, inside an `engine.generate` client span (a child of `parent`)
         whose context travels as `traceparent`; the span ends when the caller is done reading."""
         context = trace.set_span_in_context(parent) if parent is not None else None

@@ -22,6 +22,7 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
+import aiohttp
 from yarl import URL
 
 from gateway.errors import EngineFailed, EngineUnavailable
@@ -335,6 +336,10 @@ def _hex(size: bytes) -> int:
         return int(size, 16) if size.isalnum() else -1
     except ValueError:
         return -1
+
+
+EngineAnswer = aiohttp.ClientResponse | EngineResponse
+"""An engine's answer: this module's for streams from `http://` engines, aiohttp's otherwise."""
 
 
 class _Connection(asyncio.Protocol):

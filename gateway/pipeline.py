@@ -37,6 +37,7 @@ from gateway.disagg import prefill
 from gateway.endpoints import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Answer, Endpoint
 from gateway.engine_client import Target
 from gateway.engine_request import generate_body
+from gateway.engine_stream import EngineAnswer
 from gateway.errors import REQUEST_ID_KEY, ClientGone, InvalidRequest, RequestTimeout, UnsupportedMediaType
 from gateway.observe import GONE_KEY, MODEL_KEY, SPAN_KEY, DerenderWork, describe_model, describe_outcome, describe_request, measured
 from gateway.relay import (
@@ -266,7 +267,7 @@ class Exchange:
         return completion
 
     @asynccontextmanager
-    async def _open(self, leg: Leg) -> AsyncIterator[aiohttp.ClientResponse]:
+    async def _open(self, leg: Leg) -> AsyncIterator[EngineAnswer]:
         engines, server = self.target.engines, self.http[SPAN_KEY]
         body = self._engine_body(leg)
         async with engines.open(self.target.endpoint, body, stream=self.stream, request_id=leg.request_id, parent=server) as (

@@ -42,6 +42,7 @@ from engine.protocol import (
     decode_generate_stream_chunk,
     decode_summary,
 )
+from gateway.engine_stream import EngineAnswer, EngineResponse
 from gateway.errors import (
     ClientGone,
     EngineFailed,
@@ -268,7 +269,7 @@ _ENGINE_DATA_ERRORS = (DerenderError, OutputFinished)
 """What the derender raises for engine output that breaks the protocol."""
 
 
-async def pieces(engine: aiohttp.ClientResponse, timeouts: StreamTimeouts) -> AsyncIterator[bytes]:
+async def pieces(engine: EngineAnswer, timeouts: StreamTimeouts) -> AsyncIterator[bytes]:
     """Raw bytes of an engine stream: the first within `first_token_s` of the request,
     each later one within `idle_s` of the one before. Only the reads are timed: a client
     that is slow to take what was read is not the engine's stall."""
@@ -325,7 +326,7 @@ class ReadDeadline:
             )
             self._task.cancel()
 
-    async def read(self, content: aiohttp.StreamReader) -> bytes:
+    async def read(self, content: aiohttp.StreamReader | EngineResponse) -> bytes:
         try:
             piece = await content.readany()
         except asyncio.CancelledError:
@@ -452,7 +453,7 @@ class Events(Protocol):
 
 
 async def spliced(
-    engine: aiohttp.ClientResponse, timeouts: StreamTimeouts, events: Events
+    engine: EngineAnswer, timeouts: StreamTimeouts, events: Events
 ) -> AsyncGenerator[bytes, ClientStream | None]:
     """An engine stream through `events` to the client: up to the first output on the request's
     task (a failure before it is still a status), the rest spliced from the engine's socket to the
@@ -474,7 +475,7 @@ async def spliced(
 
 
 async def relay_stream(
-    http: web.Request, engine: aiohttp.ClientResponse, timeouts: StreamTimeouts, request_id: str
+    http: web.Request, engine: EngineAnswer, timeouts: StreamTimeouts, request_id: str
 ) -> web.StreamResponse:
     """The derender route: the engine's SSE events, checked, as they come (its `[DONE]` included)."""
     events = EngineEvents(http.get(SPAN_KEY))
@@ -496,7 +497,7 @@ class _EngineAnswer(msgspec.Struct):
 _ENGINE_ANSWER = msgspec.json.Decoder(_EngineAnswer)
 
 
-async def read_answer(engine: aiohttp.ClientResponse) -> bytes:
+async def read_answer(engine: EngineAnswer) -> bytes:
     """A non-streamed engine answer's body; a stall or a broken connection is the engine's failure."""
     try:
         return await engine.read()
@@ -504,7 +505,7 @@ async def read_answer(engine: aiohttp.ClientResponse) -> bytes:
         raise stream_error(exc) from exc
 
 
-async def relay_json(http: web.Request, engine: aiohttp.ClientResponse) -> web.Response:
+async def relay_json(http: web.Request, engine: EngineAnswer) -> web.Response:
     """The derender route, non-streaming: the engine's OpenAI JSON, once it is known to be JSON of one."""
     body = await read_answer(engine)
     try:
@@ -517,7 +518,7 @@ async def relay_json(http: web.Request, engine: aiohttp.ClientResponse) -> web.R
     return web.Response(body=body, content_type="application/json")
 
 
-async def engine_batches(engine: aiohttp.ClientResponse, timeouts: StreamTimeouts) -> AsyncIterator[list[bytes]]:
+async def engine_batches(engine: EngineAnswer, timeouts: StreamTimeouts) -> AsyncIterator[list[bytes]]:
     """The `data:` payloads of an engine stream, up to its `[DONE]`, in the batches they
     arrived in (one read: when the gateway is behind, several events); a stream that ends
     without `[DONE]` was cut short (an empty or partial answer must not pass for a whole one)."""
@@ -541,7 +542,7 @@ async def engine_batches(engine: aiohttp.ClientResponse, timeouts: StreamTimeout
     raise EngineFailed("the engine stream ended before [DONE]")
 
 
-async def engine_payloads(engine: aiohttp.ClientResponse, timeouts: StreamTimeouts) -> AsyncIterator[bytes]:
+async def engine_payloads(engine: EngineAnswer, timeouts: StreamTimeouts) -> AsyncIterator[bytes]:
     """`engine_batches`, one payload at a time."""
     async with aclosing(engine_batches(engine, timeouts)) as batches:
         async for batch in batches:
@@ -668,7 +669,7 @@ class Derendered:
 
 
 async def derendered_batches(
-    engine: aiohttp.ClientResponse, derender: Derender, mode: str, timeouts: StreamTimeouts, work: DerenderWork
+    engine: EngineAnswer, derender: Derender, mode: str, timeouts: StreamTimeouts, work: DerenderWork
 ) -> AsyncIterator[list[Any]]:
     """The text and token routes as chunk objects, one list per engine read (for merging or presenting)."""
     events = Derendered(derender, mode, work)
@@ -683,7 +684,7 @@ async def derendered_batches(
 
 
 async def derendered_stream(
-    http: web.Request, route: str, engine: aiohttp.ClientResponse, derender: Derender, mode: str,
+    http: web.Request, route: str, engine: EngineAnswer, derender: Derender, mode: str,
     timeouts: StreamTimeouts, work: DerenderWork, request_id: str,
 ) -> web.StreamResponse:
     """The text and token routes, streaming: derendered as the bytes arrive, spliced once the first chunks are out."""
@@ -692,7 +693,7 @@ async def derendered_stream(
 
 
 async def derendered(
-    engine: aiohttp.ClientResponse, derender: Derender, mode: str, timeouts: StreamTimeouts, work: DerenderWork
+    engine: EngineAnswer, derender: Derender, mode: str, timeouts: StreamTimeouts, work: DerenderWork
 ) -> AsyncIterator[Any]:
     """`derendered_batches`, one chunk at a time (for merging or presenting)."""
     async with aclosing(derendered_batches(engine, derender, mode, timeouts, work)) as batches:
@@ -709,7 +710,7 @@ async def encoded(chunks: AsyncGenerator[Any, None]) -> AsyncIterator[bytes]:
 
 
 async def relayed_chunks(
-    engine: aiohttp.ClientResponse, timeouts: StreamTimeouts, decoder: msgspec.json.Decoder[Any]
+    engine: EngineAnswer, timeouts: StreamTimeouts, decoder: msgspec.json.Decoder[Any]
 ) -> AsyncIterator[Any]:
     """The derender route's chunks as objects, for answers merged from several engine requests."""
     async for payload in engine_payloads(engine, timeouts):
@@ -752,7 +753,7 @@ def relayed_answer(raw: bytes, decoder: msgspec.json.Decoder[Any]) -> Any:
 RemoteDerender = RemoteChatDerender | RemoteCompletionDerender
 
 
-async def _remote_payloads(engine: aiohttp.ClientResponse, remote: RemoteDerender, timeouts: StreamTimeouts) -> AsyncIterator[bytes]:
+async def _remote_payloads(engine: EngineAnswer, remote: RemoteDerender, timeouts: StreamTimeouts) -> AsyncIterator[bytes]:
     """The tokens-remote route: every engine chunk through vLLM's stateless derender, its answers' JSON."""
     async for payload in engine_payloads(engine, timeouts):
         if payload.startswith(b'{"error"'):
@@ -763,19 +764,19 @@ async def _remote_payloads(engine: aiohttp.ClientResponse, remote: RemoteDerende
 
 
 async def remote_stream(
-    http: web.Request, engine: aiohttp.ClientResponse, remote: RemoteDerender, timeouts: StreamTimeouts, request_id: str
+    http: web.Request, engine: EngineAnswer, remote: RemoteDerender, timeouts: StreamTimeouts, request_id: str
 ) -> web.StreamResponse:
     return await respond_stream(http, "tokens-remote", request_id, _remote_frames(engine, remote, timeouts))
 
 
-async def _remote_frames(engine: aiohttp.ClientResponse, remote: RemoteDerender, timeouts: StreamTimeouts) -> AsyncIterator[bytes]:
+async def _remote_frames(engine: EngineAnswer, remote: RemoteDerender, timeouts: StreamTimeouts) -> AsyncIterator[bytes]:
     async with aclosing(_remote_payloads(engine, remote, timeouts)) as payloads:
         async for chunk in payloads:
             yield frame(chunk)
 
 
 async def remote_chunks(
-    engine: aiohttp.ClientResponse, remote: RemoteDerender, timeouts: StreamTimeouts, decoder: msgspec.json.Decoder[Any]
+    engine: EngineAnswer, remote: RemoteDerender, timeouts: StreamTimeouts, decoder: msgspec.json.Decoder[Any]
 ) -> AsyncIterator[Any]:
     """The tokens-remote route's chunks as objects, for answers presented in another shape."""
     async with aclosing(_remote_payloads(engine, remote, timeouts)) as payloads:
@@ -797,7 +798,7 @@ async def remote_whole(raw: bytes, remote: RemoteDerender) -> bytes:
         raise remote_error(exc) from exc
 
 
-async def remote_json(engine: aiohttp.ClientResponse, remote: RemoteDerender) -> web.Response:
+async def remote_json(engine: EngineAnswer, remote: RemoteDerender) -> web.Response:
     body = await remote_whole(await read_answer(engine), remote)
     return web.Response(body=body, content_type="application/json")
 
