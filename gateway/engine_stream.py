@@ -406,9 +406,12 @@ class _Connection(asyncio.Protocol):
 
     def send(self, request: bytes) -> EngineResponse:
         assert self.transport is not None and self.response is None
-        self.response = EngineResponse(self)
-        self.transport.write(request)
-        return self.response
+        response = self.response = EngineResponse(self)
+        try:
+            self.transport.write(request)
+        except (OSError, RuntimeError) as exc:  # closed under us: nothing was answered (a kept one is retried)
+            response.fail(EngineFailed(f"the engine stream broke: cannot send: {exc}"))
+        return response
 
 
 class StreamPool:
@@ -461,7 +464,8 @@ class StreamPool:
         now = asyncio.get_running_loop().time()
         while idle:
             connection = idle.pop()
-            if not connection.lost and now - connection.idle_since < self._keepalive_s:
+            closing = connection.lost or connection.transport is None or connection.transport.is_closing()
+            if not closing and now - connection.idle_since < self._keepalive_s:
                 return connection
             connection._close()
         return None
