@@ -23,6 +23,7 @@ import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import Health
+from tests.support.engine import wait_healthy
 from tests.support.gateway import gateway_server
 
 MESSAGES = [{"role": "user", "content": "Tell me a long story."}]
@@ -43,20 +44,6 @@ def _start_engine(tokenizer: Path, port: int) -> subprocess.Popen[bytes]:
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
 
 
-async def _wait_healthy(session: aiohttp.ClientSession, url: str, process: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        assert process.poll() is None, f"the engine at {url} exited with {process.returncode}"
-        try:
-            async with session.get(url + "/health") as resp:
-                if resp.status == 200:
-                    return
-        except aiohttp.ClientError:
-            pass
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"the engine at {url} did not come up")
-
-
 def _kill(process: subprocess.Popen[bytes]) -> None:
     if process.poll() is None:
         os.killpg(process.pid, signal.SIGKILL)
@@ -69,7 +56,7 @@ async def _engines(tokenizer: Path, count: int) -> AsyncIterator[list[tuple[str,
     running = [(f"http://127.0.0.1:{p}", _start_engine(tokenizer, p)) for p in ports]
     try:
         async with aiohttp.ClientSession() as session:
-            await asyncio.gather(*(_wait_healthy(session, url, proc) for url, proc in running))
+            await asyncio.gather(*(wait_healthy(session, url, proc) for url, proc in running))
         yield running
     finally:
         for _, process in running:
@@ -136,7 +123,7 @@ async def test_engine_killed_mid_run_then_restarted(qwen3_tokenizer_dir: Path) -
                 port = int(victim_url.rsplit(":", 1)[1])
                 restarted = _start_engine(qwen3_tokenizer_dir, port)
                 try:
-                    await _wait_healthy(session, victim_url, restarted)
+                    await wait_healthy(session, victim_url, restarted)
                     deadline = time.monotonic() + 10
                     closed = False
                     while time.monotonic() < deadline and not closed:

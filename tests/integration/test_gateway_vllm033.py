@@ -22,24 +22,11 @@ import pytest
 from aiohttp import web
 
 from gateway.pool import Circuit
+from tests.integration.test_engine_server import MESSAGES, TOOLS
 from tests.support import vllm033
 from tests.support.engine import AppServer, engine_server
 from tests.support.gateway import gateway_server
 
-TOOLS: list[Any] = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-                "required": ["city", "days"],
-            },
-        },
-    }
-]
-MESSAGES: list[Any] = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
 SCALE_OUT_OFF = {  # vLLM 0.33's answer with --enable-scale-out off
     "error": {
         "message": "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them.",

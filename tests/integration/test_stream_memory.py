@@ -18,13 +18,14 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+
+from tests.support.engine import wait_healthy
 
 TOKENS = 4096
 STEP_MS = 1  # the sim's pace: a 4k-token answer takes a few seconds, long enough to sample
@@ -55,21 +56,6 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
     process.wait(timeout=10)
 
 
-async def _wait_healthy(url: str, process: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 60
-    async with aiohttp.ClientSession() as session:
-        while time.monotonic() < deadline:
-            assert process.poll() is None, f"{url} exited with {process.returncode}"
-            try:
-                async with session.get(url + "/health") as resp:
-                    if resp.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.1)
-    raise AssertionError(f"{url} did not come up")
-
-
 @asynccontextmanager
 async def _engine_and_gateway(tokenizer: Path, tmp_path: Path) -> AsyncIterator[tuple[str, int, int]]:
     """Yield the gateway's /v1 URL, the engine's pid and the gateway's pid."""
@@ -92,9 +78,10 @@ async def _engine_and_gateway(tokenizer: Path, tmp_path: Path) -> AsyncIterator[
     )
     gateway = None
     try:
-        await _wait_healthy(f"http://127.0.0.1:{engine_port}", engine)
-        gateway = _spawn(["gateway", "--config", str(config)])
-        await _wait_healthy(f"http://127.0.0.1:{gateway_port}", gateway)
+        async with aiohttp.ClientSession() as session:
+            await wait_healthy(session, f"http://127.0.0.1:{engine_port}", engine)
+            gateway = _spawn(["gateway", "--config", str(config)])
+            await wait_healthy(session, f"http://127.0.0.1:{gateway_port}", gateway)
         yield f"http://127.0.0.1:{gateway_port}/v1", engine.pid, gateway.pid
     finally:
         if gateway is not None:

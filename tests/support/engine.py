@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import subprocess
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -67,3 +70,18 @@ async def stream_events(session: aiohttp.ClientSession, url: str, body: Any) -> 
         if event.startswith(b"data: ") and event != b"data: [DONE]":
             events.append(msgspec.json.decode(event[6:]))
     return events, raw.split(b"\n\n")
+
+
+async def wait_healthy(session: aiohttp.ClientSession, url: str, process: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
+    """Until the server process at `url` answers `/health` with 200; fails if it exits first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"{url} exited with {process.returncode}"
+        try:
+            async with session.get(url + "/health") as resp:
+                if resp.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{url} did not come up within {timeout_s} s")
