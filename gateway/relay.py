@@ -136,7 +136,7 @@ class ClientStream:
         transport = self._transport
         if transport is None or transport.is_closing():
             raise ClientGone(self.response)
-        if self._protocol.writing_paused or transport.get_write_buffer_size() + len(data) >= self._high:
+        if self._may_wait(len(data)):
             return False
         if self._chunked:
             transport.write(b"%x\r\n%b\r\n" % (len(data), data))
@@ -376,13 +376,8 @@ class EngineEvents:
         if self._broken is not None:
             raise self._broken
         parts = self._parts
-        if not parts and data.startswith(b"data: {") and data.find(b"\n\n") == len(data) - 2 and not self.done:
-            # The usual read: one whole chunk event.
-            try:
-                _JSON_OBJECT.decode(data[6:])
-            except msgspec.DecodeError as exc:
-                raise EngineFailed(f"the engine sent an invalid chunk: {exc}: {data[:120]!r}") from exc
-            return data
+        if not parts and data.find(b"\n\n") == len(data) - 2:  # the usual read: one whole event
+            return data if self._passes(data[:-2]) else b""
         if data.rfind(b"\n\n") < 0 and not (parts and parts[-1].endswith(b"\n") and data.startswith(b"\n")):
             parts.append(data)
             self._size += len(data)
@@ -435,8 +430,7 @@ class EngineEvents:
             raise self._broken
         if not self.done:
             raise EngineFailed("the engine stream ended before [DONE]")
-        if self.summary is not None and self._span is not None:
-            describe_outcome(self._span, self.summary.finish_reasons, self.summary.prompt_tokens, self.summary.completion_tokens)
+        _describe_summary(self._span, self.summary)
         return b""
 
 
@@ -482,8 +476,7 @@ async def relay_stream(
     return await respond_stream(http, "derender", request_id, spliced(engine, timeouts, events), done=False)
 
 
-def _describe_summary(http: web.Request, summary: EngineSummary | None) -> None:
-    span = http.get(SPAN_KEY)
+def _describe_summary(span: Span | None, summary: EngineSummary | None) -> None:
     if summary is not None and span is not None:
         describe_outcome(span, summary.finish_reasons, summary.prompt_tokens, summary.completion_tokens)
 
@@ -514,7 +507,7 @@ async def relay_json(http: web.Request, engine: EngineAnswer) -> web.Response:
         raise EngineFailed(f"the engine sent an invalid answer: {exc}: {body[:120]!r}") from exc
     header = engine.headers.get(SUMMARY_HEADER)
     if header is not None:
-        _describe_summary(http, decode_summary(header))
+        _describe_summary(http.get(SPAN_KEY), decode_summary(header))
     return web.Response(body=body, content_type="application/json")
 
 
@@ -607,7 +600,7 @@ class Derendered:
 
     def feed(self, piece: bytes) -> bytes:
         """`chunks` as SSE frames, in one write."""
-        return b"".join([b"data: " + _encode(chunk) + b"\n\n" for chunk in self.chunks(piece)])
+        return _frames(self.chunks(piece))
 
     def chunks(self, piece: bytes) -> list[Any]:
         if self._broken is not None:
@@ -665,7 +658,11 @@ class Derendered:
         return last
 
     def tail(self) -> bytes:
-        return b"".join([b"data: " + _encode(chunk) + b"\n\n" for chunk in self.finish()])
+        return _frames(self.finish())
+
+
+def _frames(chunks: list[Any]) -> bytes:
+    return b"".join([b"data: " + _encode(chunk) + b"\n\n" for chunk in chunks])
 
 
 async def derendered_batches(
