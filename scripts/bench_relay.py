@@ -12,6 +12,11 @@ N chunks at a fixed inter-token delay:
   `derender` route (the engine's OpenAI chunks relayed as bytes), the `text`
   route (the gateway parses text deltas) and the `tokens` route (it
   detokenizes and parses);
+- `floor`: the least any Python relay on uvloop can cost, a TCP pump
+  (`--pump`: each read from one socket written to the other, no HTTP, no
+  check), once in front of the scripted server and once in front of the sim
+  engine: what the producer's way of emitting costs a relay, apart from the
+  relay's own work;
 - `direct`: the scripted server itself, and the engine's own derender stream
   (what the gateway would ask of it), for the latency each hop adds.
 
@@ -69,6 +74,10 @@ from engine.qwen3.fixtures import ensure_tokenizer  # noqa: E402
 
 ROUTER_VENV = Path.home() / ".cache" / "onehop" / "router-venv"
 ROUTERS = {"vllm-router": "vllm-router==0.1.17", "smg": "smg==1.13.0"}
+FLOORS = {"floor: scripted server": "upstream", "floor: sim engine": "engine"}
+"""A uvloop TCP pump in front of each producer: the least a Python relay costs a chunk of its
+stream. The producers emit differently (how many chunks a relay finds per wake-up), so each
+relay's own cost is what it spends over the floor of the producer it is in front of."""
 ONEHOP_ROUTES = ("derender", "text", "tokens")
 CONCURRENCY = (1, 32, 128)
 MODEL = "sim"
@@ -135,6 +144,53 @@ def serve_upstream(port: int, tokens: int, itl_ms: float) -> None:
     app.router.add_get("/health", ok)
     app.router.add_get("/v1/models", models)
     web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None, loop=new_event_loop())
+
+
+def serve_pump(port: int, upstream_port: int) -> None:
+    """A TCP pump to the scripted server: per client connection one upstream connection, each
+    read written to the other side as it came (the client's keep-alive passes through)."""
+
+    class Upstream(asyncio.Protocol):
+        def __init__(self, client: asyncio.Transport) -> None:
+            self.client = client
+
+        def data_received(self, data: bytes) -> None:
+            self.client.write(data)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self.client.close()
+
+    class Client(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.transport: Any = transport  # uvloop's transports are not asyncio.Transport subclasses
+            self.upstream: asyncio.Transport | None = None
+            self.early: list[bytes] = []
+            asyncio.ensure_future(self._connect())
+
+        async def _connect(self) -> None:
+            loop = asyncio.get_running_loop()
+            upstream, _ = await loop.create_connection(lambda: Upstream(self.transport), "127.0.0.1", upstream_port)
+            self.upstream = upstream
+            for data in self.early:
+                upstream.write(data)
+            self.early.clear()
+
+        def data_received(self, data: bytes) -> None:
+            if self.upstream is None:
+                self.early.append(data)
+            else:
+                self.upstream.write(data)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self.upstream is not None:
+                self.upstream.close()
+
+    loop = new_event_loop()
+    server = loop.run_until_complete(loop.create_server(Client, "127.0.0.1", port))
+    try:
+        loop.run_forever()
+    finally:
+        server.close()
 
 
 # ------------------------------------------------------------ processes
@@ -237,7 +293,7 @@ async def measure(size: Size, routers: bool) -> dict[str, Any]:
     binaries = ensure_routers() if routers else None
     plan = Plan(tokens=size.tokens, itl_ms=size.itl_ms, ttft_ms=0, requests={}, warmup=0,
                 tracing_streams=0, tracing_requests=0, tracing_rounds=0)
-    ports = {name: free_port() for name in ("upstream", "engine", "gateway", *ROUTERS)}
+    ports = {name: free_port() for name in ("upstream", "engine", "gateway", *FLOORS, *ROUTERS)}
     url = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
     cells: dict[tuple[str, int], Cell] = {}
     rss: dict[str, int] = {}
@@ -248,6 +304,10 @@ async def measure(size: Size, routers: bool) -> dict[str, Any]:
             procs["upstream"] = spawn_command(
                 [sys.executable, str(Path(__file__).resolve()), "--upstream", str(ports["upstream"]),
                  "--tokens", str(size.tokens), "--itl-ms", str(size.itl_ms)], folder / "upstream.log")
+            for floor, producer in FLOORS.items():
+                procs[floor] = spawn_command(
+                    [sys.executable, str(Path(__file__).resolve()), "--pump", str(ports[floor]), "--to", str(ports[producer])],
+                    folder / f"pump-{producer}.log")
             procs["engine"] = start_engine(tokenizer_dir, ports["engine"], plan, folder / "engine.log")
             procs["gateway"] = start_gateway(tokenizer_dir, url["engine"], ports["gateway"], folder)
             if binaries is not None:
@@ -259,7 +319,7 @@ async def measure(size: Size, routers: bool) -> dict[str, Any]:
                 await wait_serving(session, url["upstream"], procs["upstream"], folder / "upstream.log")
                 setups = _setups(tokenizer_dir, url, procs, size.tokens, routers)
                 for name in setups:
-                    if name in ROUTERS:
+                    if name in ROUTERS or name == "floor: scripted server":
                         await wait_serving(session, url[name], procs[name], folder / f"{name}.log")
                 for measured in [False] + [True] * size.rounds:
                     for streams in CONCURRENCY:
@@ -287,11 +347,18 @@ def _setups(
         return requests.chat
 
     setups = {"direct-upstream": Setup("direct-upstream", url["upstream"] + "/v1/chat/completions", chat, json_headers, None, "")}
+    floor = "floor: scripted server"
+    setups[floor] = Setup(floor, url[floor] + "/v1/chat/completions", chat, json_headers, procs[floor].pid, "direct-upstream")
     if routers:
         for name in ROUTERS:
             setups[name] = Setup(name, url[name] + "/v1/chat/completions", chat, json_headers, procs[name].pid, "direct-upstream")
     setups["direct-engine"] = Setup(
         "direct-engine", requests.url("direct"), lambda: requests.body("direct"), requests.headers("direct"), None, ""
+    )
+    floor = "floor: sim engine"
+    setups[floor] = Setup(
+        floor, requests.url("direct").replace(url["engine"], url[floor]), lambda: requests.body("direct"),
+        requests.headers("direct"), procs[floor].pid, "direct-engine",
     )
     for route in ONEHOP_ROUTES:
         setups[f"onehop {route}"] = Setup(
@@ -312,11 +379,15 @@ def _rows(cells: dict[tuple[str, int], Cell], rss: dict[str, int]) -> list[dict[
         rows.append(row)
     by = {(r["setup"], r["streams"]): r for r in rows}
     for row in rows:
-        direct = "direct-upstream" if row["setup"] in ROUTERS else "direct-engine"
+        engine_side = row["setup"].startswith("onehop") or row["setup"] == "floor: sim engine"
+        direct = "direct-engine" if engine_side else "direct-upstream"
         base = by.get((direct, row["streams"]))
         if base is not None and not row["setup"].startswith("direct"):
             row["ttft_added_ms"] = row["ttft_p50_ms"] - base["ttft_p50_ms"]
             row["e2e_added_ms"] = row["e2e_p50_ms"] - base["e2e_p50_ms"]
+        floor = by.get(("floor: sim engine" if engine_side else "floor: scripted server", row["streams"]))
+        if floor is not None and "cpu_us_per_chunk" in row and not row["setup"].startswith("floor"):
+            row["over_floor_us"] = row["cpu_us_per_chunk"] - floor["cpu_us_per_chunk"]
         peer = by.get(("vllm-router", row["streams"]))
         if peer is not None and "cpu_us_per_chunk" in row and peer["cpu_us_per_chunk"] > 0:  # ticks are 10 ms
             row["vs_vllm_router"] = row["cpu_us_per_chunk"] / peer["cpu_us_per_chunk"]
@@ -327,15 +398,16 @@ def report(results: dict[str, Any]) -> str:
     size = results["size"]
     lines = [
         f"{size['tokens']}-chunk streams at {size['itl_ms']} ms per token, {size['rounds']} rounds, {results['cpus']} CPUs",
-        "| setup | streams | CPU per chunk | vs vllm-router | CPU per request | p50 TTFT added | p50 E2E added | RSS |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| setup | streams | CPU per chunk | vs vllm-router | over its producer's floor | CPU per request | p50 TTFT added | p50 E2E added | RSS |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    order = {name: i for i, name in enumerate([*ROUTERS, *(f"onehop {r}" for r in ONEHOP_ROUTES)])}
+    order = {name: i for i, name in enumerate([*FLOORS, *ROUTERS, *(f"onehop {r}" for r in ONEHOP_ROUTES)])}
     rows = sorted((r for r in results["rows"] if not r["setup"].startswith("direct")), key=lambda r: (order[r["setup"]], r["streams"]))
     for r in rows:
         ratio = f"{r['vs_vllm_router']:.2f}x" if "vs_vllm_router" in r else "-"
+        over = f"{r['over_floor_us']:.1f} µs" if "over_floor_us" in r else "-"
         lines.append(
-            f"| {r['setup']} | {r['streams']} | {r['cpu_us_per_chunk']:.1f} µs | {ratio} | {r['cpu_ms_per_request']:.1f} ms"
+            f"| {r['setup']} | {r['streams']} | {r['cpu_us_per_chunk']:.1f} µs | {ratio} | {over} | {r['cpu_ms_per_request']:.1f} ms"
             f" | {r.get('ttft_added_ms', 0):.1f} ms | {r.get('e2e_added_ms', 0):.1f} ms | {r['rss_mb']:.0f} MB |"
         )
     lines.append(_verdict(results["rows"]))
@@ -359,11 +431,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-routers", action="store_true", help="onehop only (no router install)")
     parser.add_argument("--json", type=Path, default=None, help="write the raw results here")
     parser.add_argument("--upstream", type=int, metavar="PORT", help=argparse.SUPPRESS)  # the scripted server
+    parser.add_argument("--pump", type=int, metavar="PORT", help=argparse.SUPPRESS)  # the Python floor
+    parser.add_argument("--to", type=int, metavar="PORT", help=argparse.SUPPRESS)
     parser.add_argument("--tokens", type=int, default=FULL.tokens, help=argparse.SUPPRESS)
     parser.add_argument("--itl-ms", type=float, default=FULL.itl_ms, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.upstream is not None:
         serve_upstream(args.upstream, args.tokens, args.itl_ms)
+        return 0
+    if args.pump is not None:
+        serve_pump(args.pump, args.to)
         return 0
     size = QUICK if args.quick else FULL
     loop = new_event_loop()
