@@ -156,10 +156,17 @@ class EngineResponse:
 
     def feed(self, data: bytes) -> None:
         if self._state == _SIZE and not self._buffer:
-            # The usual arrival on a stream: one whole chunk, `size CRLF data CRLF`.
+            # The usual arrival on a stream: one whole chunk, `size CRLF data CRLF`, its size in
+            # the lowercase hex servers write (any other spelling takes the general parser).
             line = data.find(b"\r\n", 0, 18)
-            if line > 0 and data.endswith(b"\r\n") and len(data) - line - 4 == _hex(data[:line]) > 0:
-                self._deliver(data[line + 2 : -2])
+            size = len(data) - line - 4
+            if line > 0 and size > 0 and data.endswith(b"\r\n") and data[:line] == b"%x" % size:
+                piece = data[line + 2 : -2]
+                sink = self._sink
+                if sink is not None:
+                    sink(piece)
+                else:
+                    self._deliver(piece)
                 return
         self.answered = True
         if self._state == _DONE:
@@ -328,14 +335,6 @@ class EngineResponse:
             else:  # _DONE: what follows is not this answer's
                 return out
         return out
-
-
-def _hex(size: bytes) -> int:
-    """A chunk size; -1 for one that is none (the general parser then says what is wrong)."""
-    try:
-        return int(size, 16) if size.isalnum() else -1
-    except ValueError:
-        return -1
 
 
 EngineAnswer = aiohttp.ClientResponse | EngineResponse

@@ -136,8 +136,8 @@ class ClientStream:
         transport = self._transport
         if transport is None or transport.is_closing():
             raise ClientGone(self.response)
-        if self._may_wait(len(data)):
-            return False
+        if self._protocol.writing_paused or transport.get_write_buffer_size() + len(data) >= self._high:
+            return False  # as `_may_wait`, inline: this runs once a chunk
         if self._chunked:
             transport.write(b"%x\r\n%b\r\n" % (len(data), data))
         else:
@@ -377,6 +377,12 @@ class EngineEvents:
             raise self._broken
         parts = self._parts
         if not parts and data.find(b"\n\n") == len(data) - 2:  # the usual read: one whole event
+            if data.startswith(b"data: {") and not self.done:  # a chunk (its trailing \n\n is JSON whitespace)
+                try:
+                    _JSON_OBJECT.decode(data[6:])
+                except msgspec.DecodeError as exc:
+                    raise _invalid_chunk(exc, data) from exc
+                return data
             return data if self._passes(data[:-2]) else b""
         if data.rfind(b"\n\n") < 0 and not (parts and parts[-1].endswith(b"\n") and data.startswith(b"\n")):
             parts.append(data)
@@ -414,7 +420,7 @@ class EngineEvents:
                 try:
                     _JSON_OBJECT.decode(event[6:])  # parses (and so checks) every field, keeps none
                 except msgspec.DecodeError as exc:
-                    raise EngineFailed(f"the engine sent an invalid chunk: {exc}: {event[:120]!r}") from exc
+                    raise _invalid_chunk(exc, event) from exc
             return True
         if event.startswith(ENGINE_COMMENT):
             if event.startswith(SUMMARY_COMMENT):
@@ -436,6 +442,10 @@ class EngineEvents:
 
 DONE_EVENT = b"data: " + DONE
 _JSON_OBJECT = msgspec.json.Decoder(msgspec.Struct)
+
+
+def _invalid_chunk(exc: msgspec.DecodeError, event: bytes) -> EngineFailed:
+    return EngineFailed(f"the engine sent an invalid chunk: {exc}: {event[:120]!r}")
 
 
 class Events(Protocol):
@@ -553,8 +563,10 @@ def feed_chunk(derender: Derender, mode: str, payload: bytes) -> list[Any]:
         raise EngineFailed(f"the engine sent an invalid chunk: {exc}") from exc
     out = []
     for choice in chunk.choices:
-        out.append(feed_choice(derender, mode, choice))
-    return [c for c in out if c is not None]
+        made = feed_choice(derender, mode, choice)
+        if made is not None:
+            out.append(made)
+    return out
 
 
 def feed_choice(derender: Derender, mode: str, choice: Any) -> Any:
@@ -662,6 +674,8 @@ class Derendered:
 
 
 def _frames(chunks: list[Any]) -> bytes:
+    if len(chunks) == 1:  # the usual read: one event, one chunk
+        return b"data: " + _encode(chunks[0]) + b"\n\n"
     return b"".join([b"data: " + _encode(chunk) + b"\n\n" for chunk in chunks])
 
 

@@ -33,14 +33,16 @@ def test_quick_relay_run_reports_every_setup(tmp_path: Path, capsys: pytest.Capt
     out = tmp_path / "relay.json"
     assert bench.main(["--quick", "--no-routers", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    setups = ["direct-upstream", "direct-engine", *(f"onehop {r}" for r in bench.ONEHOP_ROUTES)]
+    setups = ["direct-upstream", "direct-engine", *bench.FLOORS, *(f"onehop {r}" for r in bench.ONEHOP_ROUTES)]
     assert sorted((r["setup"], r["streams"]) for r in rows) == sorted((s, n) for s in setups for n in bench.CONCURRENCY)
     for row in rows:
         assert row["requests"] == bench.QUICK.requests[row["streams"]] and row["events"] > 0
         assert math.isfinite(row["e2e_p50_ms"]) and row["e2e_p50_ms"] > 0
-        if row["setup"].startswith("onehop"):
+        if not row["setup"].startswith("direct"):
             assert row["cpu_us_per_chunk"] >= 0 and row["rss_mb"] > 0  # /proc counts clock ticks: may read zero
             assert math.isfinite(row["ttft_added_ms"])
+        if row["setup"].startswith("onehop"):  # measured against the pump in front of the same producer
+            assert math.isfinite(row["over_floor_us"])
     assert "targets: not checked" in capsys.readouterr().out
 
 

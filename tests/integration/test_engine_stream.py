@@ -16,10 +16,10 @@ from gateway.errors import EngineFailed, EngineUnavailable
 BODY = b'data: {"choices": []}\n\n' * 3 + b"data: [DONE]\n\n"
 
 
-def chunked(body: bytes, sizes: list[int]) -> bytes:
+def chunked(body: bytes, sizes: list[int], spell: bytes = b"%x") -> bytes:
     out, pos = b"", 0
     for size in sizes:
-        out += b"%x\r\n" % size + body[pos : pos + size] + b"\r\n"
+        out += spell % size + b"\r\n" + body[pos : pos + size] + b"\r\n"
         pos += size
     assert pos == len(body)
     return out + b"0\r\n\r\n"
@@ -33,6 +33,9 @@ ANSWERS = {
     "chunked": head("Transfer-Encoding: chunked\r\n") + chunked(BODY, [22, 22, 22, len(BODY) - 66]),
     "chunked, extensions and trailers": head("Transfer-Encoding: chunked\r\n")
     + chunked(BODY, [len(BODY)])[:-5] + b"0;last=1\r\nX-Trailer: 1\r\n\r\n",
+    "chunked, sizes in upper case and zero-padded": head("Transfer-Encoding: chunked\r\n")
+    + chunked(BODY, [26, 30, len(BODY) - 56], spell=b"%X")[:-5] + chunked(b"", [], spell=b"%04x"),
+    "chunked, zero-padded sizes": head("Transfer-Encoding: chunked\r\n") + chunked(BODY, [26, 30, len(BODY) - 56], spell=b"%04x"),
     "content-length": head(f"Content-Length: {len(BODY)}\r\n") + BODY,
 }
 
