@@ -646,6 +646,12 @@ def decode_generate_stream_chunk(
     once, and a chunk of another mode is refused. A derender stream always
     needs the view (its chunks are chat or completion objects).
     """
+    if mode is not None and mode != "derender":
+        try:  # the usual chunk, decoded in place (once a token: no call more than needed)
+            chunk: GenerateStreamResponse = _CHUNKS[mode].decode(data)
+            return chunk
+        except msgspec.DecodeError:
+            pass  # `_dispatch` says what it is (an engine's error, or what is wrong)
     return cast(GenerateStreamResponse, _dispatch(_CHUNKS, data, mode, "generate stream chunk"))
 
 

@@ -157,46 +157,50 @@ derender of a one-token chunk."""
 class DerenderWork:
     """The gateway's derender work for one request (text and token routes).
 
-    CPU is thread time over `begin()`/`end()` pairs around each engine read: the
-    first read is timed whole (it carries the head), the second and then one in
+    CPU is thread time over `begin()`/`end()` pairs around the engine reads it
+    times: the first read is timed whole (it carries the head), the second and then one in
     `CPU_SAMPLE_EVERY` are samples, and the reads between count at the samples'
     mean. `finish()` puts it on the `derender` span, the stage histogram and the
     per-route counter, and the client-visible outcome on the server span.
     """
 
-    __slots__ = ("_chunks", "_countdown", "_first_s", "_http", "_mark", "_route", "_sampled", "_sampled_s", "_span", "_untimed")
+    __slots__ = ("_countdown", "_first", "_first_s", "_http", "_mark", "_route", "_sampled", "_sampled_s", "_span", "_untimed")
 
     def __init__(self, http: web.Request, route: str) -> None:
         self._http = http
         self._route = route
-        self._first_s = self._sampled_s = 0.0
-        self._sampled = self._untimed = self._countdown = self._chunks = 0
-        self._mark: float | None = None
+        self._first = True
+        self._first_s = self._sampled_s = self._mark = 0.0
+        self._sampled = self._untimed = self._countdown = 0
         parent = http.get(SPAN_KEY)
         self._span: Span | None = None
         if parent is not None and parent.is_recording():
             tracer = http.app[GATEWAY].tracing.tracer
             self._span = tracer.start_span("derender", context=trace.set_span_in_context(parent))
 
-    def begin(self) -> None:
+    def begin(self) -> bool:
+        """A read's derender starts; True when it is timed (`end()` then follows it)."""
         if self._countdown:
             self._countdown -= 1
             self._untimed += 1
-        else:
-            self._mark = time.thread_time()
+            return False
+        self._mark = time.thread_time()
+        return True
 
     def end(self) -> None:
-        self._chunks += 1
-        if self._mark is None:
-            return
         spent = time.thread_time() - self._mark
-        self._mark = None
-        if self._chunks == 1:
+        if self._first:
+            self._first = False
             self._first_s = spent
         else:
             self._sampled_s += spent
             self._sampled += 1
             self._countdown = CPU_SAMPLE_EVERY - 1
+
+    @property
+    def chunks(self) -> int:
+        """The engine reads derendered."""
+        return (0 if self._first else 1) + self._sampled + self._untimed
 
     @property
     def cpu_s(self) -> float:
@@ -215,6 +219,6 @@ class DerenderWork:
             describe_derender(parent, derender)
         if self._span is not None:
             self._span.set_attributes(
-                {"onehop.route": self._route, "onehop.derender.cpu_s": cpu_s, "onehop.derender.chunks": self._chunks}
+                {"onehop.route": self._route, "onehop.derender.cpu_s": cpu_s, "onehop.derender.chunks": self.chunks}
             )
             self._span.end()

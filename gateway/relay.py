@@ -612,7 +612,10 @@ class Derendered:
 
     def feed(self, piece: bytes) -> bytes:
         """`chunks` as SSE frames, in one write."""
-        return _frames(self.chunks(piece))
+        chunks = self.chunks(piece)
+        if len(chunks) == 1:  # the usual read: one event, one chunk (`_frames`, inline)
+            return b"data: " + _encode(chunks[0]) + b"\n\n"
+        return _frames(chunks)
 
     def chunks(self, piece: bytes) -> list[Any]:
         if self._broken is not None:
@@ -632,7 +635,7 @@ class Derendered:
         if not payloads:
             return []
         chunks: list[Any] = []
-        self._work.begin()
+        timed = self._work.begin()
         try:
             for payload in payloads:
                 chunks += feed_chunk(self._derender, self._mode, payload)
@@ -641,7 +644,8 @@ class Derendered:
                 raise
             self._broken = exc
         finally:
-            self._work.end()
+            if timed:
+                self._work.end()
         if not self._started:
             self._started = True  # the role chunk goes with the first output (once it is known good), as the engine's does
             chunks = [*self._derender.start(), *chunks]
@@ -674,8 +678,6 @@ class Derendered:
 
 
 def _frames(chunks: list[Any]) -> bytes:
-    if len(chunks) == 1:  # the usual read: one event, one chunk
-        return b"data: " + _encode(chunks[0]) + b"\n\n"
     return b"".join([b"data: " + _encode(chunk) + b"\n\n" for chunk in chunks])
 
 
@@ -740,7 +742,7 @@ def whole_choices(body: bytes, mode: str) -> list[Any]:
 
 def derender_answer(raw: bytes, derender: Derender, mode: str, work: DerenderWork) -> Any:
     """The text and token routes, non-streaming: all of each choice in one step."""
-    work.begin()
+    timed = work.begin()
     try:
         for choice in whole_choices(raw, mode):
             feed_choice(derender, mode, choice)
@@ -750,7 +752,8 @@ def derender_answer(raw: bytes, derender: Derender, mode: str, work: DerenderWor
     except Exception as exc:  # what the engine sent could not be made into an answer: a 502
         raise stream_error(exc) from exc
     finally:
-        work.end()
+        if timed:
+            work.end()
 
 
 def relayed_answer(raw: bytes, decoder: msgspec.json.Decoder[Any]) -> Any:

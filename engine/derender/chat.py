@@ -179,7 +179,6 @@ class ChatChoiceState:
         "completion_tokens",
         "finish_reason",
         "stop_reason",
-        "reasoning_tokens",
     )
 
     def __init__(
@@ -227,11 +226,15 @@ class ChatChoiceState:
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
-        self.reasoning_tokens = 0
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def reasoning_tokens(self) -> int:
+        """Tokens the reasoning parser counted so far (read when usage is asked, not per step)."""
+        return self._parser.reasoning_tokens if self._parser is not None else 0
 
     def _prime(self, vocab: TokenVocab, prefix: str) -> None:
         """Parse the forced call opening as if generated; its deltas go out with the first step."""
@@ -264,7 +267,7 @@ class ChatChoiceState:
         stop_reason: int | str | None = None,
     ) -> ChatCompletionChunkChoice | None:
         """Take one step of an engine's `text` output (stop strings and EOS already applied there)."""
-        if self.finished:
+        if self.finish_reason is not None:
             raise OutputFinished("text arrived after the choice finished")
         self._vocab.check_ids(token_ids)  # the ids count and carry markers: each must be the tokenizer's
         parsers = self._parsers
@@ -319,7 +322,6 @@ class ChatChoiceState:
         parser.feed(pieces)
         if finishing:
             parser.finish()
-        self.reasoning_tokens = parser.reasoning_tokens
         return parser.drain()
 
     def _collect_calls(self, deltas: list[ToolDelta]) -> None:
@@ -455,7 +457,8 @@ def _with_token_ids(pieces: list[Piece], token_ids: Sequence[int]) -> list[Piece
                 position += 1
             position += 1
         out.append(piece)
-    out.extend(("", token_id) for token_id in token_ids[position:])
+    for token_id in token_ids[position:]:
+        out.append(("", token_id))
     return out
 
 

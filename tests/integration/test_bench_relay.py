@@ -33,7 +33,8 @@ def test_quick_relay_run_reports_every_setup(tmp_path: Path, capsys: pytest.Capt
     out = tmp_path / "relay.json"
     assert bench.main(["--quick", "--no-routers", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    setups = ["direct-upstream", "direct-engine", *bench.FLOORS, *(f"onehop {r}" for r in bench.ONEHOP_ROUTES)]
+    onehop = [f"onehop {r}: {p}" for r in bench.ONEHOP_ROUTES for p in bench.PRODUCERS.values()]
+    setups = ["direct-upstream", "direct-engine", *bench.FLOORS, *onehop]
     assert sorted((r["setup"], r["streams"]) for r in rows) == sorted((s, n) for s in setups for n in bench.CONCURRENCY)
     for row in rows:
         assert row["requests"] == bench.QUICK.requests[row["streams"]] and row["events"] > 0
