@@ -196,8 +196,8 @@ def serve_upstream(port: int, tokens: int, itl_ms: float, engine_file: Path | No
 
 
 def serve_pump(port: int, upstream_port: int) -> None:
-    """A TCP pump to the scripted server: per client connection one upstream connection, each
-    read written to the other side as it came (the client's keep-alive passes through)."""
+    """A TCP pump to the producer on `upstream_port`: per client connection one upstream
+    connection, each read written to the other side as it came (keep-alive passes through)."""
 
     class Upstream(asyncio.Protocol):
         def __init__(self, client: asyncio.Transport) -> None:
@@ -214,7 +214,7 @@ def serve_pump(port: int, upstream_port: int) -> None:
             self.transport: Any = transport  # uvloop's transports are not asyncio.Transport subclasses
             self.upstream: asyncio.Transport | None = None
             self.early: list[bytes] = []
-            asyncio.ensure_future(self._connect())
+            self.connecting = asyncio.ensure_future(self._connect())  # held: a task nobody holds may be collected
 
         async def _connect(self) -> None:
             loop = asyncio.get_running_loop()
