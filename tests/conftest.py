@@ -45,17 +45,42 @@ def qwen3_vocab(qwen3_tokenizer: Any) -> Any:
     return vocab_for(qwen3_tokenizer)
 
 
-@pytest.fixture(autouse=True)
-def _collect_garbage_after_each_test() -> Any:
-    """Collect after every test, so an unclosed resource is reported by the test that leaked it.
+@pytest.fixture(autouse=True, scope="module")
+def _collect_module_garbage() -> Any:
+    """A full collection after each module, then what survives is frozen again.
 
-    What survives a collection is live (session fixtures, imported modules): it is frozen
-    out of later collections, so each one scans only what the test just made. A full
-    collection of the suite's heap (torch, tokenizers, decode tables) costs ~0.2 s, which
-    over a thousand tests was minutes of the suite.
+    Module-scoped fixtures are torn down here, so garbage they leave in cycles (apps,
+    servers, tokenizers) is found by this collection; the per-test collections below
+    scan only the unfrozen heap and never see it.
     """
     import gc
 
     yield
+    _forget_built_middlewares()
+    gc.unfreeze()
     gc.collect()
     gc.freeze()
+
+
+@pytest.fixture(autouse=True)
+def _collect_garbage_after_each_test() -> Any:
+    """Collect after every test, so an unclosed resource is reported by the test that leaked it.
+
+    What survives a collection is frozen out of the next ones, so each scans only what the
+    test just made: a full collection of the suite's heap (torch, tokenizers, decode tables)
+    costs ~0.2 s, which over a thousand tests was minutes. aiohttp's middleware-chain cache
+    (an lru_cache of 1024 entries keyed by handler and app) would keep every test's app, and
+    all it references, alive: it is emptied first, so a finished app is garbage here.
+    """
+    import gc
+
+    yield
+    _forget_built_middlewares()
+    gc.collect()
+    gc.freeze()
+
+
+def _forget_built_middlewares() -> None:
+    from aiohttp import web_app
+
+    web_app._cached_build_middleware.cache_clear()
