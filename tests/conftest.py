@@ -7,6 +7,8 @@ import os
 # Set before transformers is imported anywhere: nothing in the suite may reach a hub.
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
+# litellm fetches a model price list from the internet at import unless told to use its own copy.
+os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
 
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
