@@ -99,15 +99,32 @@ def test_gateway_on_a_port_in_use(tmp_path: Path, qwen3_tokenizer_dir: Path, wor
         _one_line_failure(result, f"127.0.0.1:{port}", "in use")
 
 
-@pytest.mark.parametrize(("command", "default"), [("serve", "(default: 8000)"), ("engine", "(default: 8100)"),
-                                                  ("gateway", "(default: the CPUs")])
-def test_help_shows_the_defaults(command: str, default: str) -> None:
+def _options(help_text: str) -> dict[str, str]:
+    """Each option's help, by its first flag (argparse indents options by two spaces and wraps)."""
+    options: dict[str, str] = {}
+    current = ""
+    for line in help_text.splitlines():
+        if line.startswith("  -"):
+            current = line.split()[0].rstrip(",")
+            options[current] = line
+        elif current and line.startswith("    "):
+            options[current] += " " + line.strip()
+        else:
+            current = ""
+    return {flag: " ".join(text.split()) for flag, text in options.items()}
+
+
+@pytest.mark.parametrize("command", ["serve", "engine", "gateway", "fixtures"])
+def test_help_shows_every_options_default(command: str) -> None:
     result = _onehop(command, "--help")
     assert result.returncode == 0
-    text = " ".join(result.stdout.split())  # argparse wraps lines
-    assert default in text, text
-    if command != "gateway":
-        assert "(default: 127.0.0.1)" in text and "(default: hf)" in text
+    options = _options(result.stdout)
+    assert "--help" not in options and len(options) > 1, result.stdout
+    for flag, text in options.items():
+        if flag != "-h":
+            assert "default" in text or "required" in text, text
+    if command in ("serve", "engine"):
+        assert "(default: 127.0.0.1)" in options["--host"]
 
 
 async def test_a_worker_config_error_ends_the_gateway_once(tmp_path: Path, qwen3_tokenizer_dir: Path) -> None:
