@@ -13,8 +13,10 @@ import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from gateway.config import GatewayConfig, ModelConfig
+if TYPE_CHECKING:  # the command line imports this module: `onehop --help` stays fast
+    from gateway.config import GatewayConfig, ModelConfig
 
 EXIT_CONFIG = 78
 """sysexits' EX_CONFIG: what a worker exits with when its configuration cannot serve, so the
