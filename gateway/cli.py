@@ -3,6 +3,11 @@
 Subcommands register themselves on the shared parser in ``build_parser`` and
 carry their handler as ``func``; ``main`` only parses and dispatches, so a new
 subcommand is one ``_add_*`` function and one handler.
+
+A start that cannot succeed (a missing model folder or config file, a port in
+use, a config that no worker could serve) ends with one line on stderr and
+exit status 2, checked before any model loads: handlers raise
+``StartupError`` (``gateway.preflight``) and ``main`` prints it.
 """
 
 from __future__ import annotations
@@ -14,11 +19,33 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from gateway.preflight import StartupError, check_model_folder, check_port, startup_errors
+
+EXIT_USAGE = 2
+"""A command or config that cannot start: argparse's own status for bad arguments."""
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` shows every option's default; help that already words its default keeps it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text or action.default is None:
+            return text
+        return super()._get_help_string(action)
+
+
+def _command(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser], name: str, **kwargs: Any
+) -> argparse.ArgumentParser:
+    return commands.add_parser(name, formatter_class=_Help, **kwargs)
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every subcommand attached."""
     parser = argparse.ArgumentParser(
         prog="onehop",
+        formatter_class=_Help,
         description="OpenAI-compatible gateway and engine for disaggregated LLM serving.",
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -31,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_fixtures(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    fixtures = commands.add_parser(
+    fixtures = _command(
+        commands,
         "fixtures",
         help="build the offline Qwen3 tokenizer (and tiny model) into the cache",
         description="Build the offline Qwen3 fixtures once and print their folders.",
@@ -42,7 +70,7 @@ def _add_fixtures(commands: argparse._SubParsersAction[argparse.ArgumentParser])
         type=Path,
         default=None,
         metavar="DIR",
-        help="build here instead of $ONEHOP_CACHE_DIR or ~/.cache/onehop",
+        help="build here (default: $ONEHOP_CACHE_DIR, else ~/.cache/onehop)",
     )
     fixtures.set_defaults(func=_run_fixtures)
 
@@ -58,25 +86,29 @@ def _run_fixtures(args: argparse.Namespace) -> int:
 
 
 def _add_engine(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    engine = commands.add_parser(
+    engine = _command(
+        commands,
         "engine",
         help="serve /inference/v1/generate (tokens, text, derender) over a backend",
         description="The engine: vLLM's generate API plus output_mode=derender, over hf, sim or vllm.",
     )
-    engine.add_argument("--backend", choices=["hf", "sim", "vllm"], default="hf")
+    engine.add_argument("--backend", choices=["hf", "sim", "vllm"], default="hf", help="transformers, the simulator or vLLM")
     engine.add_argument(
         "--model",
         default=None,
         help="model folder (hf, vllm) or tokenizer folder (sim); default: the tiny Qwen3 model, built on first use",
     )
-    engine.add_argument("--served-model-name", default=None)
-    engine.add_argument("--host", default="127.0.0.1")
-    engine.add_argument("--port", type=int, default=8100)
+    engine.add_argument("--served-model-name", default=None, help="the model name answers carry (default: the folder's name)")
+    engine.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    engine.add_argument("--port", type=int, default=8100, help="port to listen on")
     engine.add_argument("--tokens-only", action="store_true", help="load no tokenizer: tokens mode only")
     engine.add_argument("--reasoning-parser", default="auto", help="vLLM reasoning parser name, auto (from the model folder) or none")
     engine.add_argument("--tool-parser", default="auto", help="vLLM tool-call parser name, auto (from the model folder) or none")
     engine.add_argument(
-        "--reasoning-field", choices=["reasoning", "reasoning_content", "both"], default="reasoning"
+        "--reasoning-field",
+        choices=["reasoning", "reasoning_content", "both"],
+        default="reasoning",
+        help="where answers carry reasoning",
     )
     engine.add_argument(
         "--backend-option",
@@ -100,7 +132,7 @@ def _backend_options(pairs: Sequence[str]) -> dict[str, object]:
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise SystemExit(f"--backend-option wants KEY=VALUE, got {pair!r}")
+            raise StartupError(f"--backend-option wants KEY=VALUE, got {pair!r}")
         try:
             options[key] = json.loads(value)
         except json.JSONDecodeError:
@@ -120,16 +152,11 @@ def _run_engine(args: argparse.Namespace) -> int:
     try:
         limits = engine_limits(**{name: value for name, value in flags.items() if value is not None})
     except ConfigError as exc:
-        print(f"onehop engine: {exc}", file=sys.stderr)
-        return 2
-    model = args.model
-    if model is None:
-        from engine.qwen3.fixtures import ensure_tiny_model, ensure_tokenizer
-
-        model = str(ensure_tokenizer() if args.backend == "sim" else ensure_tiny_model())
+        raise StartupError(str(exc)) from exc
+    check_port(args.host, args.port)
     config = EngineConfig(
         backend=args.backend,
-        model=model,
+        model=_model_folder(args.model, args.backend),
         served_model_name=args.served_model_name,
         host=args.host,
         port=args.port,
@@ -140,22 +167,38 @@ def _run_engine(args: argparse.Namespace) -> int:
         backend_options=_backend_options(args.backend_option),
         limits=limits,
     )
-    run(config)
+    with startup_errors(args.host, args.port):
+        run(config)
     return 0
 
 
+def _model_folder(model: str | None, backend: str) -> str:
+    """The folder given (checked: hf and sim read local folders only), else the tiny Qwen3
+    model (sim: its tokenizer), built on first use."""
+    if model is not None:
+        if backend != "vllm":  # vLLM also takes a hub name
+            check_model_folder(model)
+        return model
+    from engine.qwen3.fixtures import ensure_tiny_model, ensure_tokenizer
+
+    return str(ensure_tokenizer() if backend == "sim" else ensure_tiny_model())
+
+
 def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    serve = commands.add_parser(
+    serve = _command(
+        commands,
         "serve",
         help="the OpenAI API with an embedded engine (default: the tiny Qwen3 model)",
         description="Serve the OpenAI API on HOST:PORT, backed by an engine in the same process.",
     )
     serve.add_argument("--model", default=None, help="a local HF causal-LM folder (default: the tiny Qwen3 model)")
-    serve.add_argument("--backend", choices=["hf", "sim", "vllm"], default="hf")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--route", choices=["derender", "text", "tokens"], default="derender")
-    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--backend", choices=["hf", "sim", "vllm"], default="hf", help="transformers, the simulator or vLLM")
+    serve.add_argument("--host", default="127.0.0.1", help="address the OpenAI API listens on")
+    serve.add_argument("--port", type=int, default=8000, help="port the OpenAI API listens on")
+    serve.add_argument("--route", choices=["derender", "text", "tokens"], default="derender", help="how answers are assembled")
+    serve.add_argument(
+        "--served-model-name", default=None, help="the model name clients send (default: the model folder's name)"
+    )
     serve.add_argument("--reasoning-parser", default="auto", help="vLLM reasoning parser name, auto (from the model folder) or none")
     serve.add_argument("--tool-parser", default="auto", help="vLLM tool-call parser name, auto (from the model folder) or none")
     serve.add_argument(
@@ -164,7 +207,13 @@ def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default="reasoning",
         help="where answers carry reasoning: vLLM's `reasoning` (default), the older `reasoning_content`, or both",
     )
-    serve.add_argument("--backend-option", action="append", default=[], metavar="KEY=VALUE")
+    serve.add_argument(
+        "--backend-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a field of the backend's config (VALUE parsed as JSON when it can be), e.g. itl_ms=20",
+    )
     serve.set_defaults(func=_run_serve)
 
 
@@ -172,31 +221,29 @@ def _run_serve(args: argparse.Namespace) -> int:
     from engine.config import EngineConfig
     from gateway.embedded import serve
 
-    model = args.model
-    if model is None:
-        from engine.qwen3.fixtures import ensure_tiny_model, ensure_tokenizer
-
-        model = str(ensure_tokenizer() if args.backend == "sim" else ensure_tiny_model())
+    check_port(args.host, args.port)
     engine = EngineConfig(
         backend=args.backend,
-        model=model,
+        model=_model_folder(args.model, args.backend),
         served_model_name=args.served_model_name,
         reasoning_parser=_none_or(args.reasoning_parser),
         tool_parser=_none_or(args.tool_parser),
         reasoning_field=args.reasoning_field,
         backend_options=_backend_options(args.backend_option),
     )
-    serve(engine, host=args.host, port=args.port, route=args.route)
+    with startup_errors(args.host, args.port):
+        serve(engine, host=args.host, port=args.port, route=args.route)
     return 0
 
 
 def _add_gateway(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    gateway = commands.add_parser(
+    gateway = _command(
+        commands,
         "gateway",
         help="the OpenAI gateway alone, against the engines in a YAML config",
         description="Serve the OpenAI API against engines listed in a YAML config (see configs/gateway.yaml).",
     )
-    gateway.add_argument("--config", type=Path, required=True, metavar="FILE")
+    gateway.add_argument("--config", type=Path, required=True, metavar="FILE", help="the gateway's YAML config (required)")
     gateway.add_argument(
         "--workers",
         type=int,
@@ -210,29 +257,30 @@ def _add_gateway(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
 def _run_gateway(args: argparse.Namespace) -> int:
     from gateway.app import serve
     from gateway.config import ConfigError, load_config
+    from gateway.preflight import check_gateway
+    from gateway.workers import Supervisor, default_workers, serve_worker, worker_index
 
-    from gateway.workers import Supervisor, default_workers, worker_index
-
+    if worker_index() is not None:
+        return serve_worker(args.config)  # its supervisor checked the config
     try:
         config = load_config(args.config)
     except ConfigError as exc:
-        print(f"onehop gateway: {exc}", file=sys.stderr)
-        return 2
+        raise StartupError(str(exc)) from exc
     workers = default_workers() if args.workers is None else args.workers
     if workers < 1:
-        print("onehop gateway: --workers must be at least 1", file=sys.stderr)
-        return 2
-    if workers == 1 or worker_index() is not None:
-        from gateway.app import serve
-
-        serve(config)
+        raise StartupError("--workers must be at least 1")
+    check_port(config.host, config.port)
+    check_gateway(config)
+    if workers == 1:
+        with startup_errors(config.host, config.port):
+            serve(config)
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return Supervisor(args.config, workers, config.host, config.port).run()
 
 
 def _add_policy(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    policy = commands.add_parser("policy", help="check a routing policy file, or explain its decision for a request")
+    policy = _command(commands, "policy", help="check a routing policy file, or explain its decision for a request")
     actions = policy.add_subparsers(dest="action", metavar="ACTION", required=True)
     check = actions.add_parser("check", help="validate a policy YAML")
     check.add_argument("file", type=Path)
@@ -252,4 +300,8 @@ def _policy() -> Any:
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default: the process arguments) and run the subcommand."""
     args = build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except StartupError as exc:
+        print(f"onehop {args.command}: {exc}", file=sys.stderr)
+        return EXIT_USAGE

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
 import msgspec
 import yaml
@@ -111,6 +112,21 @@ class EngineEndpoint(Struct, forbid_unknown_fields=True, kw_only=True):
     resolve: bool = False
     """Every address the host name resolves to is an engine (a Kubernetes headless Service)."""
 
+    def __post_init__(self) -> None:
+        check_url(self.url, "an engine's url")
+
+
+def check_url(url: str, what: str) -> None:
+    """`http(s)://host[:port][/path]`: caught when the config decodes, not by every worker's
+    first request."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - reading it checks it (a port that is not a number raises)
+    except ValueError as exc:
+        raise ConfigError(f"{what} {url!r} is not a URL: {exc}") from exc
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"{what} {url!r} is not an http:// or https:// URL with a host")
+
 
 class ModelConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     """One served model. Fields left unset take the gateway config's top-level value."""
@@ -202,6 +218,8 @@ class GatewayConfig(Struct, forbid_unknown_fields=True, kw_only=True):
                 if name in seen:
                     raise ConfigError(f"the model name {name!r} is given twice")
                 seen.add(name)
+            if model.remote_url is not None:
+                check_url(model.remote_url, f"model {model.name!r}: remote_url")
             needs_remote = model.render == "remote" or model.route == "tokens-remote"
             if needs_remote and not model.remote_url:
                 raise ConfigError(f"model {model.name!r}: remote_url is required for render: remote or route: tokens-remote")
@@ -230,7 +248,12 @@ class GatewayConfig(Struct, forbid_unknown_fields=True, kw_only=True):
 
 def load_config(path: str | Path) -> GatewayConfig:
     """Read and check a YAML gateway config; the error names the bad field."""
-    text = Path(path).read_text(encoding="utf-8")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read the config file {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path} is not UTF-8 text: {exc}") from exc
     try:
         raw = yaml.safe_load(text)
         return msgspec.convert(raw, GatewayConfig)

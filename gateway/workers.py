@@ -14,10 +14,20 @@ The supervisor (this module, in the parent process) does not serve:
 - SIGHUP goes to every worker (each reloads its policy and key files);
   SIGTERM or SIGINT go to every worker, which drain as a single gateway does,
   and the supervisor exits when they have;
-- a worker that dies is started again, after a pause that doubles from 1 s
+- before it starts any worker it checks what every worker would load (the
+  port, each model's tokenizer folder, chat templates and parser settings:
+  `gateway.preflight`), so a config that cannot serve costs one line, not N
+  workers' tracebacks;
+- a worker that exits with `EXIT_CONFIG` (a config error only found at its
+  start, such as engines serving another model) has written why to the run
+  directory; the supervisor prints it once, stops every worker and exits 2,
+  restarting nothing;
+- a worker that dies otherwise is started again, after a pause that doubles from 1 s
   up to 30 s while workers keep dying within a minute of their start; after
-  `GIVE_UP` such quick deaths in a row (a config that cannot start, a port
-  taken) the supervisor stops every worker and exits 1;
+  `GIVE_UP` such quick deaths in a row the supervisor stops every worker and exits 1;
+- workers exit with the supervisor, even one killed by SIGKILL: each holds
+  the read end of a pipe whose write end only the supervisor holds (end of file: it is
+  gone) and, on Linux, asks for SIGTERM when its parent dies (`prctl`);
 - the run directory (a temporary folder removed at exit) holds what the
   workers share: prometheus-client's multiprocess files, so any worker's
   `/metrics` answers the sum over all of them, and the Responses store
@@ -30,6 +40,7 @@ cache. Each response names its worker in the `onehop-worker` header.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 import os
@@ -39,9 +50,12 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from gateway.preflight import EXIT_CONFIG, StartupError, port_error, startup_errors
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +67,14 @@ PORT_ENV = "ONEHOP_GATEWAY_PORT"
 """The port the supervisor bound: it overrides the config's (which may be 0)."""
 METRICS_ENV = "PROMETHEUS_MULTIPROC_DIR"
 """prometheus-client's multiprocess mode: read when prometheus_client is first imported."""
+PARENT_FD_ENV = "ONEHOP_GATEWAY_PARENT_FD"
+"""A worker's read end of a pipe whose write end only the supervisor holds: end of file
+means the supervisor is gone, however it died."""
 WORKER_HEADER = "onehop-worker"
+START_ERROR_FILE = "start-error"
+"""In the run directory: why a worker could not start (`EXIT_CONFIG`), for the supervisor to print."""
+PR_SET_PDEATHSIG = 1
+"""Linux prctl(2): the signal a process gets when its parent dies."""
 
 RESTART_MIN_S = 1.0
 RESTART_MAX_S = 30.0
@@ -97,6 +118,64 @@ def worker_port(configured: int) -> int:
     return int(value) if value else configured
 
 
+def serve_worker(config: Path) -> int:
+    """One worker's life: exit with the supervisor, serve, and report a config error as one
+    line and `EXIT_CONFIG` (the supervisor then stops, restarting nothing)."""
+    from gateway.app import serve
+    from gateway.config import load_config
+
+    exit_with_parent()
+    try:
+        with startup_errors("", 0):
+            settings = load_config(config)
+        with startup_errors(settings.host, worker_port(settings.port)):
+            serve(settings)
+    except StartupError as exc:
+        _report(f"onehop gateway: {exc}")
+        return EXIT_CONFIG
+    return 0
+
+
+def _report(message: str) -> None:
+    """For the supervisor to print once (every worker would say the same), else on stderr."""
+    folder = run_dir()
+    if folder is None:
+        print(message, file=sys.stderr)
+        return
+    draft = folder / f"{START_ERROR_FILE}.{os.getpid()}"
+    draft.write_text(message + "\n", encoding="utf-8")
+    draft.replace(folder / START_ERROR_FILE)
+
+
+def exit_with_parent() -> None:
+    """SIGTERM this process (a graceful drain) when the supervisor dies, even by SIGKILL."""
+    _parent_death_signal(signal.SIGTERM)
+    value = os.environ.get(PARENT_FD_ENV)
+    if value:
+        threading.Thread(target=_watch_parent, args=(int(value),), name="parent-watch", daemon=True).start()
+
+
+def _parent_death_signal(sig: signal.Signals) -> None:
+    """Linux only; elsewhere the pipe alone tells (and it also covers a parent that died
+    before this call)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return
+    libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+
+
+def _watch_parent(fd: int) -> None:
+    try:
+        while os.read(fd, 1):  # the supervisor never writes: this returns at its death
+            pass
+    except OSError:
+        pass
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 @dataclass
 class _Worker:
     index: int
@@ -115,13 +194,27 @@ class Supervisor:
     _stopping: bool = False
     _slots: list[_Worker] = field(default_factory=list)
     _quick_deaths: int = 0
+    _config_error: bool = False
+    _parent_fd: int = -1
 
     def run(self) -> int:
+        try:
+            holder = _hold_port(self.host, self.port)
+        except OSError as exc:
+            raise StartupError(port_error(self.host, self.port, exc)) from exc
         folder = Path(tempfile.mkdtemp(prefix="onehop-gateway-"))
         (folder / "metrics").mkdir()
-        holder = _hold_port(self.host, self.port)
         port = holder.getsockname()[1]
-        env = {**os.environ, RUN_DIR_ENV: str(folder), PORT_ENV: str(port), METRICS_ENV: str(folder / "metrics")}
+        # The write end stays here, never written and never inherited: the kernel closes it
+        # when this process dies, however it dies, and every worker reads end of file.
+        self._parent_fd, alive = os.pipe()
+        env = {
+            **os.environ,
+            RUN_DIR_ENV: str(folder),
+            PORT_ENV: str(port),
+            METRICS_ENV: str(folder / "metrics"),
+            PARENT_FD_ENV: str(self._parent_fd),
+        }
         signal.signal(signal.SIGHUP, lambda *_: self._forward(signal.SIGHUP))
         for stop in (signal.SIGTERM, signal.SIGINT):
             signal.signal(stop, lambda *_: self._stop())
@@ -135,11 +228,13 @@ class Supervisor:
             self._stop()
             self._reap()
             holder.close()
+            os.close(self._parent_fd)
+            os.close(alive)
             shutil.rmtree(folder, ignore_errors=True)
 
     def _start(self, slot: _Worker, env: dict[str, str]) -> None:
         command = [sys.executable, "-m", "gateway", "gateway", "--config", str(self.config), "--workers", "1"]
-        slot.process = subprocess.Popen(command, env={**env, WORKER_ENV: str(slot.index)})
+        slot.process = subprocess.Popen(command, env={**env, WORKER_ENV: str(slot.index)}, pass_fds=(self._parent_fd,))
         slot.started = time.monotonic()
         slot.restart_at = None
 
@@ -152,6 +247,9 @@ class Supervisor:
                     self._start(slot, env)
                 elif process is not None and process.poll() is not None:
                     self._died(slot, process, now, metrics)
+            if self._config_error:  # every other worker would fail the same way
+                sys.stderr.write(_read_start_error(env[RUN_DIR_ENV]))
+                return 2
             if self._quick_deaths >= GIVE_UP:
                 log.error("gateway workers died %d times in a row within %.0f s of their start: giving up", GIVE_UP, STABLE_S)
                 return 1
@@ -160,13 +258,16 @@ class Supervisor:
 
     def _died(self, slot: _Worker, process: subprocess.Popen[bytes], now: float, metrics: Path) -> None:
         _mark_dead(process.pid, metrics)
+        slot.process = None
+        if process.returncode == EXIT_CONFIG:
+            self._config_error = True
+            return
         quick = now - slot.started < STABLE_S
         self._quick_deaths = self._quick_deaths + 1 if quick else 0
         if not quick:
             slot.pause_s = RESTART_MIN_S
         log.error("gateway worker %d (pid %d) exited with %s; starting it again in %.0f s",
                   slot.index, process.pid, process.returncode, slot.pause_s)
-        slot.process = None
         slot.restart_at = now + slot.pause_s
         slot.pause_s = min(slot.pause_s * 2, RESTART_MAX_S)
 
@@ -191,6 +292,13 @@ class Supervisor:
                 log.error("gateway worker %d did not stop within %s s: killing it", slot.index, STOP_GRACE_S)
                 slot.process.kill()
                 slot.process.wait()
+
+
+def _read_start_error(folder: str) -> str:
+    try:
+        return (Path(folder) / START_ERROR_FILE).read_text(encoding="utf-8")
+    except OSError:  # a worker that died before writing it
+        return "onehop gateway: a worker could not start with this config\n"
 
 
 def _hold_port(host: str, port: int) -> socket.socket:

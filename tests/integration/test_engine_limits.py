@@ -312,7 +312,7 @@ def test_cli_flags_reach_the_engine_config(
 
     seen: list[EngineConfig] = []
     monkeypatch.setattr("engine.app.run", seen.append)
-    base = ["engine", "--backend", "sim", "--model", str(qwen3_tokenizer_dir)]
+    base = ["engine", "--backend", "sim", "--model", str(qwen3_tokenizer_dir), "--port", "0"]
     assert main(base) == 0
     assert main([*base, "--max-num-seqs", "8", "--max-logprobs", "-1"]) == 0
     assert [config.limits for config in seen] == [DEFAULTS, EngineLimits(max_num_seqs=8, max_logprobs=-1)]

@@ -188,15 +188,22 @@ async def test_a_conversation_crosses_workers_and_a_killed_worker_comes_back(
             assert await asyncio.to_thread(process.wait, 60) == 0
 
 
-def test_workers_that_cannot_start_make_the_supervisor_give_up(tmp_path: Path) -> None:
-    """A config whose workers die at once (here: a tokenizer folder that is not one) ends the
-    supervisor with status 1 after a few restarts, rather than restarting forever."""
+def test_workers_that_keep_dying_make_the_supervisor_give_up(qwen3_tokenizer_dir: Path, tmp_path: Path) -> None:
+    """Workers that die at once for a reason other than their config (here: each exits 3 as
+    its interpreter starts) end the supervisor with status 1 after a few restarts, rather
+    than restarting forever. (A config error stops it at once: tests/integration/test_cli_start.py.)"""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import os\nif 'ONEHOP_GATEWAY_WORKER' in os.environ:\n    os._exit(3)\n"
+    )
     config = tmp_path / "gateway.yaml"
     config.write_text(yaml.safe_dump({
-        "model": "sim", "tokenizer": str(tmp_path / "no-such-tokenizer"), "engines": [{"url": "http://127.0.0.1:9"}],
+        "model": "sim", "tokenizer": str(qwen3_tokenizer_dir), "engines": [{"url": "http://127.0.0.1:9"}],
         "host": "127.0.0.1", "port": _free_port(),
     }))
     command = [sys.executable, "-m", "gateway", "gateway", "--config", str(config), "--workers", "2"]
-    process = subprocess.run(command, capture_output=True, timeout=120)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    process = subprocess.run(command, capture_output=True, timeout=120, env=env)
     assert process.returncode == 1, process.stderr.decode()[-2000:]
-    assert b"giving up" in process.stderr
+    assert b"exited with 3" in process.stderr and b"giving up" in process.stderr

@@ -208,3 +208,29 @@ def test_vllm_pools(name: str, flag: str) -> None:
     assert service["spec"]["selector"].items() <= labels.items()
     if workload["kind"] == "StatefulSet":
         assert workload["spec"]["serviceName"] == name
+
+
+def _dockerfile() -> str:
+    return (ROOT / "Dockerfile").read_text(encoding="utf-8")
+
+
+def test_the_gateway_image_is_the_dockerfiles() -> None:
+    """The Deployment runs the image the Dockerfile builds, as its tag and entrypoint say."""
+    import re
+
+    dockerfile = _dockerfile()
+    tags = re.findall(r"docker build -t (\S+) \.", dockerfile)
+    assert tags and set(tags) == {_container()["image"]}
+    assert 'ENTRYPOINT ["onehop"]' in dockerfile
+    assert _container()["command"][0] == "onehop"
+
+
+def test_the_dockerfile_installs_pyprojects_python_and_torch() -> None:
+    import tomllib
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    dockerfile = _dockerfile()
+    assert "FROM python:3.11-slim" in dockerfile and pyproject["requires-python"] == ">=3.11"
+    (torch,) = [pin for pin in pyproject["optional-dependencies"]["engine"] if pin.startswith("torch")]
+    assert f"download.pytorch.org/whl/cpu {torch}" in dockerfile
+    assert "pip install '.[engine]'" in dockerfile
