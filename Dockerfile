@@ -16,10 +16,11 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /opt/onehop
 
-# torch at pyproject.toml's pin, from PyTorch's CPU index: PyPI's Linux wheel is the CUDA
-# build (gigabytes of libraries a CPU image never loads). `.[engine]` below then finds the
-# pin satisfied and installs no other torch.
-RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
+# torch at pyproject.toml's pin first, so `.[engine]` below finds it satisfied. The default
+# index's Linux wheel is the CUDA build (gigabytes a CPU image never loads): point
+# TORCH_INDEX_URL at a CPU wheel index for a smaller image.
+ARG TORCH_INDEX_URL=""
+RUN pip install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} torch==2.13.0
 
 COPY pyproject.toml README.md ./
 COPY engine ./engine
