@@ -232,5 +232,5 @@ def test_the_dockerfile_installs_pyprojects_python_and_torch() -> None:
     dockerfile = _dockerfile()
     assert "FROM python:3.11-slim" in dockerfile and pyproject["requires-python"] == ">=3.11"
     (torch,) = [pin for pin in pyproject["optional-dependencies"]["engine"] if pin.startswith("torch")]
-    assert f"download.pytorch.org/whl/cpu {torch}" in dockerfile
+    assert f"pip install ${{TORCH_INDEX_URL:+--index-url \"$TORCH_INDEX_URL\"}} {torch}" in dockerfile
     assert "pip install '.[engine]'" in dockerfile
