@@ -3,10 +3,11 @@
 Keys come from a file (one per line, `KEY` or `TENANT KEY`; blank lines and
 `#` comments skipped; hot-reloaded like the policy) and/or an environment
 variable (comma separated, read at start). A key's tenant is what policy
-rules match with `tenant:`, and whose stored Responses a request may see (its
-`owner`: the tenant, or the key itself when it names none). A presented key is hashed and compared with every
-known key's hash by `hmac.compare_digest`, so the time taken says nothing
-about how much of a key matched or which one. Keys never reach logs or spans.
+rules match with `tenant:`, and whose stored Responses a request may see
+(its `owner`: the tenant, or the key itself when it names none). A presented
+key is hashed and compared with every known key's hash by
+`hmac.compare_digest`, so the time taken says nothing about how much of a key
+matched or which one. Keys never reach logs or spans.
 """
 
 from __future__ import annotations

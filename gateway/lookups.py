@@ -1,6 +1,7 @@
 """Endpoints answered without an engine: stored responses (`GET`/`DELETE /v1/responses/{id}`,
-from this replica's store, the caller's own: another's is not found) and Anthropic's `POST /v1/messages/count_tokens` (the prompt the
-model would see, rendered as a chat request is)."""
+from this replica's store; the caller's own only, another's is answered as an unknown id) and
+Anthropic's `POST /v1/messages/count_tokens` (the prompt the model would see, rendered as a
+chat request is)."""
 
 from __future__ import annotations
 
