@@ -27,7 +27,7 @@ from engine.telemetry import Tracing, extract
 from gateway.access_log import AccessLogger
 from gateway.admission import Gate
 from gateway.chat_template import ChatTemplateError
-from gateway.auth import TENANT_KEY, check_key, keys_from_env, load_key_file, needs_key
+from gateway.auth import OWNER_KEY, TENANT_KEY, check_key, keys_from_env, load_key_file, needs_key
 from gateway.config import ConfigError, EngineEndpoint, GatewayConfig, ModelConfig
 from gateway.engine_client import ABORT_TIMEOUT_S, EngineClient, EngineMismatch, Expected
 from gateway.errors import ERROR_BODIES, ERROR_KEY, REQUEST_ID_KEY, Handler, RouteNotFound, gateway_error_middleware, status_error_json
@@ -38,6 +38,7 @@ from gateway.lookups import handle_count_tokens, handle_delete_response, handle_
 from gateway.messages import error_body as messages_error_body
 from gateway.pipeline import handle_chat, handle_completion, handle_messages, handle_responses
 from gateway.routing import REASON_KEY, ROUTE_KEY
+from gateway.shared_responses import response_store
 from gateway.runtime import ModelRuntime
 from gateway.metrics import GatewayMetrics
 from gateway.policy import Policy, PolicyError, load_policy
@@ -177,9 +178,10 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     state = request.app[GATEWAY]
     auth = state.config.auth
     if auth.enabled and needs_key(request, auth.protect_metrics):
-        tenant = check_key(request.headers.get("Authorization"), state.api_keys())
-        if tenant is not None:
-            request[TENANT_KEY] = tenant
+        caller = check_key(request.headers.get("Authorization"), state.api_keys())
+        if caller.tenant is not None:
+            request[TENANT_KEY] = caller.tenant
+        request[OWNER_KEY] = caller.owner
     return await handler(request)
 
 
@@ -318,7 +320,11 @@ def create_app(config: GatewayConfig) -> web.Application:
     clients = [engines for plan in plans for engines in plan.clients()]
     decoding = [engines for plan in plans for engines in plan.clients() if engines is not plan.prefill]
     feedback = EngineFeedback(lambda: [url for engines in decoding for url in engines.pool.urls()], config.feedback_interval_s)
-    state = GatewayState(config=config, gate=gate, clients=clients, feedback=feedback, tracing=tracing, metrics=metrics)
+    stored = config.response_store if config.auth.enabled else config.response_store.one_tenant()
+    state = GatewayState(
+        config=config, gate=gate, clients=clients, feedback=feedback, tracing=tracing, metrics=metrics,
+        responses=response_store(stored),
+    )
     app[GATEWAY] = state
     if config.auth.api_keys_env is not None:
         state.env_keys = keys_from_env(config.auth.api_keys_env)

@@ -3,9 +3,11 @@
 Keys come from a file (one per line, `KEY` or `TENANT KEY`; blank lines and
 `#` comments skipped; hot-reloaded like the policy) and/or an environment
 variable (comma separated, read at start). A key's tenant is what policy
-rules match with `tenant:`. A presented key is hashed and compared with every
-known key's hash by `hmac.compare_digest`, so the time taken says nothing
-about how much of a key matched or which one. Keys never reach logs or spans.
+rules match with `tenant:`, and whose stored Responses a request may see
+(its `owner`: the tenant, or the key itself when it names none). A presented
+key is hashed and compared with every known key's hash by
+`hmac.compare_digest`, so the time taken says nothing about how much of a key
+matched or which one. Keys never reach logs or spans.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from aiohttp import web
@@ -55,8 +58,27 @@ def keys_from_env(name: str) -> Keys:
     return {_digest(k.strip()): None for k in value.split(",") if k.strip()}
 
 
-def check_key(header: str | None, known: Keys) -> str | None:
-    """The key's tenant; Unauthorized unless the header carries one of the known keys."""
+@dataclass(frozen=True, slots=True)
+class Caller:
+    tenant: str | None
+    owner: str
+    """Whose stored responses the request may read, continue and delete: its tenant's, or
+    (a key that names no tenant) the key's own. Prefixed, so no tenant name can pose as a key."""
+
+
+ANONYMOUS = "anonymous"
+"""The one owner of every stored response when auth is off."""
+
+
+def _owner(digest: bytes, tenant: str | None) -> str:
+    if tenant is not None:
+        return f"tenant:{tenant}"
+    # Another hash of the key's digest, so the stored owner is not the digest keys are checked by.
+    return "key:" + hashlib.sha256(b"onehop response owner\0" + digest).hexdigest()[:32]
+
+
+def check_key(header: str | None, known: Keys) -> Caller:
+    """Who is calling; Unauthorized unless the header carries one of the known keys."""
     scheme, _, credentials = (header or "").strip().partition(" ")
     if scheme.lower() != "bearer" or not credentials.strip():  # the scheme is case-insensitive (RFC 9110)
         raise Unauthorized("missing API key: send `Authorization: Bearer <key>`")
@@ -68,11 +90,17 @@ def check_key(header: str | None, known: Keys) -> str | None:
             matched, tenant = True, owner
     if not matched:
         raise Unauthorized("invalid API key")
-    return tenant
+    return Caller(tenant, _owner(given, tenant))
 
 
 PROTECTED_PREFIX = "/v1/"
 TENANT_KEY = web.RequestKey("onehop_tenant", str)
+OWNER_KEY = web.RequestKey("onehop_owner", str)
+
+
+def owner(request: web.Request) -> str:
+    """The request's owner of stored responses (`Caller.owner`; `ANONYMOUS` with auth off)."""
+    return request.get(OWNER_KEY, ANONYMOUS)
 
 
 def needs_key(request: web.Request, protect_metrics: bool) -> bool:

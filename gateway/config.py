@@ -23,6 +23,8 @@ REQUEST_TIMEOUT_S = 600.0
 CLIENT_BODY_TIMEOUT_S = 30.0
 CLIENT_WRITE_TIMEOUT_S = 60.0
 MAX_BODY_BYTES = 16 * 1024 * 1024
+MAX_STORED = 10_000
+MAX_STORED_BYTES = 64 * 1024 * 1024
 
 
 class ConfigError(ValueError):
@@ -81,6 +83,30 @@ class Auth(Struct, forbid_unknown_fields=True, kw_only=True):
     @property
     def enabled(self) -> bool:
         return self.api_keys_file is not None or self.api_keys_env is not None
+
+
+class ResponseStoreConfig(Struct, forbid_unknown_fields=True, kw_only=True):
+    """Bounds of the Responses store (`store: true` answers kept for `previous_response_id` and
+    `GET /v1/responses/{id}`); past one, the least recently used are evicted. Each tenant (an
+    API key's, or the key itself when it names none) has its own share, so that one tenant's
+    answers evict its own oldest and never every tenant's. With auth off there is one tenant,
+    who may fill the whole store."""
+
+    max_entries: Annotated[int, Meta(ge=1)] = MAX_STORED
+    max_bytes: Annotated[int, Meta(ge=1)] = MAX_STORED_BYTES
+    """Bytes kept, counted as they are held: encoded JSON and a fixed cost per entry."""
+    max_tenant_entries: Annotated[int, Meta(ge=1)] = MAX_STORED // 4
+    max_tenant_bytes: Annotated[int, Meta(ge=1)] = MAX_STORED_BYTES // 4
+
+    def __post_init__(self) -> None:
+        if self.max_tenant_entries > self.max_entries:
+            raise ConfigError("response_store.max_tenant_entries must be at most response_store.max_entries")
+        if self.max_tenant_bytes > self.max_bytes:
+            raise ConfigError("response_store.max_tenant_bytes must be at most response_store.max_bytes")
+
+    def one_tenant(self) -> ResponseStoreConfig:
+        """The bounds when every request is one tenant's (auth off): the whole store is its."""
+        return msgspec.structs.replace(self, max_tenant_entries=self.max_entries, max_tenant_bytes=self.max_bytes)
 
 
 class Health(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -204,6 +230,7 @@ class GatewayConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     balancing: Balancing = msgspec.field(default_factory=Balancing)
     limits: Limits = msgspec.field(default_factory=Limits)
     auth: Auth = msgspec.field(default_factory=Auth)
+    response_store: ResponseStoreConfig = msgspec.field(default_factory=ResponseStoreConfig)
 
     def __post_init__(self) -> None:
         shorthand = [name for name in ("model", "tokenizer") if getattr(self, name) is not None]

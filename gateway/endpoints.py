@@ -30,7 +30,7 @@ from engine.openai_schema import (
     CompletionRequest,
 )
 from gateway import remote
-from gateway.auth import TENANT_KEY
+from gateway.auth import TENANT_KEY, owner
 from gateway.config import Limits, Route
 from gateway.engine_request import chat_sampling, completion_sampling, constraint_kind
 from gateway.errors import InvalidRequest
@@ -437,16 +437,18 @@ class Responses(TranslatedChat[ResponsesRequest]):
         request = decode_responses_request(body)
         history: list[Any] = []
         if request.previous_response_id is not None:
-            stored = http.app[GATEWAY].responses.get(request.previous_response_id)
+            stored = http.app[GATEWAY].responses.get(owner(http), request.previous_response_id)
             if stored is None:
-                raise InvalidRequest(
-                    f"Previous response with id '{request.previous_response_id}' not found.", param="previous_response_id"
+                raise InvalidRequest(  # OpenAI's answer, a 400; another tenant's id gets it too
+                    f"Previous response with id '{request.previous_response_id}' not found.",
+                    param="previous_response_id",
+                    code="previous_response_not_found",
                 )
             history = stored.conversation
         return turn(request, responses_to_chat(request, history))
 
     def presenter(self, http: web.Request, request: Turn[ResponsesRequest]) -> ResponsesPresenter:
-        return ResponsesPresenter(http.app[GATEWAY].responses)
+        return ResponsesPresenter(http.app[GATEWAY].responses, owner(http))
 
 
 class Messages(TranslatedChat[MessagesRequest]):

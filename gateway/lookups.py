@@ -1,12 +1,14 @@
 """Endpoints answered without an engine: stored responses (`GET`/`DELETE /v1/responses/{id}`,
-from this replica's store) and Anthropic's `POST /v1/messages/count_tokens` (the prompt the
-model would see, rendered as a chat request is)."""
+from this replica's store; the caller's own only, another's is answered as an unknown id) and
+Anthropic's `POST /v1/messages/count_tokens` (the prompt the model would see, rendered as a
+chat request is)."""
 
 from __future__ import annotations
 
 import msgspec
 from aiohttp import web
 
+from gateway.auth import owner
 from gateway.endpoints import CHAT
 from gateway.errors import NotFound
 from gateway.messages import count_tokens_to_chat, decode_count_tokens_request
@@ -37,7 +39,7 @@ def _missing(response_id: str) -> NotFound:
 
 async def handle_get_response(http: web.Request) -> web.Response:
     response_id = http.match_info["response_id"]
-    stored = http.app[GATEWAY].responses.get(response_id)
+    stored = http.app[GATEWAY].responses.get(owner(http), response_id)
     if stored is None:
         raise _missing(response_id)
     return _json(stored.response)
@@ -45,7 +47,7 @@ async def handle_get_response(http: web.Request) -> web.Response:
 
 async def handle_delete_response(http: web.Request) -> web.Response:
     response_id = http.match_info["response_id"]
-    if not http.app[GATEWAY].responses.delete(response_id):
+    if not http.app[GATEWAY].responses.delete(owner(http), response_id):
         raise _missing(response_id)
     return _json(DeletedResponse(id=response_id))
 

@@ -13,8 +13,9 @@ into a Response object, or the chat chunks into the Responses events:
     response.completed | response.incomplete         whenever the kind of delta changes
 
 Every event has one `sequence_number` from 0, the error event included. A finished response
-is kept with the chat conversation it ended in this replica's `ResponseStore`, so that
-`previous_response_id` continues it without the client sending it again.
+is kept with the chat conversation it ended in this replica's store (`gateway.response_store`),
+scoped to its caller, so that `previous_response_id` continues it without the client sending
+it again.
 
 Names follow the `openai` SDK's types. Top-level request fields are strict (a misspelt one is
 refused by name); items, tools and the small config objects are not, because clients send
@@ -26,11 +27,9 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import aclosing
-from dataclasses import dataclass
-from typing import Annotated, Any, Literal, Protocol
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
@@ -58,7 +57,9 @@ from engine.openai_schema import (
     Usage,
 )
 from gateway.errors import GatewayError, InvalidRequest
+from gateway.response_store import ResponseStorage
 from gateway.translate import Presented, Turn
+from gateway.validate import check_metadata
 
 # ------------------------------------------------------------ request
 
@@ -229,6 +230,7 @@ def decode_request(body: bytes) -> ResponsesRequest:
     for name, asks, why in _UNSERVED:
         if asks(request):
             raise InvalidRequest(f"{name}: {why}", param=name)
+    check_metadata(request.metadata)
     return request
 
 
@@ -771,8 +773,8 @@ class ResponsesPresenter:
     """Chat answers as Responses (`gateway.translate.Presenter`), one presenter per request;
     a finished response is stored unless the request says `store: false`."""
 
-    def __init__(self, store: ResponseStorage | None) -> None:
-        self._store = store
+    def __init__(self, store: ResponseStorage | None, owner: str) -> None:
+        self._store, self._owner = store, owner
         self._frames = _Frames()  # one numbering for the stream and its error event
 
     def whole(self, turn: Turn[ResponsesRequest], meta: Presented, completion: ChatCompletion) -> Response:
@@ -816,68 +818,4 @@ class ResponsesPresenter:
             return
         messages = turn.chat.messages
         carried = messages[1:] if turn.original.instructions else messages  # instructions are not carried
-        self._store.put(response.id, response, [*carried, _assistant(response.output)])
-
-
-# ------------------------------------------------------------ store
-
-MAX_STORED = 10_000
-MAX_STORED_BYTES = 64 * 1024 * 1024
-"""Encoded bytes kept; as Python objects they take a few times that."""
-
-
-@dataclass(slots=True)
-class StoredResponse:
-    response: Response | msgspec.Raw
-    """What `GET /v1/responses/{id}` answers: JSON-encodable as it is."""
-    conversation: list[ChatMessageParam]
-    """The chat messages the response ended, its answer last: a later turn's history."""
-    size: int
-
-
-class ResponseStorage(Protocol):
-    """Where finished responses are kept: `ResponseStore`, or the one workers share."""
-
-    def put(self, response_id: str, response: Response | bytes, conversation: list[ChatMessageParam]) -> bool: ...
-
-    def get(self, response_id: str) -> StoredResponse | None: ...
-
-    def delete(self, response_id: str) -> bool: ...
-
-
-class ResponseStore:
-    """This replica's finished responses, bounded by count and by encoded bytes, the least
-    recently used evicted first; O(1) but for the size estimate, one encode per put."""
-
-    def __init__(self, max_entries: int = MAX_STORED, max_bytes: int = MAX_STORED_BYTES) -> None:
-        self.max_entries, self.max_bytes = max_entries, max_bytes
-        self.bytes = 0
-        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def put(self, response_id: str, response: Response | bytes, conversation: list[ChatMessageParam]) -> bool:
-        """False when the entry alone is over the byte bound: it is not kept."""
-        body = msgspec.Raw(response) if isinstance(response, bytes) else response
-        size = len(response if isinstance(response, bytes) else _encode(response)) + len(_encode(conversation))
-        self.delete(response_id)
-        if size > self.max_bytes:
-            return False
-        self._entries[response_id] = StoredResponse(body, conversation, size)
-        self.bytes += size
-        while len(self._entries) > self.max_entries or self.bytes > self.max_bytes:
-            self.bytes -= self._entries.popitem(last=False)[1].size
-        return True
-
-    def get(self, response_id: str) -> StoredResponse | None:
-        entry = self._entries.get(response_id)
-        if entry is not None:
-            self._entries.move_to_end(response_id)
-        return entry
-
-    def delete(self, response_id: str) -> bool:
-        entry = self._entries.pop(response_id, None)
-        if entry is not None:
-            self.bytes -= entry.size
-        return entry is not None
+        self._store.put(self._owner, response.id, _encode(response), [*carried, _assistant(response.output)])

@@ -3,9 +3,10 @@
 With several workers on one port, a client's follow-up (`previous_response_id`,
 `GET /v1/responses/{id}`) lands on whichever worker the kernel picks, so the
 stored answers live in one SQLite file in the run's folder (WAL: readers do
-not wait for a writer), bounded as the single-process store is: 10,000
-responses and 64 MiB of encoded JSON, the least recently used evicted first.
-A single-process gateway keeps its in-memory `ResponseStore`.
+not wait for a writer), scoped and bounded as the single-process store is
+(`gateway.response_store`: each owner's share, then the whole store's bound, the
+least recently used evicted first; sizes counted alike). A single-process
+gateway keeps its in-memory `ResponseStore`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from pathlib import Path
 import msgspec
 
 from engine.openai_schema import ChatMessageParam
-from gateway.responses import MAX_STORED, MAX_STORED_BYTES, Response, ResponseStore, StoredResponse
+from gateway.config import ResponseStoreConfig
+from gateway.response_store import ResponseStore, StoredResponse, entry_size
 from gateway.workers import run_dir
 
 _encode = msgspec.json.Encoder().encode
@@ -24,12 +26,14 @@ _CONVERSATION = msgspec.json.Decoder(list[ChatMessageParam])
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
     id TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,
     body BLOB NOT NULL,
     conversation BLOB NOT NULL,
     size INTEGER NOT NULL,
     used INTEGER NOT NULL
 );
 CREATE INDEX IF NOT EXISTS responses_used ON responses (used);
+CREATE INDEX IF NOT EXISTS responses_owner_used ON responses (owner, used);
 """
 BUSY_TIMEOUT_S = 5.0
 
@@ -37,8 +41,8 @@ BUSY_TIMEOUT_S = 5.0
 class SharedResponseStore:
     """`ResponseStore`'s interface over an SQLite file several processes open."""
 
-    def __init__(self, path: Path, max_entries: int = MAX_STORED, max_bytes: int = MAX_STORED_BYTES) -> None:
-        self.max_entries, self.max_bytes = max_entries, max_bytes
+    def __init__(self, path: Path, bounds: ResponseStoreConfig | None = None) -> None:
+        self.bounds = bounds or ResponseStoreConfig()
         # One connection per worker, used on its event loop only; autocommit, with
         # explicit transactions where a change spans statements.
         self._db = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
@@ -48,45 +52,50 @@ class SharedResponseStore:
     def __len__(self) -> int:
         return int(self._db.execute("SELECT COUNT(*) FROM responses").fetchone()[0])
 
-    def put(self, response_id: str, response: Response | bytes, conversation: list[ChatMessageParam]) -> bool:
-        """False when the entry alone is over the byte bound: it is not kept."""
-        body = response if isinstance(response, bytes) else _encode(response)
+    def put(self, owner: str, response_id: str, response: bytes, conversation: list[ChatMessageParam]) -> bool:
         history = _encode(conversation)
-        size = len(body) + len(history)
+        size = entry_size(response, history)
         with self._transaction():
             self._db.execute("DELETE FROM responses WHERE id = ?", (response_id,))
-            if size > self.max_bytes:
+            if size > self.bounds.max_tenant_bytes:
                 return False
             self._db.execute(
-                "INSERT INTO responses VALUES (?, ?, ?, ?, (SELECT COALESCE(MAX(used), 0) + 1 FROM responses))",
-                (response_id, body, history, size),
+                "INSERT INTO responses VALUES (?, ?, ?, ?, ?, (SELECT COALESCE(MAX(used), 0) + 1 FROM responses))",
+                (response_id, owner, response, history, size),
             )
-            self._evict()
+            self._evict(owner)
         return True
 
-    def get(self, response_id: str) -> StoredResponse | None:
+    def get(self, owner: str, response_id: str) -> StoredResponse | None:
         with self._transaction():
             row = self._db.execute(
-                "SELECT body, conversation, size FROM responses WHERE id = ?", (response_id,)
+                "SELECT body, conversation FROM responses WHERE id = ? AND owner = ?", (response_id, owner)
             ).fetchone()
             if row is None:
                 return None
             self._db.execute(
                 "UPDATE responses SET used = (SELECT MAX(used) + 1 FROM responses) WHERE id = ?", (response_id,)
             )
-        body, history, size = row
-        return StoredResponse(msgspec.Raw(body), _CONVERSATION.decode(history), size)
+        body, history = row
+        return StoredResponse(msgspec.Raw(body), _CONVERSATION.decode(history))
 
-    def delete(self, response_id: str) -> bool:
-        return self._db.execute("DELETE FROM responses WHERE id = ?", (response_id,)).rowcount > 0
+    def delete(self, owner: str, response_id: str) -> bool:
+        deleted = self._db.execute("DELETE FROM responses WHERE id = ? AND owner = ?", (response_id, owner))
+        return deleted.rowcount > 0
 
     def close(self) -> None:
         self._db.close()
 
-    def _evict(self) -> None:
-        count, total = self._db.execute("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM responses").fetchone()
-        while count > self.max_entries or total > self.max_bytes:
-            oldest = self._db.execute("SELECT id, size FROM responses ORDER BY used LIMIT 1").fetchone()
+    def _evict(self, owner: str) -> None:
+        """The owner's least recently used past its share, then anyone's past the whole bound."""
+        bounds = self.bounds
+        self._evict_past(bounds.max_tenant_entries, bounds.max_tenant_bytes, "WHERE owner = ?", (owner,))
+        self._evict_past(bounds.max_entries, bounds.max_bytes, "", ())
+
+    def _evict_past(self, max_entries: int, max_bytes: int, where: str, args: tuple[str, ...]) -> None:
+        count, total = self._db.execute(f"SELECT COUNT(*), COALESCE(SUM(size), 0) FROM responses {where}", args).fetchone()
+        while count > max_entries or total > max_bytes:
+            oldest = self._db.execute(f"SELECT id, size FROM responses {where} ORDER BY used LIMIT 1", args).fetchone()
             self._db.execute("DELETE FROM responses WHERE id = ?", (oldest[0],))
             count, total = count - 1, total - oldest[1]
 
@@ -108,7 +117,7 @@ class _Transaction:
         self._db.execute("COMMIT" if kind is None else "ROLLBACK")
 
 
-def response_store() -> ResponseStore | SharedResponseStore:
+def response_store(bounds: ResponseStoreConfig | None = None) -> ResponseStore | SharedResponseStore:
     """The run's shared store under `--workers N`, else this process's own."""
     folder = run_dir()
-    return SharedResponseStore(folder / "responses.sqlite") if folder is not None else ResponseStore()
+    return SharedResponseStore(folder / "responses.sqlite", bounds) if folder is not None else ResponseStore(bounds)

@@ -18,7 +18,7 @@ from gateway.feedback import EngineFeedback
 from gateway.metrics import GatewayMetrics
 from gateway.policy import Policy
 from gateway.reload import WatchedFile
-from gateway.responses import ResponseStorage
+from gateway.response_store import ResponseStorage
 from gateway.shared_responses import response_store
 from gateway.runtime import ModelRuntime
 
@@ -42,7 +42,7 @@ class GatewayState:
     """Aborts sent after a client left; kept referenced until done."""
     responses: ResponseStorage = field(default_factory=response_store)
     """Responses API answers kept for `previous_response_id` and `GET /v1/responses/{id}`:
-    this replica's (its workers share them), bounded, lost on restart."""
+    this replica's (its workers share them), each caller's own, bounded, lost on restart."""
 
     def policy(self, model: ModelRuntime) -> Policy:
         """The policy file's, as last loaded; without one, the model's fixed route."""

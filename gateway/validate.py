@@ -13,6 +13,10 @@ from gateway.errors import CONTEXT_LENGTH_EXCEEDED, InvalidRequest
 
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+"""OpenAI's bounds of `metadata` (chat and Responses): a stored response keeps it."""
 
 # (field, test that it asks for something unsupported, why)
 _Rule = tuple[str, Callable[[Any], bool], str]
@@ -102,8 +106,34 @@ def _check_counts(n: int | None, top_logprobs: int | None) -> None:
         raise InvalidRequest(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {top_logprobs}", param="top_logprobs")
 
 
+def check_metadata(metadata: dict[str, str] | None) -> None:
+    """OpenAI's bounds, with words like OpenAI's."""
+    if not metadata:
+        return
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise InvalidRequest(
+            f"Invalid 'metadata': too many properties. Expected an object with at most {MAX_METADATA_PAIRS} "
+            f"properties, but got an object with {len(metadata)} properties instead.",
+            param="metadata",
+        )
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            raise InvalidRequest(
+                f"Invalid 'metadata': key too long. Expected keys of at most {MAX_METADATA_KEY_CHARS} characters, "
+                f"but got a key of {len(key)} characters instead.",
+                param="metadata",
+            )
+        if len(value) > MAX_METADATA_VALUE_CHARS:
+            raise InvalidRequest(
+                f"Invalid 'metadata.{key}': string too long. Expected a string of at most {MAX_METADATA_VALUE_CHARS} "
+                f"characters, but got a string of {len(value)} characters instead.",
+                param="metadata",
+            )
+
+
 def check_chat(request: ChatCompletionRequest) -> None:
     _check_depths(request)
+    check_metadata(request.metadata)
     _apply(_COMMON + _CHAT, request)
     if not request.messages:
         raise InvalidRequest("messages must not be empty", param="messages")

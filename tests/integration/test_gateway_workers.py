@@ -85,7 +85,7 @@ async def test_two_workers_share_the_port_the_metrics_the_reload_and_the_store(
     qwen3_tokenizer_dir: Path, tmp_path: Path
 ) -> None:
     keys = tmp_path / "keys"
-    keys.write_text("old-key\n")
+    keys.write_text("old-key\nteam team-key\n")
     config = tmp_path / "gateway.yaml"
     async with engine_server(qwen3_tokenizer_dir) as (engine_url, _):
         config.write_text(yaml.safe_dump({
@@ -105,7 +105,7 @@ async def test_two_workers_share_the_port_the_metrics_the_reload_and_the_store(
                     async with session.get(base + "/metrics") as response:
                         assert _requests_total(await response.text()) == REQUESTS
 
-            # A stored response is found by either worker.
+            # A stored response is found by either worker, by its own caller only.
             async with aiohttp.ClientSession() as session:
                 async with session.post(
                     base + "/v1/responses", json={"model": "sim", "input": "hi", "max_output_tokens": 4},
@@ -115,6 +115,9 @@ async def test_two_workers_share_the_port_the_metrics_the_reload_and_the_store(
                     stored = (await response.json())["id"]
             found = await _fresh(base, "GET", f"/v1/responses/{stored}", count=16, key="old-key")
             assert set(found) == {"0", "1"}
+            # Another key's caller finds it in neither worker.
+            hidden = await _fresh(base, "GET", f"/v1/responses/{stored}", count=16, key="team-key", want=404)
+            assert set(hidden) == {"0", "1"}
 
             # SIGHUP to the supervisor reloads the key file in both workers.
             keys.write_text("new-key\n")

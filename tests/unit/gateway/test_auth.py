@@ -14,12 +14,21 @@ def test_key_file_with_tenants(tmp_path: Path) -> None:
     path = tmp_path / "keys"
     path.write_text("# comment\nplain-key\n\n  batch   batch-key  \n")
     keys = load_key_file(path)
-    assert check_key("Bearer plain-key", keys) is None
-    assert check_key("Bearer batch-key", keys) == "batch"
-    assert check_key("bearer plain-key", keys) is None and check_key("BEARER  batch-key ", keys) == "batch"  # the scheme is case-insensitive
+    plain, batch = check_key("Bearer plain-key", keys), check_key("Bearer batch-key", keys)
+    assert plain.tenant is None and batch.tenant == "batch"
+    assert check_key("bearer plain-key", keys) == plain and check_key("BEARER  batch-key ", keys) == batch  # the scheme is case-insensitive
     for header in (None, "plain-key", "Basic plain-key", "Bearer", "Bearer plain-ke", "Bearer batch"):
         with pytest.raises(Unauthorized):
             check_key(header, keys)
+
+
+def test_each_key_without_a_tenant_owns_its_stored_responses(tmp_path: Path) -> None:
+    path = tmp_path / "keys"
+    path.write_text("plain-one\nplain-two\nteam team-one\nteam team-two\n")
+    keys = load_key_file(path)
+    owners = [check_key(f"Bearer {key}", keys).owner for key in ("plain-one", "plain-two", "team-one", "team-two")]
+    assert owners[0] != owners[1] and owners[2] == owners[3] == "tenant:team"
+    assert not any("plain" in owner for owner in owners[:2])  # the key itself is kept nowhere
 
 
 def test_bad_key_files_name_the_line_but_not_the_key(tmp_path: Path) -> None:

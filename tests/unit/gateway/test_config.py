@@ -73,3 +73,15 @@ def test_a_models_config_that_cannot_be_served_is_refused(tmp_path: Path, text: 
     path.write_text(text)
     with pytest.raises(ConfigError, match=error):
         load_config(path)
+
+
+def test_response_store_bounds_decode_and_a_share_past_the_whole_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "store.yaml"
+    base = "model: m\ntokenizer: t\nengines: [{url: 'http://x'}]\n"
+    path.write_text(base + "response_store: {max_bytes: 1000000, max_tenant_bytes: 250000}\n")
+    stored = load_config(path).response_store
+    assert (stored.max_bytes, stored.max_tenant_bytes, stored.max_entries, stored.max_tenant_entries) == (1_000_000, 250_000, 10_000, 2_500)
+    assert stored.one_tenant().max_tenant_bytes == 1_000_000
+    path.write_text(base + "response_store: {max_bytes: 1000000, max_tenant_bytes: 2000000}\n")
+    with pytest.raises(ConfigError, match="max_tenant_bytes"):
+        load_config(path)

@@ -37,10 +37,12 @@ from engine.openai_schema import (
     Usage,
 )
 from gateway.errors import EngineFailed, EngineUnavailable, InvalidRequest
-from gateway.responses import ResponsesPresenter, ResponsesRequest, ResponseStore, decode_request, to_chat
+from gateway.response_store import ResponseStore
+from gateway.responses import ResponsesPresenter, ResponsesRequest, decode_request, to_chat
 from gateway.translate import Presented, Turn, turn
 
 EVENTS: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(ResponseStreamEvent)
+OWNER = "tenant:a"
 META = Presented(response_id="resp_0123", model="sim", created=1_700_000_000, prompt_tokens=12)
 WEATHER = {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
 USAGE = Usage(
@@ -238,38 +240,6 @@ def test_malformed_json_is_a_400() -> None:
         decode_request(b'{"input": ')
 
 
-# ------------------------------------------------------------ store
-
-
-def test_store_evicts_the_least_recently_used_beyond_its_count() -> None:
-    store = ResponseStore(max_entries=2)
-    store.put("a", b'{"id":"a"}', [])
-    store.put("b", b'{"id":"b"}', [])
-    assert store.get("a") is not None  # a is now the more recent
-    store.put("c", b'{"id":"c"}', [])
-    assert (store.get("a") is not None, store.get("b"), store.get("c") is not None, len(store)) == (True, None, True, 2)
-
-
-def test_store_is_bounded_in_bytes() -> None:
-    store = ResponseStore(max_bytes=250)
-    assert store.put("a", b"x" * 100, []) and store.put("b", b"x" * 100, [])  # 102 bytes each, with "[]"
-    assert store.bytes == 204
-    store.put("c", b"x" * 100, [])
-    assert store.get("a") is None and store.bytes == 204
-    assert not store.put("huge", b"x" * 300, []) and store.get("huge") is None and len(store) == 2
-    store.put("b", b"x" * 10, [])  # replaced, not counted twice
-    assert store.bytes == 102 + 12
-
-
-def test_store_delete_and_what_it_answers() -> None:
-    store = ResponseStore()
-    conversation = [ChatMessageParam(role="user", content="Hi")]
-    store.put("r", b'{"id":"r"}', conversation)
-    entry = store.get("r")
-    assert entry is not None and msgspec.json.encode(entry.response) == b'{"id":"r"}' and entry.conversation is conversation
-    assert store.delete("r") and not store.delete("r") and store.get("r") is None and store.bytes == 0
-
-
 # ------------------------------------------------------------ the whole answer
 
 
@@ -303,7 +273,7 @@ ASKED = {
 def test_whole_answer_is_a_valid_response_and_is_stored() -> None:
     store = ResponseStore()
     asked = turn_of(**ASKED)
-    response = sdk_response(ResponsesPresenter(store).whole(asked, META, completion()))
+    response = sdk_response(ResponsesPresenter(store, OWNER).whole(asked, META, completion()))
     assert (response.id, response.object, response.status, response.model, response.created_at) == (
         "resp_0123", "response", "completed", "sim", META.created)
     assert [item.type for item in response.output] == ["reasoning", "message", "function_call"]
@@ -322,7 +292,7 @@ def test_whole_answer_is_a_valid_response_and_is_stored() -> None:
     assert response.text.format.schema_ == {"type": "object"}
     assert response.reasoning is not None and response.reasoning.effort == "low" and response.metadata == {"k": "v"}
     assert (response.tool_choice, response.parallel_tool_calls, response.truncation) == ("auto", True, "disabled")
-    stored = store.get("resp_0123")
+    stored = store.get(OWNER, "resp_0123")
     assert stored is not None and stored.response is not None
     assert [m.role for m in stored.conversation] == ["user", "assistant"]  # the instructions are not carried
     assert stored.conversation[-1] == ChatMessageParam(
@@ -332,8 +302,8 @@ def test_whole_answer_is_a_valid_response_and_is_stored() -> None:
 
 def test_a_stored_turn_continues_with_previous_response_id() -> None:
     store = ResponseStore()
-    ResponsesPresenter(store).whole(turn_of(**ASKED), META, completion())
-    stored = store.get(META.response_id)
+    ResponsesPresenter(store, OWNER).whole(turn_of(**ASKED), META, completion())
+    stored = store.get(OWNER, META.response_id)
     assert stored is not None
     following = request(
         previous_response_id=META.response_id, input=[{"type": "function_call_output", "call_id": "call_1", "output": "sunny"}]
@@ -345,7 +315,7 @@ def test_a_stored_turn_continues_with_previous_response_id() -> None:
 
 def test_reasoning_content_spelling_and_an_answer_cut_by_the_limit() -> None:
     answer = completion("length", reasoning=UNSET, reasoning_content="Hmm.", tool_calls=UNSET)
-    response = sdk_response(ResponsesPresenter(None).whole(turn_of(input="Hi"), META, answer))
+    response = sdk_response(ResponsesPresenter(None, OWNER).whole(turn_of(input="Hi"), META, answer))
     assert [item.type for item in response.output] == ["reasoning", "message"]
     assert response.status == "incomplete" and response.incomplete_details is not None
     assert response.incomplete_details.reason == "max_output_tokens" and response.completed_at is None
@@ -354,8 +324,8 @@ def test_reasoning_content_spelling_and_an_answer_cut_by_the_limit() -> None:
 
 def test_store_false_and_empty_answers() -> None:
     store = ResponseStore()
-    response = ResponsesPresenter(store).whole(turn_of(input="Hi", store=False), META, completion("stop", content=None, reasoning=None, tool_calls=UNSET))
-    assert sdk_response(response).output == [] and store.get(META.response_id) is None
+    response = ResponsesPresenter(store, OWNER).whole(turn_of(input="Hi", store=False), META, completion("stop", content=None, reasoning=None, tool_calls=UNSET))
+    assert sdk_response(response).output == [] and store.get(OWNER, META.response_id) is None
 
 
 # ------------------------------------------------------------ the stream
@@ -429,7 +399,7 @@ EXPECTED_KINDS = [
 async def test_stream_events_are_valid_and_agree_with_the_whole_answer() -> None:
     store = ResponseStore()
     asked = turn_of(stream=True, **ASKED)
-    events = await streamed(ResponsesPresenter(store), asked, answer_chunks())
+    events = await streamed(ResponsesPresenter(store, OWNER), asked, answer_chunks())
     assert [event.type for event in events] == EXPECTED_KINDS
     assert [event.sequence_number for event in events] == list(range(len(events)))
     assert events[0].response.status == "in_progress" and events[0].response.output == []
@@ -449,32 +419,32 @@ async def test_stream_events_are_valid_and_agree_with_the_whole_answer() -> None
     assert [(item.call_id, item.name) for item in final.output[2:]] == [("call_1", "get_weather"), ("call_2", "get_time")]
     assert final.usage is not None and (final.usage.input_tokens, final.usage.output_tokens, final.usage.total_tokens) == (12, 20, 32)
 
-    whole = sdk_response(ResponsesPresenter(None).whole(turn_of(**ASKED), META, completion()))
+    whole = sdk_response(ResponsesPresenter(None, OWNER).whole(turn_of(**ASKED), META, completion()))
     shape = [(item.type, item.model_dump(exclude={"id"})) for item in whole.output[:2]]
     assert [(item.type, item.model_dump(exclude={"id"})) for item in final.output[:2]] == shape
 
-    stored = store.get(META.response_id)
+    stored = store.get(OWNER, META.response_id)
     assert stored is not None and stored.conversation[-1].reasoning == "Let me think."
     assert stored.conversation[-1].tool_calls and len(stored.conversation[-1].tool_calls) == 2
 
 
 async def test_the_sdk_stream_accumulator_takes_the_events() -> None:
     state = ResponseStreamState(input_tools=omit, text_format=omit)
-    for event in await streamed(ResponsesPresenter(None), turn_of(stream=True, **ASKED), answer_chunks()):
+    for event in await streamed(ResponsesPresenter(None, OWNER), turn_of(stream=True, **ASKED), answer_chunks()):
         shown = state.handle_event(event)
     assert shown[-1].type == "response.completed" and shown[-1].response.output_text == "Hello world"
 
 
 async def test_a_stream_cut_by_the_limit_ends_incomplete() -> None:
     chunks = [chunk(role="assistant", content=""), chunk(content="Hel"), chunk("length", content="lo"), ChatCompletionChunk(model="sim", choices=[], usage=USAGE)]
-    events = await streamed(ResponsesPresenter(None), turn_of(input="Hi", stream=True), chunks)
+    events = await streamed(ResponsesPresenter(None, OWNER), turn_of(input="Hi", stream=True), chunks)
     assert events[-1].type == "response.incomplete" and events[-1].response.incomplete_details.reason == "max_output_tokens"
     assert events[-2].type == "response.output_item.done" and events[-2].item.status == "incomplete"
     assert events[-1].response.output_text == "Hello"
 
 
 async def test_an_error_continues_the_numbering() -> None:
-    presenter = ResponsesPresenter(None)
+    presenter = ResponsesPresenter(None, OWNER)
     events = await streamed(presenter, turn_of(input="Hi", stream=True), answer_chunks("stop"))
     error = parse(presenter.error_frame(EngineFailed("the engine went away")))
     assert [(e.type, e.sequence_number, e.code, e.message) for e in error] == [
@@ -486,7 +456,7 @@ async def test_a_failure_before_the_first_chunk_sends_nothing() -> None:
         raise EngineUnavailable("no engine")
         yield  # an async generator
 
-    frames = ResponsesPresenter(None).stream(turn_of(input="Hi", stream=True), META, failing())
+    frames = ResponsesPresenter(None, OWNER).stream(turn_of(input="Hi", stream=True), META, failing())
     with pytest.raises(EngineUnavailable):
         await anext(frames)
 
@@ -501,7 +471,7 @@ async def test_closing_the_stream_closes_the_chunks() -> None:
         finally:
             closed.append(True)
 
-    frames = ResponsesPresenter(None).stream(turn_of(input="Hi", stream=True), META, endless())
+    frames = ResponsesPresenter(None, OWNER).stream(turn_of(input="Hi", stream=True), META, endless())
     await anext(frames)
     await frames.aclose()  # type: ignore[attr-defined]
     assert closed == [True]

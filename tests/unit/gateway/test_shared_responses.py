@@ -7,35 +7,66 @@ from pathlib import Path
 import msgspec
 
 from engine.openai_schema import ChatMessageParam
+from gateway.config import ResponseStoreConfig
+from gateway.response_store import entry_size
 from gateway.shared_responses import SharedResponseStore
+
+A, B = "tenant:a", "tenant:b"
+
+
+def bounds(**fields: int) -> ResponseStoreConfig:
+    big = {"max_entries": 1_000, "max_bytes": 1 << 30, "max_tenant_entries": 1_000, "max_tenant_bytes": 1 << 30}
+    return ResponseStoreConfig(**{**big, **fields})
 
 
 def test_what_one_worker_stores_the_other_reads_and_deletes(tmp_path: Path) -> None:
     one, other = SharedResponseStore(tmp_path / "r.sqlite"), SharedResponseStore(tmp_path / "r.sqlite")
     conversation = [ChatMessageParam(role="user", content="hi"), ChatMessageParam(role="assistant", content="hello")]
-    assert one.put("resp_a", b'{"id":"resp_a"}', conversation)
-    found = other.get("resp_a")
+    assert one.put(A, "resp_a", b'{"id":"resp_a"}', conversation)
+    found = other.get(A, "resp_a")
     assert found is not None
     assert bytes(found.response) == b'{"id":"resp_a"}' and found.conversation == conversation  # type: ignore[arg-type]
     assert msgspec.json.encode(found.response) == b'{"id":"resp_a"}'
-    assert other.delete("resp_a") and one.get("resp_a") is None and not one.delete("resp_a")
+    assert other.delete(A, "resp_a") and one.get(A, "resp_a") is None and not one.delete(A, "resp_a")
+
+
+def test_another_owner_finds_nothing_in_any_worker(tmp_path: Path) -> None:
+    one, other = SharedResponseStore(tmp_path / "r.sqlite"), SharedResponseStore(tmp_path / "r.sqlite")
+    one.put(A, "resp_a", b'{"id":"resp_a"}', [])
+    assert other.get(B, "resp_a") is None and not other.delete(B, "resp_a") and one.get(B, "resp_a") is None
+    assert other.get(A, "resp_a") is not None
 
 
 def test_shared_store_evicts_the_least_recently_used_beyond_its_count(tmp_path: Path) -> None:
-    one = SharedResponseStore(tmp_path / "r.sqlite", max_entries=2)
-    other = SharedResponseStore(tmp_path / "r.sqlite", max_entries=2)
-    one.put("a", b'{"id":"a"}', [])
-    other.put("b", b'{"id":"b"}', [])
-    assert other.get("a") is not None  # a is now the more recent, whoever read it
-    one.put("c", b'{"id":"c"}', [])
-    assert (one.get("a") is not None, one.get("b"), one.get("c") is not None, len(other)) == (True, None, True, 2)
+    one = SharedResponseStore(tmp_path / "r.sqlite", bounds(max_entries=2, max_tenant_entries=2))
+    other = SharedResponseStore(tmp_path / "r.sqlite", bounds(max_entries=2, max_tenant_entries=2))
+    one.put(A, "a", b'{"id":"a"}', [])
+    other.put(A, "b", b'{"id":"b"}', [])
+    assert other.get(A, "a") is not None  # a is now the more recent, whoever read it
+    one.put(A, "c", b'{"id":"c"}', [])
+    assert (one.get(A, "a") is not None, one.get(A, "b"), one.get(A, "c") is not None, len(other)) == (True, None, True, 2)
 
 
 def test_shared_store_is_bounded_in_bytes(tmp_path: Path) -> None:
-    store = SharedResponseStore(tmp_path / "r.sqlite", max_bytes=250)
-    assert store.put("a", b"x" * 100, []) and store.put("b", b"x" * 100, [])  # 102 bytes each, with "[]"
-    store.put("c", b"x" * 100, [])
-    assert store.get("a") is None and len(store) == 2
-    assert not store.put("huge", b"x" * 300, []) and store.get("huge") is None and len(store) == 2
-    store.put("b", b"x" * 10, [])  # replaced, not kept twice
-    assert len(store) == 2 and store.get("b") is not None
+    one = entry_size(b"x" * 100, b"[]")  # counted as the in-memory store counts
+    store = SharedResponseStore(tmp_path / "r.sqlite", bounds(max_bytes=2 * one + 50, max_tenant_bytes=2 * one + 50))
+    assert store.put(A, "a", b"x" * 100, []) and store.put(A, "b", b"x" * 100, [])
+    store.put(A, "c", b"x" * 100, [])
+    assert store.get(A, "a") is None and len(store) == 2
+    assert not store.put(A, "huge", b"x" * 3 * one, []) and store.get(A, "huge") is None and len(store) == 2
+    store.put(A, "b", b"x" * 10, [])  # replaced, not kept twice
+    assert len(store) == 2 and store.get(A, "b") is not None
+
+
+def test_an_owner_past_its_share_evicts_its_own_oldest_in_every_worker(tmp_path: Path) -> None:
+    one = entry_size(b"x" * 1000, b"[]")
+    config = bounds(max_bytes=10 * one, max_tenant_bytes=3 * one, max_entries=10, max_tenant_entries=4)
+    first, second = SharedResponseStore(tmp_path / "r.sqlite", config), SharedResponseStore(tmp_path / "r.sqlite", config)
+    first.put(A, "a", b"x" * 1000, [])
+    for index in range(20):  # B's many large answers, through either worker
+        assert (first, second)[index % 2].put(B, f"b{index}", b"x" * 1000, [])
+    assert second.get(A, "a") is not None
+    assert [first.get(B, f"b{index}") is not None for index in range(16, 20)] == [False, True, True, True]
+    for index in range(30):  # small ones: the count share binds first
+        second.put(B, f"s{index}", b"{}", [])
+    assert first.get(A, "a") is not None and len(first) == 5
