@@ -51,6 +51,7 @@ from engine.protocol import (
     decode_abort_request,
     decode_generate_request,
     encode,
+    public_request_id,
     sampling_params_sent_keys,
 )
 from engine.state import ENGINE, EngineState, RunningRequest
@@ -371,7 +372,7 @@ async def _generate(http: web.Request, state: EngineState, span: Span) -> web.St
     times = _Times(arrived=time.monotonic())
     body = await http.read()
     request = decode_generate_request(body)
-    http[REQUEST_ID_KEY] = request.request_id
+    http[REQUEST_ID_KEY] = public_request_id(request.request_id)  # the abort handle stays out of logs
     if "max_tokens" not in sampling_params_sent_keys(body):
         # Not sent means "up to the context length", as in vLLM's generate API
         # (its SamplingParams default of 16 applies only to direct callers).
@@ -379,7 +380,7 @@ async def _generate(http: web.Request, state: EngineState, span: Span) -> web.St
     if span.is_recording():
         span.set_attributes(
             {
-                "onehop.request_id": request.request_id,
+                "onehop.request_id": http[REQUEST_ID_KEY],
                 "onehop.output_mode": request.output_mode,
                 "gen_ai.request.model": state.model,
             }
