@@ -14,7 +14,6 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from engine.protocol import public_request_id
 from gateway.config import Health, Limits, Timeouts
 from tests.support.engine import AppServer, engine_server
 from tests.support.gateway import gateway_server
@@ -169,7 +168,7 @@ async def test_only_the_gateway_can_abort_its_engine_requests(qwen3_tokenizer_di
                         continue
                     chunk = json.loads(line[6:])
                     assert chunk["id"] == public  # the client's id is the public one, without the handle
-                    running = [rid for rid in engine.running if public_request_id(rid) == public]
+                    running = [rid for rid in engine.running if rid.split("#")[0] == public]  # the id, then its handle
                     if not sent and running:
                         sent = True
                         abort = {"request_ids": [engine_id(public, running[0])]}
