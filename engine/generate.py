@@ -36,6 +36,7 @@ from engine.errors import (
     REQUEST_ID_KEY,
     EngineHTTPError,
     NotFound,
+    PayloadTooLarge,
     Unavailable,
     as_http_error,
     error_body,
@@ -370,7 +371,7 @@ async def handle_generate(http: web.Request) -> web.StreamResponse:
 
 async def _generate(http: web.Request, state: EngineState, span: Span) -> web.StreamResponse:
     times = _Times(arrived=time.monotonic())
-    body = await http.read()
+    body = await read_body(http)
     request = decode_generate_request(body)
     http[REQUEST_ID_KEY] = public_request_id(request.request_id)  # the abort handle stays out of logs
     if "max_tokens" not in sampling_params_sent_keys(body):
@@ -620,10 +621,19 @@ async def _json(
     return web.Response(body=body, content_type="application/json", headers=headers)
 
 
+async def read_body(http: web.Request) -> bytes:
+    """The body; one whose Content-Length is over `max_body_bytes` is refused from the headers
+    at once (a 413), not after waiting for a body that may never come."""
+    declared, most = http.content_length, http.app[ENGINE].config.max_body_bytes
+    if declared is not None and declared > most:
+        raise PayloadTooLarge(f"the request body is {declared} bytes; at most max_body_bytes={most} are accepted")
+    return await http.read()
+
+
 async def handle_abort(http: web.Request) -> web.Response:
     """Abort by the ids the engine reported; unknown ids are ignored, as in vLLM."""
     state = http.app[ENGINE]
-    body = decode_abort_request(await http.read())
+    body = decode_abort_request(await read_body(http))
     for request_id in body.request_ids:
         running = state.running.get(request_id)
         if running is not None:

@@ -89,27 +89,32 @@ async def test_engine_closes_idle_and_slow_header_connections(qwen3_tokenizer_di
 # ------------------------------------------------------------ 2 and 3. refused from the headers
 
 
+async def _declared_too_large(base: str, path: str, limit: int) -> dict[str, Any]:
+    """POST headers declaring one byte over `limit`, and no body: the error, answered at once."""
+    reader, writer = await asyncio.open_connection(*_address(base))
+    try:
+        head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {limit + 1}\r\n\r\n"
+        writer.write(head.encode())  # and no body at all
+        await writer.drain()
+        answer = await _until_closed(reader)
+    finally:
+        writer.close()
+    status_line, _, rest = answer.partition(b"\r\n")
+    assert status_line.split()[1] == b"413", answer[:300]
+    error: dict[str, Any] = json.loads(rest.split(b"\r\n\r\n", 1)[1])["error"]
+    assert str(limit) in error["message"], error
+    return error
+
+
 async def test_a_body_declared_over_the_limit_is_refused_at_once(qwen3_tokenizer_dir: Path) -> None:
     limit = 64 * 1024
     async with (
-        engine_server(qwen3_tokenizer_dir) as (engine_url, _),
+        engine_server(qwen3_tokenizer_dir, max_body_bytes=limit) as (engine_url, _),
         gateway_server(qwen3_tokenizer_dir, engine_url, max_body_bytes=limit, timeouts=Timeouts(client_body_s=600)) as (base, _),
     ):
-        reader, writer = await asyncio.open_connection(*_address(base))
-        try:
-            head = (
-                f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {limit + 1}\r\n\r\n"
-            )
-            writer.write(head.encode())  # and no body at all
-            await writer.drain()
-            answer = await _until_closed(reader)
-        finally:
-            writer.close()
-        status_line, _, rest = answer.partition(b"\r\n")
-        assert status_line.split()[1] == b"413", answer[:300]
-        error = json.loads(rest.split(b"\r\n\r\n", 1)[1])["error"]
-        assert error["code"] == "request_too_large" and str(limit) in error["message"]
+        error = await _declared_too_large(base, "/v1/chat/completions", limit)
+        assert error["code"] == "request_too_large"
+        await _declared_too_large(engine_url, "/inference/v1/generate", limit)
 
 
 API_POSTS = {
