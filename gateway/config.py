@@ -27,7 +27,10 @@ MAX_BODY_BYTES = 16 * 1024 * 1024
 MAX_BUFFERED_TOKENS = 1 << 20
 """About 60 MB of answer where every token carries top_logprobs, far less without them."""
 MAX_ANSWER_BYTES = 128 * 1024 * 1024
-LARGE_RENDER_CHARS = 256 * 1024
+LARGE_RENDER_CHARS = 1024 * 1024
+"""Above an agent's turn (142K tokens, ~570K characters) and below the bodies that stalled
+small requests (~4 MB each)."""
+LARGE_RENDER_WORKERS = 2
 
 
 class ConfigError(ValueError):
@@ -88,7 +91,7 @@ class Limits(Struct, forbid_unknown_fields=True, kw_only=True):
     large_render_chars: Annotated[int, Meta(ge=0)] = LARGE_RENDER_CHARS
     """A request with more text than this (the text-size check's count) renders on a lane of
     its own, so small requests never wait behind it."""
-    large_render_workers: Annotated[int, Meta(ge=1)] = 1
+    large_render_workers: Annotated[int, Meta(ge=1)] = LARGE_RENDER_WORKERS
     """Large renders at once (each may take ~100 bytes of memory a character); more wait."""
 
 

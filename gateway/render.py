@@ -38,6 +38,7 @@ from tokenizers import Tokenizer
 
 from engine.openai_schema import ChatCompletionRequest, CompletionRequest
 from gateway.chat_template import ChatTemplate, ChatTemplateError, pick_template
+from gateway.config import LARGE_RENDER_CHARS, LARGE_RENDER_WORKERS
 from gateway.errors import InvalidRequest
 from gateway.tokenizer_folder import load_folder
 from gateway.validate import chat_text_chars, completion_text_chars
@@ -47,8 +48,6 @@ T = TypeVar("T")
 _TURN_MARKERS = ("<|im_start|>",)
 CACHE_BYTES = 64 * 1024 * 1024
 RENDER_WORKERS = 4
-LARGE_RENDER_CHARS = 256 * 1024
-LARGE_RENDER_WORKERS = 1
 _ID_BYTES = 36
 """What one cached token id costs: a list slot and (most often) an int object."""
 _RELEASE_GIL_CHARS = 4096
