@@ -86,7 +86,7 @@ def check_request(state: EngineState, request: GenerateRequest) -> None:
     if request.model is not None and request.model != state.model:
         raise NotFound(f"model {request.model!r} is not served here (this engine serves {state.model!r})")
     if request.request_id in state.running:
-        raise Conflict(f"request_id {request.request_id!r} is already running")
+        raise Conflict(f"request_id {public_request_id(request.request_id)!r} is already running")  # no abort handle in errors
     sampling = request.sampling_params
     if state.vocab is None:
         if request.output_mode != "tokens":
