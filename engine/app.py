@@ -26,7 +26,7 @@ from engine.derender.parsers import REASONING_PARSERS, TOOL_PARSERS, UnknownPars
 from engine.derender.parsers.detect import resolve
 from engine.derender.vocab import TokenVocab, vocab_for
 from engine.errors import error_middleware
-from engine.http_server import new_event_loop, run_app
+from engine.http_server import CONNECTION_LIMITS, ConnectionLimits, new_event_loop, run_app
 from engine.generate import GENERATE_PATH, constraints, handle_abort, handle_generate
 from engine.openai_schema import ModelCard, ModelList
 from engine.protocol import encode
@@ -144,6 +144,7 @@ def create_app(config: EngineConfig, *, backend: Backend | None = None) -> web.A
         backend=backend if backend is not None else make_backend(config),
         tracing=Tracing(config.tracing, "onehop-engine"),
     )
+    app[CONNECTION_LIMITS] = ConnectionLimits(keepalive_s=config.keepalive_s, header_s=config.client_header_s)
     app.cleanup_ctx.append(_lifecycle)
     app.router.add_post(GENERATE_PATH, handle_generate)
     app.router.add_post(ABORT_PATH, handle_abort)

@@ -8,6 +8,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from engine.derender.chat import ReasoningField
+from engine.http_server import HEADER_S, KEEPALIVE_S
 from engine.telemetry import TracingConfig
 
 BackendName = Literal["hf", "sim", "vllm"]
@@ -73,6 +74,10 @@ class EngineConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     """vLLM's `--tool-call-parser` name; `auto` reads the family from the model folder."""
     reasoning_field: ReasoningField = "reasoning"
     max_body_bytes: Annotated[int, Meta(ge=1024)] = DEFAULT_MAX_BODY_BYTES
+    keepalive_s: Annotated[float, Meta(gt=0)] = KEEPALIVE_S
+    """An idle kept-alive connection is closed after this long."""
+    client_header_s: Annotated[float, Meta(gt=0)] = HEADER_S
+    """A request's headers must be complete this long after its first byte, else the connection is closed."""
     limits: EngineLimits = msgspec.field(default_factory=EngineLimits)
     """Per-request count bounds (`n`, logprobs, stop lists, ...), checked before generation."""
     tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)

@@ -86,7 +86,10 @@ def error_body(error: EngineHTTPError) -> bytes:
 
 
 def error_response(error: EngineHTTPError) -> web.Response:
-    return web.Response(status=error.status, body=error_body(error), content_type="application/json")
+    response = web.Response(status=error.status, body=error_body(error), content_type="application/json")
+    if isinstance(error, PayloadTooLarge):
+        response.force_close()  # its body was never read: the connection cannot serve another request
+    return response
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

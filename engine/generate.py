@@ -36,6 +36,7 @@ from engine.errors import (
     REQUEST_ID_KEY,
     EngineHTTPError,
     NotFound,
+    PayloadTooLarge,
     Unavailable,
     as_http_error,
     error_body,
@@ -51,6 +52,7 @@ from engine.protocol import (
     decode_abort_request,
     decode_generate_request,
     encode,
+    public_request_id,
     sampling_params_sent_keys,
 )
 from engine.state import ENGINE, EngineState, RunningRequest
@@ -84,7 +86,7 @@ def check_request(state: EngineState, request: GenerateRequest) -> None:
     if request.model is not None and request.model != state.model:
         raise NotFound(f"model {request.model!r} is not served here (this engine serves {state.model!r})")
     if request.request_id in state.running:
-        raise Conflict(f"request_id {request.request_id!r} is already running")
+        raise Conflict(f"request_id {public_request_id(request.request_id)!r} is already running")  # no abort handle in errors
     sampling = request.sampling_params
     if state.vocab is None:
         if request.output_mode != "tokens":
@@ -369,9 +371,9 @@ async def handle_generate(http: web.Request) -> web.StreamResponse:
 
 async def _generate(http: web.Request, state: EngineState, span: Span) -> web.StreamResponse:
     times = _Times(arrived=time.monotonic())
-    body = await http.read()
+    body = await read_body(http)
     request = decode_generate_request(body)
-    http[REQUEST_ID_KEY] = request.request_id
+    http[REQUEST_ID_KEY] = public_request_id(request.request_id)  # the abort handle stays out of logs
     if "max_tokens" not in sampling_params_sent_keys(body):
         # Not sent means "up to the context length", as in vLLM's generate API
         # (its SamplingParams default of 16 applies only to direct callers).
@@ -379,7 +381,7 @@ async def _generate(http: web.Request, state: EngineState, span: Span) -> web.St
     if span.is_recording():
         span.set_attributes(
             {
-                "onehop.request_id": request.request_id,
+                "onehop.request_id": http[REQUEST_ID_KEY],
                 "onehop.output_mode": request.output_mode,
                 "gen_ai.request.model": state.model,
             }
@@ -619,10 +621,19 @@ async def _json(
     return web.Response(body=body, content_type="application/json", headers=headers)
 
 
+async def read_body(http: web.Request) -> bytes:
+    """The body; one whose Content-Length is over `max_body_bytes` is refused from the headers
+    at once (a 413), not after waiting for a body that may never come."""
+    declared, most = http.content_length, http.app[ENGINE].config.max_body_bytes
+    if declared is not None and declared > most:
+        raise PayloadTooLarge(f"the request body is {declared} bytes; at most max_body_bytes={most} are accepted")
+    return await http.read()
+
+
 async def handle_abort(http: web.Request) -> web.Response:
     """Abort by the ids the engine reported; unknown ids are ignored, as in vLLM."""
     state = http.app[ENGINE]
-    body = decode_abort_request(await http.read())
+    body = decode_abort_request(await read_body(http))
     for request_id in body.request_ids:
         running = state.running.get(request_id)
         if running is not None:

@@ -7,6 +7,13 @@ traceback, the offending bytes included. `Runner` swaps in a connection
 handler that answers such a request with JSON of the same status in the app's
 error shape (`ERROR_BODY`: the gateway speaks OpenAI's, the engine vLLM's) and
 logs one line naming the error's class, without the bytes.
+
+Connections are bounded in time too (`ConnectionLimits`, from the app's
+`CONNECTION_LIMITS`): an idle kept-alive connection is closed after
+`keepalive_s` (aiohttp's own default is 3,630 s: 1,100 idle sockets once
+locked every new client out), and a connection that starts a request but has
+not sent its complete headers within `header_s` is closed (a slow-header
+client holds a socket and a parser buffer for free otherwise).
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import asyncio
 import logging
 import signal
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -28,6 +36,26 @@ ErrorBody = Callable[[int, str], bytes]
 ERROR_BODY = web.AppKey("onehop_error_body", ErrorBody)
 """How an app shapes the errors its HTTP parser refuses (status, message → JSON body);
 without it, vLLM's shape (`vllm_error_body`)."""
+
+KEEPALIVE_S = 75.0
+"""nginx's and aiohttp's historical default: above the gateway's and common clients' own idle
+pool timeouts (the gateway drops idle engine connections after 4 s), so a client never sends
+on a connection this side is closing."""
+HEADER_S = 20.0
+"""From a request's first byte to its last header byte (nginx's client_header_timeout is 60 s;
+a real client sends its headers in one write)."""
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    keepalive_s: float = KEEPALIVE_S
+    """An idle kept-alive connection is closed after this long."""
+    header_s: float = HEADER_S
+    """A request's headers must be complete this long after its first byte, else the connection is closed."""
+
+
+CONNECTION_LIMITS = web.AppKey("onehop_connection_limits", ConnectionLimits)
+"""The app's connection time bounds; without it, `ConnectionLimits()`'s defaults."""
 
 _TYPES = {400: "BadRequestError", 408: "RequestTimeoutError", 413: "PayloadTooLargeError", 431: "BadRequestError"}
 
@@ -48,6 +76,38 @@ def _message(exc: BaseException | None, status: int) -> str:
 
 
 class _JSONErrorHandler(RequestHandler):
+    _header_timer: asyncio.TimerHandle | None = None
+
+    def data_received(self, data: bytes) -> None:
+        idle = not self._request_in_progress and not self._messages
+        super().data_received(data)
+        if self._messages:  # a whole request head arrived
+            self._stop_header_timer()
+        elif idle and data and self._header_timer is None and self.transport is not None:
+            # The first bytes of a request head: the rest must follow within header_s.
+            header_s = self._manager.header_s  # type: ignore[union-attr]
+            self._header_timer = self._loop.call_later(header_s, self._headers_late, header_s)
+
+    def _stop_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_late(self, header_s: float) -> None:
+        self._header_timer = None
+        if self._request_in_progress or self._messages or self.transport is None:
+            return  # the head did come (its body is the handler's to time)
+        log.info("closed a connection from %s: its request headers did not arrive within %g s", self.peername, header_s)
+        self.force_close()
+
+    async def _handle_request(self, request: web.BaseRequest, *args: Any) -> Any:
+        self._stop_header_timer()  # bytes that came just before are the body's, not a new head's
+        return await super()._handle_request(request, *args)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._stop_header_timer()
+        super().connection_lost(exc)
+
     def handle_error(
         self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None, message: str | None = None
     ) -> web.StreamResponse:
@@ -66,20 +126,25 @@ class _JSONErrorHandler(RequestHandler):
 
 class _JSONErrorServer(web.Server):
     error_body: ErrorBody = staticmethod(vllm_error_body)  # type: ignore[assignment]
+    header_s: float = HEADER_S
 
     def __call__(self) -> RequestHandler:
         return _JSONErrorHandler(self, loop=self._loop, **self._kwargs)
 
 
 class Runner(web.AppRunner):
-    """`web.AppRunner` whose connections answer aiohttp's own errors as JSON."""
+    """`web.AppRunner` whose connections answer aiohttp's own errors as JSON and keep the
+    app's `ConnectionLimits`."""
 
     async def _make_server(self) -> web.Server:
+        limits = self.app.get(CONNECTION_LIMITS, ConnectionLimits())
+        self._kwargs.setdefault("keepalive_timeout", limits.keepalive_s)  # the connections' own setting
         server = await super()._make_server()
         # Built by aiohttp itself (its signature changes between releases); only the
         # connection factory differs, and that subclass adds no state of its own.
         server.__class__ = _JSONErrorServer
         server.error_body = self.app.get(ERROR_BODY, vllm_error_body)  # type: ignore[attr-defined]
+        server.header_s = limits.header_s  # type: ignore[attr-defined]
         return server
 
 

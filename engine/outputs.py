@@ -44,6 +44,7 @@ from engine.protocol import (
     GenerateTokensStreamResponse,
     SamplingParams,
     encode,
+    public_request_id,
 )
 from engine.vllm_derender import VllmDerenderWriter
 
@@ -302,6 +303,7 @@ class TextWriter(_ModeWriter):
 
 
 def _response_id(request_id: str, prefix: str) -> str:
+    request_id = public_request_id(request_id)  # the client's answer id; the abort handle is the gateway's
     return request_id if request_id.startswith(prefix) else f"{prefix}{request_id}"
 
 

@@ -349,6 +349,17 @@ class GenerateRequest(Struct, omit_defaults=True, forbid_unknown_fields=True, kw
             raise ProtocolError("stream must match the stream of the original request")
 
 
+ABORT_HANDLE_SEPARATOR = "#"
+"""A gateway's engine request id is `<id>#<handle>`: the handle is a secret the gateway draws
+per request and never logs, so only it can abort the request (`/abort_requests` takes the
+whole id); logs, traces and answer ids show `public_request_id`, the part before it."""
+
+
+def public_request_id(request_id: str) -> str:
+    """The request id without its abort handle: what may be logged or shown to a client."""
+    return request_id.partition(ABORT_HANDLE_SEPARATOR)[0]
+
+
 class AbortRequest(Struct, forbid_unknown_fields=True):
     request_ids: list[str]
 

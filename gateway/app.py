@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 import time
@@ -18,7 +19,7 @@ import msgspec
 from aiohttp import web
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from engine.http_server import ERROR_BODY, new_event_loop, run_app
+from engine.http_server import CONNECTION_LIMITS, ERROR_BODY, ConnectionLimits, new_event_loop, run_app
 from engine.derender.vocab import TokenVocab, vocab_for
 from engine.derender.parsers import REASONING_PARSERS, TOOL_PARSERS
 from engine.derender.parsers.detect import resolve
@@ -28,7 +29,7 @@ from gateway.access_log import AccessLogger
 from gateway.admission import Gate
 from gateway.chat_template import ChatTemplateError
 from gateway.auth import OWNER_KEY, TENANT_KEY, check_key, keys_from_env, load_key_file, needs_key
-from gateway.config import ConfigError, EngineEndpoint, GatewayConfig, ModelConfig
+from gateway.config import ConfigError, EngineEndpoint, GatewayConfig, Limits, ModelConfig
 from gateway.engine_client import ABORT_TIMEOUT_S, EngineClient, EngineMismatch, Expected
 from gateway.errors import ERROR_BODIES, ERROR_KEY, REQUEST_ID_KEY, Handler, RouteNotFound, gateway_error_middleware, status_error_json
 from gateway.feedback import EngineFeedback
@@ -81,11 +82,15 @@ def _longest_token(vocab: TokenVocab) -> int:
     return max(1, max(map(len, pieces), default=1), *map(len, vocab.added_text.values()))
 
 
-async def _runtime(plan: _ModelPlan) -> ModelRuntime:
+async def _runtime(plan: _ModelPlan, limits: Limits) -> ModelRuntime:
     """Load what serving the model needs (off the loop: tokenizer files are large)."""
     config = plan.config
     try:
-        renderer = await asyncio.to_thread(LocalRenderer, config.tokenizer)
+        renderer = await asyncio.to_thread(
+            functools.partial(
+                LocalRenderer, config.tokenizer, large_chars=limits.large_render_chars, large_workers=limits.large_render_workers
+            )
+        )
     except (TokenizerFolderError, ChatTemplateError) as exc:
         raise ConfigError(f"model {config.name}: {exc}") from exc
     # One tokenizer for render and derender: each copy of a 151k-token vocabulary is ~45 MB.
@@ -129,7 +134,7 @@ async def _start(state: GatewayState, plans: list[_ModelPlan], loops: Supervisor
         state.key_file = keys
         loops.start("key_file", lambda: keys.watch(config.auth.poll_s))
     for plan in plans:
-        runtime = await _runtime(plan)
+        runtime = await _runtime(plan, config.limits)
         for name in plan.config.names():
             state.models[name] = runtime
     release_freed_memory()
@@ -284,6 +289,7 @@ def create_app(config: GatewayConfig) -> web.Application:
     middlewares = [observe_middleware, gateway_error_middleware, auth_middleware]
     app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
     app[ERROR_BODY] = status_error_json  # the HTTP parser's own refusals, in OpenAI's shape too
+    app[CONNECTION_LIMITS] = ConnectionLimits(keepalive_s=config.timeouts.keepalive_s, header_s=config.timeouts.client_header_s)
     tracing = Tracing(config.tracing, "onehop-gateway")
     metrics = GatewayMetrics()
 

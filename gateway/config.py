@@ -22,9 +22,18 @@ IDLE_TIMEOUT_S = 60.0
 REQUEST_TIMEOUT_S = 600.0
 CLIENT_BODY_TIMEOUT_S = 30.0
 CLIENT_WRITE_TIMEOUT_S = 60.0
+KEEPALIVE_S = 75.0
+CLIENT_HEADER_TIMEOUT_S = 20.0
 MAX_BODY_BYTES = 16 * 1024 * 1024
 MAX_STORED = 10_000
 MAX_STORED_BYTES = 64 * 1024 * 1024
+MAX_BUFFERED_TOKENS = 1 << 20
+"""About 60 MB of answer where every token carries top_logprobs, far less without them."""
+MAX_ANSWER_BYTES = 128 * 1024 * 1024
+LARGE_RENDER_CHARS = 1024 * 1024
+"""Above an agent's turn (142K tokens, ~570K characters) and below the bodies that stalled
+small requests (~4 MB each)."""
+LARGE_RENDER_WORKERS = 2
 
 
 class ConfigError(ValueError):
@@ -42,6 +51,12 @@ class Timeouts(Struct, forbid_unknown_fields=True, kw_only=True):
     """Non-streaming requests: the whole generation."""
     client_body_s: Annotated[float, Meta(gt=0)] = CLIENT_BODY_TIMEOUT_S
     """Reading a client's request body, headers to last byte (nginx's client_body_timeout): a 408."""
+    client_header_s: Annotated[float, Meta(gt=0)] = CLIENT_HEADER_TIMEOUT_S
+    """From a request's first byte to its last header byte (nginx's client_header_timeout);
+    past it the connection is closed (a slow-header client holds a socket for free)."""
+    keepalive_s: Annotated[float, Meta(gt=0)] = KEEPALIVE_S
+    """An idle kept-alive client connection is closed after this long (aiohttp's own default,
+    3,630 s, once let 1,100 idle sockets lock every new client out)."""
     client_write_s: Annotated[float, Meta(gt=0)] = CLIENT_WRITE_TIMEOUT_S
     """Streams: longest wait for a client to take what was sent (nginx's send_timeout); then the
     stream is closed and its engine request aborted, as for a client that left."""
@@ -69,6 +84,18 @@ class Limits(Struct, forbid_unknown_fields=True, kw_only=True):
     max_messages: Annotated[int, Meta(ge=1)] = 2048
     max_prompts: Annotated[int, Meta(ge=1)] = 64
     """Prompts in one /v1/completions request (each is one engine request)."""
+    max_buffered_tokens: Annotated[int, Meta(ge=1)] = MAX_BUFFERED_TOKENS
+    """Largest n × max_tokens × (1 + top_logprobs) (× prompts) a non-streamed request may ask
+    for: its answer is held whole, in the engine and here (n 16 × max_tokens 16000 ×
+    top_logprobs 20 was a 384 MB answer from a 200-byte request). A missing max_tokens counts
+    as the engines' context length. Streams are not bounded by it."""
+    max_answer_bytes: Annotated[int, Meta(ge=1024)] = MAX_ANSWER_BYTES
+    """A non-streamed engine answer is read up to this many bytes; more is a 502."""
+    large_render_chars: Annotated[int, Meta(ge=0)] = LARGE_RENDER_CHARS
+    """A request with more text than this (the text-size check's count) renders on a lane of
+    its own, so small requests never wait behind it."""
+    large_render_workers: Annotated[int, Meta(ge=1)] = LARGE_RENDER_WORKERS
+    """Large renders at once (each may take ~100 bytes of memory a character); more wait."""
 
 
 class Auth(Struct, forbid_unknown_fields=True, kw_only=True):

@@ -52,6 +52,7 @@ from gateway.validate import (
     check_completion,
     check_completion_limits,
     completion_text_chars,
+    prompt_count,
 )
 
 R = TypeVar("R")
@@ -69,6 +70,9 @@ class Described:
     n: int | None
     seed: int | None
     stream: bool
+    top_logprobs: int = 0
+    prompts: int = 1
+    """Engine requests it makes (completions: one per prompt), each of `n` choices."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,7 +209,10 @@ class Chat:
         check_chat_limits(request, limits)
 
     def describe(self, request: ChatCompletionRequest) -> Described:
-        return Described(_max_tokens(request), request.temperature, request.top_p, request.n, request.seed, bool(request.stream))
+        return Described(
+            _max_tokens(request), request.temperature, request.top_p, request.n, request.seed, bool(request.stream),
+            top_logprobs=request.top_logprobs or 0,
+        )
 
     def content(self, body: bytes) -> str:
         return bytes(msgspec.json.decode(body, type=_Messages).messages).decode("utf-8", "replace")
@@ -308,7 +315,10 @@ class Completions:
         check_completion_limits(request, limits)
 
     def describe(self, request: CompletionRequest) -> Described:
-        return Described(request.max_tokens, request.temperature, request.top_p, request.n, request.seed, bool(request.stream))
+        return Described(
+            request.max_tokens, request.temperature, request.top_p, request.n, request.seed, bool(request.stream),
+            top_logprobs=request.logprobs or 0, prompts=prompt_count(request),
+        )
 
     def content(self, body: bytes) -> str:
         return bytes(msgspec.json.decode(body, type=_Prompt).prompt).decode("utf-8", "replace")

@@ -29,7 +29,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind
 from yarl import URL
 
-from engine.protocol import CONSTRAINT_KINDS
+from engine.protocol import CONSTRAINT_KINDS, public_request_id
 from engine.telemetry import Tracing, inject, record_error
 from gateway.config import Health, Route, Timeouts
 from gateway.engine_stream import EngineAnswer, StreamPool
@@ -43,6 +43,7 @@ from gateway.errors import (
     InvalidRequest,
     ModelNotFound,
     PayloadTooLarge,
+    RateLimited,
     Unprocessable,
     with_context_code,
 )
@@ -78,8 +79,9 @@ _ERROR_DECODER = msgspec.json.Decoder(_ErrorBody)
 _STATUS_ERRORS: dict[int, type[GatewayError]] = {400: InvalidRequest, 404: ModelNotFound, 413: PayloadTooLarge, 422: Unprocessable}
 
 
-def engine_error(status: int, body: bytes) -> GatewayError:
-    """The gateway error for an engine's non-200 answer, keeping its message."""
+def engine_error(status: int, body: bytes, retry_after: str | None = None) -> GatewayError:
+    """The gateway error for an engine's non-200 answer, keeping its message (and a 429's
+    `Retry-After`: the engine is busy, which the client should hear as such, not as a 502)."""
     try:
         parsed = _ERROR_DECODER.decode(body)
         error = parsed.error
@@ -88,6 +90,11 @@ def engine_error(status: int, body: bytes) -> GatewayError:
         message = body[:500].decode("utf-8", "replace")
     if status == 403:  # stock vLLM with its scale-out endpoints off, in its own words
         return EngineRoutesOff(f"the engine does not serve the generate API (403): {message}")
+    if status == 429:
+        busy = RateLimited(f"the engine is at capacity: {message or 'retry later'}")
+        if retry_after is not None and retry_after.strip().isdigit():
+            busy.headers = {"Retry-After": retry_after.strip()}
+        return busy
     kind = _STATUS_ERRORS.get(status)
     if kind is not None:
         return with_context_code(kind(message or f"the engine refused the request ({status})", status=status if status != 422 else None))
@@ -263,7 +270,9 @@ class EngineClient:
         Nothing has reached the client yet when an engine refuses the connection,
         times out before its headers or answers 5xx, so the request is retried
         elsewhere (up to `health.retries` times); each failure counts against
-        that engine's circuit. A 4xx is the client's and is not retried.
+        that engine's circuit. A 429 (the engine is busy) is tried elsewhere too but is
+        not a failure: with no other engine, the client gets the 429. Any other 4xx is
+        the client's and is not retried.
         Yields the URL that answered (aborts go there) and its response.
         """
         tried: set[str] = set()
@@ -287,6 +296,16 @@ class EngineClient:
                 self._turned_off(current.url, exc)
                 tried.add(current.url)
                 other = self._another(tried)
+                if other is None:
+                    raise
+                endpoint = other
+                self._on_retry(current.url)
+            except RateLimited:
+                if answered:
+                    raise
+                self.pool.succeeded(current)  # it answered: busy, not broken
+                tried.add(current.url)
+                other = self._another(tried) if len(tried) <= self._health.retries else None
                 if other is None:
                     raise
                 endpoint = other
@@ -324,7 +343,7 @@ class EngineClient:
                     "url.full": url + GENERATE_PATH,
                     "server.address": target.host or "",
                     "server.port": target.port or 80,
-                    "onehop.request_id": request_id,
+                    "onehop.request_id": public_request_id(request_id),
                     "onehop.stream": stream,
                 }
             )
@@ -351,7 +370,7 @@ class EngineClient:
             span.set_attribute("http.response.status_code", response.status)
             try:
                 if response.status != 200:
-                    raise engine_error(response.status, await response.read())
+                    raise engine_error(response.status, await response.read(), response.headers.get("retry-after"))  # lower-case: either kind of headers
                 yield response
             finally:
                 response.release()
@@ -479,7 +498,7 @@ class EngineClient:
                 async with self.session.post(url + ABORT_PATH, json={"request_ids": [request_id]}) as response:
                     await response.read()
         except (TimeoutError, aiohttp.ClientError) as exc:
-            log.warning("abort of %s at %s failed: %s", request_id, url, exc)
+            log.warning("abort of %s at %s failed: %s", public_request_id(request_id), url, exc)
 
     async def watch_health(self) -> None:
         """Active checks: a failing /health counts against the circuit, a passing one closes it."""

@@ -19,6 +19,7 @@ generating.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -32,13 +33,14 @@ from aiohttp import web
 from msgspec import UNSET
 
 from engine.openai_schema import Usage
+from engine.protocol import ABORT_HANDLE_SEPARATOR
 from gateway import vllm_derender
 from gateway.disagg import prefill
 from gateway.endpoints import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Answer, Endpoint
 from gateway.engine_client import Target
 from gateway.engine_request import generate_body
 from gateway.engine_stream import EngineAnswer
-from gateway.errors import REQUEST_ID_KEY, ClientGone, InvalidRequest, RequestTimeout, UnsupportedMediaType
+from gateway.errors import REQUEST_ID_KEY, ClientGone, InvalidRequest, PayloadTooLarge, RequestTimeout, UnsupportedMediaType
 from gateway.observe import GONE_KEY, MODEL_KEY, SPAN_KEY, DerenderWork, describe_model, describe_outcome, describe_request, measured
 from gateway.relay import (
     derender_answer,
@@ -60,7 +62,7 @@ from gateway.routing import choose_route
 from gateway.runtime import ModelRuntime
 from gateway.state import GATEWAY, GatewayState
 from gateway.translate import Presented
-from gateway.validate import check_context, check_text_size, check_token_ids
+from gateway.validate import check_buffered_answer, check_context, check_text_size, check_token_ids
 
 T = TypeVar("T")
 _encode = msgspec.json.Encoder().encode
@@ -96,6 +98,11 @@ async def serve(http: web.Request, endpoint: Endpoint[Any]) -> web.StreamRespons
     check_text_size(endpoint.text_chars(request), model.engines.max_model_len(), model.max_chars_per_token)
     http[MODEL_KEY] = model.name
     described = endpoint.describe(request)
+    if not described.stream:
+        check_buffered_answer(
+            n=described.n, max_tokens=described.max_tokens, top_logprobs=described.top_logprobs, prompts=described.prompts,
+            max_model_len=model.engines.max_model_len(), most=state.config.limits.max_buffered_tokens,
+        )
     describe_request(
         server, max_tokens=described.max_tokens, temperature=described.temperature, top_p=described.top_p,
         n=described.n, seed=described.seed, stream=described.stream,
@@ -115,20 +122,37 @@ async def serve(http: web.Request, endpoint: Endpoint[Any]) -> web.StreamRespons
         return await guard_disconnect(http, state, model, exchange.legs, exchange.run)
 
 
-FORM_TYPES = frozenset({"text/plain", "application/x-www-form-urlencoded", "multipart/form-data"})
-"""Content types a browser sends cross-site without asking first: a JSON API must not read them."""
+JSON_TYPE = "application/json"
 
 
 async def read_body(http: web.Request, limit_s: float) -> bytes:
     """The request body, within `limit_s`: a client that trickles it holds a connection
     and a buffer, so it gets a 408 (no admission slot is taken before the body is in)."""
-    if http.content_type in FORM_TYPES:
-        raise UnsupportedMediaType(f"the body must be JSON (Content-Type: application/json), not {http.content_type}")
+    check_json_type(http)
+    declared, most = http.content_length, http.app[GATEWAY].config.max_body_bytes
+    if declared is not None and declared > most:  # said in the headers: no need to wait for the body
+        error = PayloadTooLarge(f"the request body is {declared} bytes; at most max_body_bytes={most} are accepted")
+        error.close_connection = True  # its body is never read
+        raise error
     try:
         async with asyncio.timeout(limit_s):
             return await http.read()
     except TimeoutError as exc:
         raise RequestTimeout(f"the request body did not arrive within client_body_s={limit_s} s") from exc
+
+
+def check_json_type(http: web.Request) -> None:
+    """Only `application/json` (UTF-8, the only charset JSON has): a browser sends a form or
+    `text/plain` cross-site without asking first, and a JSON API must not read those."""
+    charset = http.charset
+    if http.content_type != JSON_TYPE or (charset is not None and charset.lower().replace("-", "") != "utf8"):
+        sent = http.headers.get("Content-Type", "none")
+        raise UnsupportedMediaType(f"the body must be JSON (Content-Type: application/json), not {sent[:100]}")
+
+
+def with_abort_handle(request_id: str) -> str:
+    """`request_id#<128 random bits>`: the engine request id only this gateway can abort."""
+    return f"{request_id}{ABORT_HANDLE_SEPARATOR}{secrets.token_hex(16)}"
 
 
 @dataclass
@@ -137,6 +161,9 @@ class Leg:
 
     index: int
     request_id: str
+    """The engine request's id: the answer's id, then `#` and an abort handle drawn here
+    (`engine.protocol.ABORT_HANDLE_SEPARATOR`): only the whole id aborts it, and the gateway
+    logs only the answer's id, so whoever reads the logs or the answer cannot."""
     prompt: list[int]
     sent_to: str
     """The engine that holds the generation (after any retries): aborts go there."""
@@ -215,7 +242,7 @@ class Exchange:
         )
         self.sampling = endpoint.route_sampling(sampling, model, target.route)
         self.legs = [
-            Leg(i, response_id if not several else f"{response_id}-{i}", prompt, target.endpoint.url)
+            Leg(i, with_abort_handle(response_id if not several else f"{response_id}-{i}"), prompt, target.endpoint.url)
             for i, prompt in enumerate(prompts)
         ]
         self.mode = "tokens" if target.route in ("tokens", "tokens-remote") else "text"
@@ -339,14 +366,14 @@ class Exchange:
         leg = self.legs[0]
         async with self._open(leg) as engine:
             if self.vllm_form:
-                raw = await read_answer(engine)
+                raw = await read_answer(engine, self.state.config.limits.max_answer_bytes)
                 return web.Response(body=_encode(self._from_vllm(raw)), content_type="application/json")
             if self.route == "derender":
                 return await relay_json(self.http, engine)
             if self.route == "tokens-remote":
                 remote = self.endpoint.remote_derender(self.answer, self.body, leg.prompt)
-                return await remote_json(engine, remote)
-            raw = await read_answer(engine)
+                return await remote_json(engine, remote, self.state.config.limits.max_answer_bytes)
+            raw = await read_answer(engine, self.state.config.limits.max_answer_bytes)
         assert self.work is not None
         body = _encode(derender_answer(raw, self._new_derender(leg), self.mode, self.work))
         return web.Response(body=body, content_type="application/json")
@@ -371,7 +398,7 @@ class Exchange:
 
     async def _answer(self, leg: Leg) -> Any:
         async with self._open(leg) as engine:
-            raw = await read_answer(engine)
+            raw = await read_answer(engine, self.state.config.limits.max_answer_bytes)
         if self.vllm_form:
             return self._from_vllm(raw)
         if self.route == "derender":

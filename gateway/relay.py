@@ -500,17 +500,30 @@ class _EngineAnswer(msgspec.Struct):
 _ENGINE_ANSWER = msgspec.json.Decoder(_EngineAnswer)
 
 
-async def read_answer(engine: EngineAnswer) -> bytes:
-    """A non-streamed engine answer's body; a stall or a broken connection is the engine's failure."""
+async def read_answer(engine: EngineAnswer, limit: int) -> bytes:
+    """A non-streamed engine answer's body; a stall or a broken connection is the engine's failure,
+    and so is an answer over `limit` bytes (`limits.max_answer_bytes`): it is buffered whole, so
+    reading stops there (closing the connection aborts the engine's request)."""
+    reader = engine.content if isinstance(engine, aiohttp.ClientResponse) else engine
+    parts: list[bytes] = []
+    size = 0
     try:
-        return await engine.read()
+        while piece := await reader.readany():
+            size += len(piece)
+            if size > limit:
+                raise EngineFailed(
+                    f"the engine's answer is over limits.max_answer_bytes={limit} bytes; stream the request"
+                    " (stream: true), or lower n, max_tokens or top_logprobs"
+                )
+            parts.append(piece)
     except (TimeoutError, aiohttp.ClientError) as exc:
         raise stream_error(exc) from exc
+    return b"".join(parts)
 
 
 async def relay_json(http: web.Request, engine: EngineAnswer) -> web.Response:
     """The derender route, non-streaming: the engine's OpenAI JSON, once it is known to be JSON of one."""
-    body = await read_answer(engine)
+    body = await read_answer(engine, http.app[GATEWAY].config.limits.max_answer_bytes)
     try:
         _ENGINE_ANSWER.decode(body)
     except msgspec.DecodeError as exc:  # msgspec parses skipped fields too: the whole body is valid JSON
@@ -812,8 +825,8 @@ async def remote_whole(raw: bytes, remote: RemoteDerender) -> bytes:
         raise remote_error(exc) from exc
 
 
-async def remote_json(engine: EngineAnswer, remote: RemoteDerender) -> web.Response:
-    body = await remote_whole(await read_answer(engine), remote)
+async def remote_json(engine: EngineAnswer, remote: RemoteDerender, limit: int) -> web.Response:
+    body = await remote_whole(await read_answer(engine, limit), remote)
     return web.Response(body=body, content_type="application/json")
 
 

@@ -11,9 +11,13 @@ prompt or tool list repeated across requests is tokenized once. The cache
 is bounded in bytes (an estimate of what its strings and id lists hold), not
 entries: one huge turn cannot pin memory.
 
-Every tokenizer call runs off the event loop, on the renderer's worker
-threads, several at once: a huge request must not hold up the small ones
-behind it. Long segments are encoded through `encode_batch`, which releases
+Every render runs off the event loop, on the renderer's worker threads,
+several at once. A render of more than `large_chars` characters of text
+(`gateway.validate`'s count) takes a lane of its own, `large_workers` threads
+wide: a few huge requests can neither hold up the small ones behind them
+(four ~4 MB bodies once stalled a 4-token request 8–17 s, all workers busy)
+nor, rendered side by side, multiply the memory one render takes (a
+tokenizer's intermediates are ~100 bytes a character). Long segments are encoded through `encode_batch`, which releases
 the GIL (`encode` holds it for the whole call: 13 s for 8.8 MB of text on
 this project's CI machine, during which no other thread runs).
 """
@@ -24,16 +28,22 @@ import asyncio
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, TypeVar
 
 import msgspec
 from tokenizers import Tokenizer
 
 from engine.openai_schema import ChatCompletionRequest, CompletionRequest
 from gateway.chat_template import ChatTemplate, ChatTemplateError, pick_template
+from gateway.config import LARGE_RENDER_CHARS, LARGE_RENDER_WORKERS
 from gateway.errors import InvalidRequest
 from gateway.tokenizer_folder import load_folder
+from gateway.validate import chat_text_chars, completion_text_chars
+
+T = TypeVar("T")
 
 _TURN_MARKERS = ("<|im_start|>",)
 CACHE_BYTES = 64 * 1024 * 1024
@@ -45,7 +55,15 @@ _RELEASE_GIL_CHARS = 4096
 
 
 class LocalRenderer:
-    def __init__(self, tokenizer_dir: str | Path, *, workers: int = RENDER_WORKERS, cache_bytes: int = CACHE_BYTES) -> None:
+    def __init__(
+        self,
+        tokenizer_dir: str | Path,
+        *,
+        workers: int = RENDER_WORKERS,
+        cache_bytes: int = CACHE_BYTES,
+        large_chars: int = LARGE_RENDER_CHARS,
+        large_workers: int = LARGE_RENDER_WORKERS,
+    ) -> None:
         folder = load_folder(tokenizer_dir)
         self._backend = folder.tokenizer
         self._special_tokens = folder.special_tokens
@@ -58,9 +76,25 @@ class LocalRenderer:
         self._lock = threading.Lock()
         """Guards the cache: workers share it (tokenizing runs outside the lock)."""
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="render")
+        self._large = ThreadPoolExecutor(max_workers=large_workers, thread_name_prefix="render-large")
+        self._large_chars = large_chars
+        self.large_pending = 0
+        """Large renders queued or running (tests wait on it; a gauge could read it)."""
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._large.shutdown(wait=False, cancel_futures=True)
+
+    async def _run(self, chars: int, work: Callable[..., T], *args: Any) -> T:
+        """`work(*args)` on the small lane, or on the large one past `large_chars` characters."""
+        loop = asyncio.get_running_loop()
+        if chars <= self._large_chars:
+            return await loop.run_in_executor(self._executor, work, *args)
+        self.large_pending += 1
+        try:
+            return await loop.run_in_executor(self._large, work, *args)
+        finally:
+            self.large_pending -= 1
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -69,13 +103,13 @@ class LocalRenderer:
 
     async def chat(self, request: ChatCompletionRequest, *, suffix: str | None = None) -> list[int]:
         """The rendered prompt's ids, then `suffix`'s (the forced tool-call opening)."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self.chat_sync, request, suffix)
+        return await self._run(chat_text_chars(request), self.chat_sync, request, suffix)
 
     async def encode(self, text: str) -> list[int]:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self.encode_sync, text)
+        return await self._run(len(text), self.encode_sync, text)
 
     async def completion_prompts(self, request: CompletionRequest) -> list[list[int]]:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self.completion_prompts_sync, request)
+        return await self._run(completion_text_chars(request), self.completion_prompts_sync, request)
 
     def chat_sync(self, request: ChatCompletionRequest, suffix: str | None = None) -> list[int]:
         ids = self.encode_sync(self.chat_text(request))

@@ -5,12 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 from msgspec import UNSET
 
 from engine.openai_schema import MAX_JSON_DEPTH, ChatCompletionRequest, CompletionRequest, too_deep
 from gateway.config import Limits
 from gateway.errors import CONTEXT_LENGTH_EXCEEDED, InvalidRequest
 
+_encode_json = msgspec.json.Encoder().encode
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 MAX_METADATA_PAIRS = 16
@@ -169,13 +171,37 @@ def check_chat_limits(request: ChatCompletionRequest, limits: Limits) -> None:
         )
 
 
+def prompt_count(request: CompletionRequest) -> int:
+    prompt = request.prompt
+    return len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
+
+
 def check_completion_limits(request: CompletionRequest, limits: Limits) -> None:
     _check_n(request.n, limits)
     _check_max_tokens(request.max_tokens, "max_tokens", limits)
-    prompt = request.prompt
-    prompts = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
+    prompts = prompt_count(request)
     if prompts > limits.max_prompts:
         raise InvalidRequest(f"prompt holds {prompts} prompts, at most {limits.max_prompts} are accepted", param="prompt")
+
+
+def check_buffered_answer(
+    *, n: int | None, max_tokens: int | None, top_logprobs: int, prompts: int, max_model_len: int | None, most: int
+) -> None:
+    """A non-streamed answer is held whole: its size, n × max_tokens × (1 + top_logprobs) per
+    prompt, is bounded before any generation (`limits.max_buffered_tokens`). Without
+    max_tokens the engines' context is the bound; unknown, the answer's bytes still are."""
+    tokens = max_tokens if max_tokens is not None else max_model_len
+    if tokens is None:
+        return
+    size = prompts * (n or 1) * tokens * (1 + top_logprobs)
+    if size > most:
+        said = f"max_tokens={max_tokens}" if max_tokens is not None else f"max_tokens (not given: the context, {tokens})"
+        shape = f"n={n or 1} × {said} × (1 + top_logprobs={top_logprobs})" + (f" × {prompts} prompts" if prompts > 1 else "")
+        raise InvalidRequest(
+            f"a non-streamed answer of {shape} = {size} tokens is over limits.max_buffered_tokens={most} on this gateway:"
+            " stream it (stream: true), or lower n, max_tokens or top_logprobs",
+            param="max_tokens",
+        )
 
 
 def check_token_ids(sampling: dict[str, Any], vocab_size: int) -> None:
@@ -206,7 +232,11 @@ def check_text_size(chars: int, max_model_len: int | None, max_chars_per_token: 
 
 
 def chat_text_chars(request: ChatCompletionRequest) -> int:
-    """Characters of text the messages carry: the rendered prompt holds at least these."""
+    """Characters of text that reach the chat template: the rendered prompt holds at least
+    these. Every field the template reads counts (tool names, descriptions and schemas,
+    `chat_template_kwargs`; the Responses API's `instructions` and the Messages API's
+    `system` arrive here as system messages): a 15 MB tool description left out once peaked
+    the gateway at 2.1 GB in render."""
     total = 0
     for message in request.messages:
         content = message.content
@@ -214,9 +244,21 @@ def chat_text_chars(request: ChatCompletionRequest) -> int:
             total += len(content)
         elif isinstance(content, list):
             total += sum(len(part.text) for part in content if isinstance(part.text, str))
+        total += _length(message.name) + _length(message.reasoning) + _length(message.tool_call_id)
         for call in message.tool_calls or ():
-            total += len(call.function.arguments or "")
+            total += len(call.function.name) + len(call.function.arguments or "")
+    for tool in request.tools or ():
+        function = tool.function
+        total += len(function.name) + _length(function.description)
+        if function.parameters is not None:
+            total += len(_encode_json(function.parameters))
+    if request.chat_template_kwargs:
+        total += len(_encode_json(request.chat_template_kwargs))
     return total
+
+
+def _length(text: object) -> int:
+    return len(text) if isinstance(text, str) else 0
 
 
 def completion_text_chars(request: CompletionRequest) -> int:

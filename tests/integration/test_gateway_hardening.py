@@ -265,9 +265,10 @@ async def test_careless_requests_get_a_clear_error_in_openai_shape(qwen3_tokeniz
             answer = await response.json()
             assert response.status == 200, answer
             assert answer["usage"]["completion_tokens"] == 8 and answer["choices"][0]["finish_reason"] == "length"
-        # A body without a Content-Type is still read as JSON (curl's --data-binary, scripts).
-        async with session.post(chat, data=body.encode()) as response:
-            assert response.status == 200
+        # A body without a Content-Type is refused too: a browser's fetch() of a bare body sends
+        # none, cross-site, without asking first (curl sends one: -H 'Content-Type: application/json').
+        async with session.post(chat, data=body.encode(), skip_auto_headers={"Content-Type"}) as response:
+            assert response.status == 415
 
 
 async def test_by_default_clients_can_neither_pick_the_route_nor_see_the_engines_load(qwen3_tokenizer_dir: Path) -> None:
