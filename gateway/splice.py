@@ -129,10 +129,11 @@ async def splice(engine: EngineResponse, events: Events, stream: ClientStream, i
             await tap.wake
             if tap.pending:  # the client's write first, even when the engine's answer ended meanwhile
                 await stream.send(tap.pending)
+                # Read again even when the answer ended in the read that paused it: its
+                # connection goes back to the pool, where nothing would read it (issue #27).
+                tap.resume()
                 if not tap.finished:
-                    tap.resume()
                     continue
-                tap.pending = b""
             if tap.finished:
                 if tap.failure is not None:
                     raise tap.failure
