@@ -333,8 +333,16 @@ class ReadDeadline:
             if self.expired is not None and self._task.uncancel() == 0:
                 raise EngineTimeout(self.expired) from None
             raise
-        self._started = True
+        if not self._started:
+            self._first_piece()
         return piece
+
+    def _first_piece(self) -> None:
+        """The timer, armed for `first_s`, moves to `idle_s` from now: left where it was, a
+        stall after the first event went unseen until `first_s` had passed (issue #27)."""
+        self._started = True
+        self._handle.cancel()
+        self._handle = self._loop.call_at(self._loop.time() + self._idle, self._check)
 
     def pause(self) -> None:
         self._reading = False
