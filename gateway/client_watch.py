@@ -73,7 +73,8 @@ class ClientWatch:
         sock = transport.get_extra_info("socket")
         tcp = sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6)
         self._sock: socket.socket | None = sock if tcp else None
-        self._last: Progress = self._sample()
+        self._last: Progress = (-1, False)
+        """The last sample: none yet (the first one counts as progress, so a stream's start costs no syscall)."""
         self._progress_at = self._loop.time()
         self._handle: asyncio.TimerHandle | None = self._loop.call_at(self._progress_at + stall_s / 2, self._check)
 
