@@ -58,7 +58,8 @@ class Timeouts(Struct, forbid_unknown_fields=True, kw_only=True):
     """An idle kept-alive client connection is closed after this long (aiohttp's own default,
     3,630 s, once let 1,100 idle sockets lock every new client out)."""
     client_write_s: Annotated[float, Meta(gt=0)] = CLIENT_WRITE_TIMEOUT_S
-    """Streams: longest wait for a client to take what was sent (nginx's send_timeout); then the
+    """Streams: longest a client may take nothing while bytes wait for it, measured at its
+    socket (what it acknowledged), however much the kernel's send buffer still holds; then the
     stream is closed and its engine request aborted, as for a client that left."""
     stream_deadline_s: Annotated[float, Meta(gt=0)] | None = None
     """Streams: the longest one may last, from the request's arrival; None: no limit. Past it

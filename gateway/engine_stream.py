@@ -13,6 +13,12 @@ written to the client from the same callback).
 Connections are kept alive between answers that end whole, for at most
 `KEEPALIVE_S` idle (a server closes idle connections too); an answer left
 before its end closes its connection, and the engine sees its client leave.
+The pool holds only connections whose last answer was read whole and whose
+socket is being read: a connection given back with its reading paused (a
+splice paused it for a client that fell behind, and the answer ended in the
+same read) is read again first, else closed, since the next answer on a socket
+nobody reads never arrives (issue #27: streams that ended in a 504 although
+the engine had answered them whole).
 """
 
 from __future__ import annotations
@@ -395,9 +401,19 @@ class _Connection(asyncio.Protocol):
             return
         self.response = None
         if reusable and not self.lost:
+            response.resume_reading()  # whatever its reader did: a kept connection is read
             self._pool.keep(self._key, self)
         else:
             self._close()
+
+    @property
+    def reusable(self) -> bool:
+        """Open, between answers, and read (its next answer arrives)."""
+        transport = self.transport
+        return (
+            self.response is None and not self.lost and transport is not None
+            and not transport.is_closing() and transport.is_reading()
+        )
 
     def _close(self) -> None:
         if self.transport is not None and not self.lost:
@@ -463,13 +479,16 @@ class StreamPool:
         now = asyncio.get_running_loop().time()
         while idle:
             connection = idle.pop()
-            closing = connection.lost or connection.transport is None or connection.transport.is_closing()
-            if not closing and now - connection.idle_since < self._keepalive_s:
+            if connection.reusable and now - connection.idle_since < self._keepalive_s:
                 return connection
             connection._close()
         return None
 
     def keep(self, key: tuple[str, int], connection: _Connection) -> None:
+        """Keep `connection` for a later answer; one that is not `reusable` is closed instead."""
+        if not connection.reusable:
+            connection._close()
+            return
         connection.idle_since = asyncio.get_running_loop().time()
         self._idle.setdefault(key, []).append(connection)
 

@@ -42,6 +42,7 @@ from engine.protocol import (
     decode_generate_stream_chunk,
     decode_summary,
 )
+from gateway.client_watch import ClientWatch
 from gateway.engine_stream import EngineAnswer, EngineResponse
 from gateway.errors import (
     ClientGone,
@@ -80,11 +81,12 @@ class Derender(Protocol):
 
 
 class ClientStream:
-    """The SSE answer to the client: a reset means it left (`ClientGone`); a write that may
-    wait for the client is timed, and a client that takes nothing for `client_write_s` is cut
-    off as if it had left."""
+    """The SSE answer to the client: a reset means it left (`ClientGone`); a client that takes
+    nothing of its stream for `client_write_s` is cut off as if it had left (`ClientWatch`:
+    measured at its socket, not by how long a write waits, which the kernel's send buffer
+    hides)."""
 
-    __slots__ = ("_chunked", "_direct", "_high", "_protocol", "_stall_s", "_timer", "_transport", "_writer", "response")
+    __slots__ = ("_chunked", "_direct", "_high", "_protocol", "_stall_s", "_timer", "_transport", "_watch", "_writer", "response")
 
     def __init__(self, http: web.Request, response: web.StreamResponse, timer: StreamTimer, stall_s: float) -> None:
         self.response = response
@@ -97,34 +99,21 @@ class ClientStream:
         self._chunked = http.writer.chunked
         self._direct = 0
         """Bytes `write_now` put on the transport itself (aiohttp's writer counts them at the end)."""
-
-    def _may_wait(self, size: int) -> bool:
-        """A write waits for the client only when the transport is paused (its buffer went past
-        the high-water mark and has not drained to the low one) or this write pauses it: only
-        then is it timed, so a client that keeps up costs no timer."""
-        transport = self._transport
-        if transport is None:
-            return False
-        return self._protocol.writing_paused or transport.get_write_buffer_size() + size >= self._high
+        transport = http.transport
+        self._watch = ClientWatch(transport, stall_s, self._stalled) if transport is not None else None
 
     async def _write(self, data: bytes) -> None:
         try:
-            if not self._may_wait(len(data)):
-                await self.response.write(data)
-                return
-            async with asyncio.timeout(self._stall_s):
-                await self.response.write(data)
+            await self.response.write(data)
         except ConnectionResetError as exc:
             raise ClientGone(self.response) from exc
-        except TimeoutError as exc:
-            raise self._stalled() from exc
 
-    def _stalled(self) -> ClientGone:
-        # It holds a slot and an engine request and reads nothing: let both go.
-        log.warning("client read nothing for client_write_s=%s s: its stream is closed", self._stall_s)
+    def _stalled(self) -> None:
+        # It holds a slot and an engine request and takes nothing: let both go. The abort
+        # cancels the handler; a write the task is waiting on, or its next, raises ClientGone.
+        log.warning("client took nothing of its stream for client_write_s=%s s: the stream is closed", self._stall_s)
         if self._transport is not None:
             self._transport.abort()
-        return ClientGone(self.response)
 
     async def send(self, data: bytes) -> None:
         await self._write(data)
@@ -137,7 +126,7 @@ class ClientStream:
         if transport is None or transport.is_closing():
             raise ClientGone(self.response)
         if self._protocol.writing_paused or transport.get_write_buffer_size() + len(data) >= self._high:
-            return False  # as `_may_wait`, inline: this runs once a chunk
+            return False  # the transport's buffer is full, or this write fills it: `send` waits for it
         if self._chunked:
             transport.write(b"%x\r\n%b\r\n" % (len(data), data))
         else:
@@ -147,7 +136,9 @@ class ClientStream:
         return True
 
     def finished(self) -> None:
-        """The stream is over, whole or not: its timings go to the metrics."""
+        """The stream is over, whole or not: its timings go to the metrics, its watch stops."""
+        if self._watch is not None:
+            self._watch.stop()
         self._timer.flush()
 
     async def close(self, tail: bytes = DONE_FRAME) -> web.StreamResponse:
@@ -156,12 +147,9 @@ class ClientStream:
         self._direct = 0
         await self._write(tail)
         try:
-            async with asyncio.timeout(self._stall_s):  # the last chunk waits for the client too
-                await self.response.write_eof()
+            await self.response.write_eof()  # waits for the client too, under the watch
         except ConnectionResetError as exc:
             raise ClientGone(self.response) from exc
-        except TimeoutError as exc:
-            raise self._stalled() from exc
         return self.response
 
 
@@ -333,8 +321,16 @@ class ReadDeadline:
             if self.expired is not None and self._task.uncancel() == 0:
                 raise EngineTimeout(self.expired) from None
             raise
-        self._started = True
+        if not self._started:
+            self._first_piece()
         return piece
+
+    def _first_piece(self) -> None:
+        """The timer, armed for `first_s`, moves to `idle_s` from now: left where it was, a
+        stall after the first event went unseen until `first_s` had passed (issue #27)."""
+        self._started = True
+        self._handle.cancel()
+        self._handle = self._loop.call_at(self._loop.time() + self._idle, self._check)
 
     def pause(self) -> None:
         self._reading = False

@@ -6,10 +6,12 @@ stream needs no task, future or generator per chunk: the engine's answer
 checks or derenders it (`Events.feed`) and writes the result to the client's
 transport in the same callback.
 
-Only when the client falls behind does the request's task write (the timed
-`ClientStream.send`, which cuts off a client that takes nothing), with the
-engine's socket not read until that write is out: nothing piles up in the
-gateway. An engine that sends nothing for `idle_s` (the time the client holds
+Only when the client falls behind does the request's task write
+(`ClientStream.send`: a client that takes nothing is cut off by its stream's
+watch), with the engine's socket not read until that write is out: nothing
+piles up in the gateway. That pause ends once the write is out, also when the
+engine's answer ended in the read that paused it: the answer's connection goes
+back to the pool, where nothing would read it. An engine that sends nothing for `idle_s` (the time the client holds
 the stream up not counted) ends the stream with `EngineTimeout`, as the task's
 reads would.
 """
@@ -129,10 +131,11 @@ async def splice(engine: EngineResponse, events: Events, stream: ClientStream, i
             await tap.wake
             if tap.pending:  # the client's write first, even when the engine's answer ended meanwhile
                 await stream.send(tap.pending)
+                # Read again even when the answer ended in the read that paused it: its
+                # connection goes back to the pool, where nothing would read it (issue #27).
+                tap.resume()
                 if not tap.finished:
-                    tap.resume()
                     continue
-                tap.pending = b""
             if tap.finished:
                 if tap.failure is not None:
                     raise tap.failure

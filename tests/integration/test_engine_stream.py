@@ -44,10 +44,14 @@ class Scripted:
     """An HTTP server that answers each request with `answer(n)` (n: the request's number), written in
     `cuts` pieces; it counts connections."""
 
-    def __init__(self, answer: Callable[[int], bytes], cuts: list[int] | None = None, close: bool = False) -> None:
+    def __init__(
+        self, answer: Callable[[int], bytes], cuts: list[int] | None = None, close: bool = False, go: asyncio.Event | None = None
+    ) -> None:
         self.answer = answer
         self.cuts = cuts or []
         self.close = close
+        self.go = go
+        """When given, each piece after an answer's first waits for it to be set (and clears it)."""
         self.connections = 0
         self.requests = 0
         self.closed = asyncio.Event()
@@ -63,6 +67,9 @@ class Scripted:
                 data = self.answer(self.requests)
                 bounds = [0, *[c for c in self.cuts if 0 < c < len(data)], len(data)]
                 for start, end in zip(bounds, bounds[1:]):
+                    if start and self.go is not None:
+                        await self.go.wait()
+                        self.go.clear()
                     writer.write(data[start:end])
                     await writer.drain()
                     await asyncio.sleep(0)
@@ -206,3 +213,75 @@ async def test_no_engine_there_is_unavailable(unused_tcp_port: int) -> None:
     pool = StreamPool(connect_s=2, keepalive_s=5)
     with pytest.raises(EngineUnavailable):
         await pool.post(f"http://127.0.0.1:{unused_tcp_port}/inference/v1/generate", b"{}", {})
+
+
+# ------------------------------------------------------------ the pool keeps only connections that are read
+# A connection given back paused is never read again: the next answer on it never arrives (issue #27).
+
+ANSWER_WAIT_S = 10
+"""A guard: an answer on loopback comes at once, one on a connection nobody reads never does."""
+
+
+def _splice_pausing(response: EngineResponse) -> asyncio.Future[bytes]:
+    """Splice the body to a sink that pauses the socket at every piece and never resumes it, as
+    a splice for a client that fell behind does; the future is the body, once it ended."""
+    got: list[bytes] = []
+    body: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+
+    def sink(piece: bytes) -> None:
+        got.append(piece)
+        response.pause_reading()
+
+    def end(failure: BaseException | None) -> None:
+        if failure is not None:
+            body.set_exception(failure)
+        else:
+            body.set_result(b"".join(got))
+
+    response.splice(sink, end)
+    return body
+
+
+async def test_an_answer_paused_in_the_read_that_ends_it_leaves_its_connection_read() -> None:
+    """The head first; the whole body, its end included, in one write once the splice is on."""
+    go = asyncio.Event()
+    script = Scripted(lambda n: ANSWERS["chunked"], cuts=[ANSWERS["chunked"].index(b"\r\n\r\n") + 4], go=go)
+    pool = StreamPool(connect_s=2, keepalive_s=5)
+    async with serving(script) as url:
+        for _ in range(3):
+            response = await asyncio.wait_for(pool.post(url, b"{}", {}), ANSWER_WAIT_S)
+            body = _splice_pausing(response)
+            go.set()
+            assert await asyncio.wait_for(body, ANSWER_WAIT_S) == BODY
+            response.release()
+    assert (script.connections, script.requests) == (1, 3)  # kept, and read again
+    pool.close()
+
+
+async def test_a_whole_answer_its_reader_paused_is_read_again_once_released() -> None:
+    script = Scripted(lambda n: ANSWERS["content-length"])
+    pool = StreamPool(connect_s=2, keepalive_s=5)
+    async with serving(script) as url:
+        for _ in range(3):
+            response = await asyncio.wait_for(pool.post(url, b"{}", {}), ANSWER_WAIT_S)
+            assert await read_all(response) == BODY
+            response.pause_reading()  # whatever the caller did after the end
+            response.release()
+    assert (script.connections, script.requests) == (1, 3)
+    pool.close()
+
+
+async def test_an_answer_released_half_read_and_paused_is_not_reused() -> None:
+    script = Scripted(lambda n: ANSWERS["chunked"] if n > 1 else ANSWERS["chunked"][:-20], cuts=[])
+    pool = StreamPool(connect_s=2, keepalive_s=5)
+    async with serving(script) as url:
+        response = await pool.post(url, b"{}", {})
+        assert await response.readany()
+        response.pause_reading()
+        assert not response.complete
+        response.release()
+        response = await asyncio.wait_for(pool.post(url, b"{}", {}), ANSWER_WAIT_S)
+        assert await read_all(response) == BODY
+        response.release()
+    assert (script.connections, script.requests) == (2, 2)
+    pool.close()

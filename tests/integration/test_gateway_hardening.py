@@ -111,6 +111,56 @@ async def test_a_client_that_reads_nothing_is_cut_off_and_its_engine_request_abo
             sock.close()
 
 
+WRITE_S = 0.5
+
+
+async def _stream_unread(host: str, port: int, route: str) -> socket.socket:
+    """A streamed request from a client that reads nothing of the answer; returns once the
+    answer's head is in its socket (its admission slot is held)."""
+    sock = socket.create_connection((host, port))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    body = json.dumps({"model": "sim", "messages": MESSAGES, "max_tokens": 30000, "ignore_eos": True, "stream": True}).encode()
+    sock.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"onehop-route: {route}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
+    )
+    await asyncio.to_thread(sock.recv, 1, socket.MSG_PEEK)  # a peek takes nothing from the socket
+    return sock
+
+
+async def test_clients_that_stop_reading_are_cut_after_client_write_s_and_others_get_their_slots(
+    qwen3_tokenizer_dir: Path,
+) -> None:
+    """Cut once `client_write_s` passed without the client taking a byte, however much the
+    kernel's send buffer could still hold: this slow engine would take minutes to fill it, and
+    the waiting client would get a 429 after `queue_timeout_s` (issue #27)."""
+    async with (
+        engine_server(qwen3_tokenizer_dir, backend_options={"itl_ms": 20}) as (engine_url, engine),
+        gateway_server(
+            qwen3_tokenizer_dir, engine_url,
+            admission=Admission(max_concurrency=3, max_queue=8, queue_timeout_s=20 * WRITE_S),
+            timeouts=Timeouts(client_write_s=WRITE_S),
+        ) as (base, state),
+        openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0) as client,
+    ):
+        host, port = _host_port(base)
+        unread = [await _stream_unread(host, port, route) for route in ("derender", "text", "tokens")]
+        try:
+            # Every slot is held by a client that reads nothing: this one waits for one of theirs.
+            answer = await client.chat.completions.create(model="sim", messages=MESSAGES, max_tokens=4)
+            assert answer.choices[0].finish_reason == "length"
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 20 * WRITE_S
+            while (state.metrics.engine_aborts._value.get() < 3 or engine.backend.running()) and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+            assert state.metrics.engine_aborts._value.get() == 3, "not every stream of a client that reads nothing was cut"
+            assert not engine.backend.running()
+            assert _requests_by_status(state.metrics.render().decode()) == {"499": 3, "200": 1}
+        finally:
+            for sock in unread:
+                sock.close()
+
+
 @pytest.mark.parametrize("route", ["derender", "tokens"])
 async def test_a_first_token_slower_than_idle_s_is_waited_for(qwen3_tokenizer_dir: Path, route: str) -> None:
     """`first_token_s` bounds the first event and `idle_s` only the gaps after it."""
