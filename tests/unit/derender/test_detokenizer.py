@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 from typing import Any
 
 import pytest
@@ -46,12 +47,41 @@ def test_genuine_replacement_character_passes_through(qwen3_tokenizer: Any, qwen
     assert "".join(decode_stream(qwen3_vocab, ids)) == "a\ufffdb"
 
 
-def test_cut_mid_character_flushes_replacement_like_full_decode(qwen3_tokenizer: Any, qwen3_vocab: TokenVocab) -> None:
+def test_cut_mid_character_drops_it_and_its_space(qwen3_tokenizer: Any, qwen3_vocab: TokenVocab) -> None:
+    """Issue #27: `max_tokens` ending inside a character gives neither U+FFFD nor the space
+    of the token that began it (vLLM's incremental detokenizer drops both)."""
     ids = qwen3_tokenizer.encode("ok 🫠")
     cut = ids[:-1]
+    assert qwen3_tokenizer.decode(cut) == "ok \ufffd", "the cut must fall inside the character"
     deltas = decode_stream(qwen3_vocab, cut)
-    assert deltas[-1] == "\ufffd", "held bytes are released at finish"
-    assert "".join(deltas) == qwen3_tokenizer.decode(cut)
+    assert "".join(deltas) == "ok"
+
+
+def test_held_space_comes_out_with_the_completed_character(qwen3_tokenizer: Any, qwen3_vocab: TokenVocab) -> None:
+    ids = qwen3_tokenizer.encode("ok 🫠!")
+    deltas = decode_stream(qwen3_vocab, ids)
+    assert "".join(deltas) == "ok 🫠!"
+    assert " 🫠" in deltas, "the space waits for its character, then both go out in one delta"
+
+
+def test_added_token_after_a_partial_character_flushes_replacement(qwen3_tokenizer: Any, qwen3_vocab: TokenVocab) -> None:
+    """Mid-output the character can no longer complete: U+FFFD, as a full decode shows."""
+    ids = qwen3_tokenizer.encode("ok 🫠")[:-1] + [THINK_START_ID]
+    assert "".join(decode_stream(qwen3_vocab, ids)) == qwen3_tokenizer.decode(ids) == "ok \ufffd<think>"
+
+
+@pytest.mark.parametrize("prompt", ["", "x"])
+def test_pipeline_cut_by_length_mid_character(qwen3_tokenizer: Any, qwen3_vocab: TokenVocab, prompt: str) -> None:
+    """Streamed one token a step or all at once, the finish drops the incomplete character."""
+    ids = qwen3_tokenizer.encode("naïve 世界 🫠")[:-1]
+    for steps in ([ids], [[token_id] for token_id in ids]):
+        pipeline = TextPipeline(qwen3_vocab, TextParams(), prompt_token_ids=qwen3_tokenizer.encode(prompt))
+        pieces = [
+            piece
+            for i, chunk in enumerate(steps)
+            for piece in pipeline.feed(chunk, finish_reason="length" if i == len(steps) - 1 else None).pieces
+        ]
+        assert "".join(text for text, _ in pieces) == "naïve 世界"
 
 
 def test_prompt_ending_mid_character_emits_no_prompt_text(qwen3_tokenizer: Any, qwen3_vocab: TokenVocab) -> None:
@@ -85,10 +115,32 @@ def test_out_of_range_id_is_a_clean_error(qwen3_vocab: TokenVocab) -> None:
 _INTERESTING = st.sampled_from([IM_END_ID, THINK_START_ID, THINK_END_ID, 151643, 151657, 151658])
 
 
+def _ends_inside_character(tokenizer: Any, ids: list[int], skip: bool) -> bool:
+    """Whether the bytes after the last visible added token end in an incomplete UTF-8
+    character (the bytes read from the tokenizer's own vocabulary strings)."""
+    from engine.qwen3.vocab import byte_to_unicode
+
+    to_byte = {char: byte for byte, char in enumerate(byte_to_unicode())}
+    added = tokenizer.added_tokens_decoder
+    tail = b""
+    for token_id in ids:
+        if token_id in added:
+            if not (skip and added[token_id].special):
+                tail = b""
+            continue
+        piece = tokenizer.convert_ids_to_tokens(token_id)
+        tail += bytes(to_byte[ch] for ch in piece) if piece is not None else b""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    decoder.decode(tail)
+    return bool(decoder.getstate()[0])
+
+
 @settings(max_examples=300, deadline=None)
 @given(data=st.data(), skip=st.booleans())
 def test_stream_equals_one_shot_decode(qwen3_tokenizer: Any, qwen3_vocab: TokenVocab, data: Any, skip: bool) -> None:
-    """Any id sequence — byte tokens split anywhere, specials, markers — decodes like the tokenizer."""
+    """Any id sequence — byte tokens split anywhere, specials, markers — decodes like the tokenizer,
+    except that an output ending inside a character drops that character and the text held
+    with it: then the stream is a prefix of the full decode, whose rest ends in U+FFFD."""
     sample_ids = qwen3_tokenizer.encode(SAMPLE)
     ids = data.draw(
         st.lists(
@@ -96,9 +148,13 @@ def test_stream_equals_one_shot_decode(qwen3_tokenizer: Any, qwen3_vocab: TokenV
             max_size=40,
         )
     )
-    assert "".join(decode_stream(qwen3_vocab, ids, skip=skip)) == qwen3_tokenizer.decode(
-        ids, skip_special_tokens=skip
-    )
+    streamed = "".join(decode_stream(qwen3_vocab, ids, skip=skip))
+    full = qwen3_tokenizer.decode(ids, skip_special_tokens=skip)
+    if not _ends_inside_character(qwen3_tokenizer, ids, skip):
+        assert streamed == full
+        return
+    assert full.startswith(streamed)
+    assert full[len(streamed) :].endswith("\ufffd")
 
 
 def _metaspace_tokenizer() -> Any:
