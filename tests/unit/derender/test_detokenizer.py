@@ -182,3 +182,42 @@ def test_window_detokenizer_on_a_non_byte_level_decoder() -> None:
     deltas = [detok.step(i) for i in ids] + [detok.finish()]
     assert "".join(deltas) == tokenizer.decode(ids)
     assert all("\ufffd" not in d for d in deltas)
+
+
+def _byte_level_tokenizer() -> Any:
+    """A tiny byte-level BPE (one token per byte), built in-process."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from engine.qwen3.vocab import byte_to_unicode
+
+    tokenizer = Tokenizer(models.BPE(vocab={char: i for i, char in enumerate(byte_to_unicode())}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def test_vocabularies_are_not_kept_past_the_bounded_cache() -> None:
+    """A tokenizer nobody holds is freed once `vocab_for` has moved past it: neither the
+    vocabulary cache nor a detokenizer's table keeps it (issue #27)."""
+    import gc
+    import weakref
+
+    from engine.derender.vocab import VOCAB_CACHE_SIZE
+
+    tokenizer = _byte_level_tokenizer()
+    vocab = vocab_for(tokenizer)
+    assert vocab_for(tokenizer) is vocab
+    detok = make_detokenizer(vocab)
+    assert "".join(detok.step(i) for i in tokenizer.encode("héllo").ids) == "héllo"
+    gone = weakref.ref(tokenizer)
+    del tokenizer, vocab, detok
+    others = [_byte_level_tokenizer() for _ in range(VOCAB_CACHE_SIZE)]
+    for other in others:
+        vocab_for(other)
+    gc.collect()
+    assert gone() is None
+
+
+def test_complete_text_table_is_built_once_per_vocabulary(qwen3_vocab: TokenVocab) -> None:
+    assert qwen3_vocab.complete_text() is qwen3_vocab.complete_text()
+    assert make_detokenizer(qwen3_vocab)._text is qwen3_vocab.complete_text()  # type: ignore[attr-defined]
