@@ -123,6 +123,12 @@ def family(request: Any) -> tuple[str, Family, Tokenizer, TokenVocab]:
     return request.param, spec, tokenizer, vocab_for(tokenizer)
 
 
+@pytest.fixture(scope="module")
+def tekken() -> tuple[Tokenizer, TokenVocab]:
+    tokenizer = Tokenizer.from_file(str(tekken_v3_dir() / "tokenizer.json"))
+    return tokenizer, vocab_for(tokenizer)
+
+
 def test_package_versions_are_the_ones_written_against() -> None:
     assert package_versions() == PACKAGES
 
@@ -236,12 +242,11 @@ def test_family_parses_reasoning_and_a_call_on_its_real_tokens(family: tuple[str
 
 
 def test_mistral_reasoning_without_think_serves_the_model_without_reasoning(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, tekken: tuple[Tokenizer, TokenVocab]
 ) -> None:
     """Issue #27: `--reasoning-parser mistral` on a vocabulary without `[THINK]` (every Mistral
     before Magistral; here Tekken v3) parses no reasoning and warns once, never failing a request."""
-    tokenizer = Tokenizer.from_file(str(tekken_v3_dir() / "tokenizer.json"))
-    vocab = vocab_for(tokenizer)
+    tokenizer, vocab = tekken
     vocab.parsers.clear()  # the warning is the first binding's; other tests may have bound it
     assert vocab.token_id("[THINK]") is None
     with caplog.at_level(logging.WARNING, logger="engine.derender.parsers.choice"):
@@ -270,3 +275,16 @@ def test_length_cut_inside_a_character_on_a_real_vocabulary(name: str) -> None:
         assert "\ufffd" not in json.dumps(answer, ensure_ascii=False)
         for text in (answer["reasoning"], answer["content"], *(c["arguments"] for c in answer["tool_calls"])):
             assert not (text or "x").endswith(" "), f"a held space went out at cut {cut}: {answer}"
+
+
+@pytest.mark.parametrize("name", sorted(REASONING_PARSERS))
+def test_every_reasoning_family_serves_a_vocabulary_without_its_markers(
+    name: str, tekken: tuple[Tokenizer, TokenVocab]
+) -> None:
+    """The rule of issue #27 for every family: markers missing, the text is content."""
+    tokenizer, vocab = tekken
+    text = "Plain text, 世界 🫠."
+    ids = [*tokenizer.encode(text, add_special_tokens=False).ids, tokenizer.token_to_id(mistral.EOS)]
+    answer = chunked_answer(vocab, ChatOptions(reasoning_parser=name), ids, finish_reason="stop")
+    assert (answer["reasoning"], answer["finish_reason"]) == (None, "stop")
+    assert answer["content"].endswith(text)
