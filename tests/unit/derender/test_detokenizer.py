@@ -221,3 +221,13 @@ def test_vocabularies_are_not_kept_past_the_bounded_cache() -> None:
 def test_complete_text_table_is_built_once_per_vocabulary(qwen3_vocab: TokenVocab) -> None:
     assert qwen3_vocab.complete_text() is qwen3_vocab.complete_text()
     assert make_detokenizer(qwen3_vocab)._text is qwen3_vocab.complete_text()  # type: ignore[attr-defined]
+
+
+def test_window_detokenizer_drops_a_character_cut_by_the_end() -> None:
+    tokenizer = _metaspace_tokenizer()
+    vocab = vocab_for(tokenizer)
+    euro = [tokenizer.token_to_id(f"<0x{b:02X}>") for b in "€".encode()]
+    ids = [2, 3, 4, *euro[:2]]
+    assert tokenizer.decode(ids).endswith("\ufffd")
+    detok = make_detokenizer(vocab)
+    assert "".join([detok.step(i) for i in ids] + [detok.finish()]) == "hello world"
