@@ -216,9 +216,6 @@ class _RecentVocabs:
                 self._vocabs.popitem(last=False)
         return vocab
 
-    def __len__(self) -> int:
-        return len(self._vocabs)
-
 
 _RECENT = _RecentVocabs(VOCAB_CACHE_SIZE)
 
