@@ -3,8 +3,9 @@ vocabularies (issue #27), the `openai` SDK as the client, on every route, stream
 
 DeepSeek's real `tokenizer.json` made both fail at start (a raw marker string in
 `model.vocab`); `--reasoning-parser mistral` on Tekken v3 (no `[THINK]`) failed every
-request; and an output cut inside a character ended in U+FFFD. The sim writes the
-family's text (script mode) with the folder's tokenizer, so the ids are the real ones.
+request; and an output cut inside a character ended in U+FFFD. gpt-oss's o200k_harmony
+runs here too. The sim writes the family's text (script mode) with the folder's
+tokenizer, so the ids are the real ones.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ import openai
 import pytest
 from tokenizers import Tokenizer
 
+from engine.derender.parsers import harmony
+from engine.derender.parsers.base import ToolCallText
 from tests.support.engine import engine_server
 from tests.support.gateway import gateway_server
-from tests.support.real_vocabularies import deepseek_dir, tekken_v3_dir
+from tests.support.real_vocabularies import deepseek_dir, o200k_harmony_dir, tekken_v3_dir
 from tests.support.tools import WEATHER_TOOLS
 
 ROUTES = ["derender", "text", "tokens"]
@@ -50,6 +53,14 @@ CASES = {
         "\nIt asks 天气 🧬.\n",
         None,
         {"bare_turn": True},  # R1's template: the model opens `<think>` itself
+    ),
+    "gpt-oss": Case(
+        o200k_harmony_dir,
+        "openai_gptoss",
+        "openai",
+        harmony.format_reasoning("It asks 天气 🧬.") + harmony.format_calls([ToolCallText("get_weather", ARGUMENTS)]),
+        "It asks 天气 🧬.",
+        None,
     ),
     # Tekken v3 has no `[THINK]`: the mistral reasoning parser serves it without reasoning.
     "mistral-tekken-v3": Case(
