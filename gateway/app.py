@@ -21,7 +21,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from engine.http_server import CONNECTION_LIMITS, ERROR_BODY, ConnectionLimits, new_event_loop, run_app
 from engine.derender.vocab import TokenVocab, vocab_for
-from engine.derender.parsers import REASONING_PARSERS, TOOL_PARSERS
+from engine.derender.parsers import REASONING_PARSERS, TOOL_PARSERS, bind_reasoning
 from engine.derender.parsers.detect import resolve
 from engine.openai_schema import ModelCard, ModelList
 from engine.telemetry import Tracing, extract
@@ -95,6 +95,8 @@ async def _runtime(plan: _ModelPlan, limits: Limits) -> ModelRuntime:
         raise ConfigError(f"model {config.name}: {exc}") from exc
     # One tokenizer for render and derender: each copy of a 151k-token vocabulary is ~45 MB.
     vocab = await asyncio.to_thread(vocab_for, renderer.tokenizer)
+    if config.reasoning_parser in REASONING_PARSERS:  # its markers checked now: a missing one is logged at start
+        bind_reasoning(vocab, config.reasoning_parser)
     assert config.route is not None and config.render is not None and config.reasoning_field is not None  # defaults filled
     return ModelRuntime(
         name=config.name,

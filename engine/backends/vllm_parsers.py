@@ -38,7 +38,7 @@ from engine.derender.parsers import (
     ParserSet,
     ToolDelta,
     UnknownParser,
-    reasoning_factory,
+    bind_reasoning,
 )
 from engine.derender.parsers.base import BoundTools, Markers, ToolParser, marker_of
 from engine.derender.stop import Piece
@@ -85,7 +85,7 @@ def bind_vllm_parsers(
         bound = VLLMParserSet(tokenizer, reasoning, tool, model_config=model_config)
     else:
         assert tool is not None
-        native = reasoning_factory(reasoning).bind(vocab) if reasoning is not None else None
+        native = bind_reasoning(vocab, reasoning) if reasoning is not None else None
         bound = ParserSet(native, VLLMTools(vocab, tokenizer, tool, model_config=model_config))
     vocab.parsers[(reasoning, tool)] = bound
 

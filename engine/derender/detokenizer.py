@@ -5,15 +5,18 @@ token up in a precomputed table and only falls back to an incremental UTF-8
 decoder while a multi-byte character is split across tokens. Nothing is ever
 re-decoded, so a 4k-token output costs the same per token as a 16-token one.
 
-Flush policy (DERENDER_CASES 1): bytes of a character that never completes are
-held back while the stream runs and become U+FFFD at `finish()`, which is what a
-one-shot `tokenizer.decode(ids)` of the same ids returns.
+Flush policy (DERENDER_CASES 1, issue #27): while a multi-byte character is
+split across tokens, the text of the tokens since the one that began it is held
+back (its leading space too). An added token that is not skipped ends the
+character as U+FFFD, as a one-shot `tokenizer.decode(ids)` does; an output that
+ends inside the character (`max_tokens` cut it) drops it at `finish()`, held
+text with it, as vLLM's incremental detokenizer does. So no U+FFFD, and no
+stray space, ever ends an answer.
 """
 
 from __future__ import annotations
 
 import codecs
-import functools
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -30,41 +33,27 @@ class Detokenizer(Protocol):
         """Text still held at the end of the output."""
 
 
-@functools.cache
-def _complete_text(vocab: TokenVocab) -> tuple[str | None, ...]:
-    """Each ordinary token's text when its bytes are valid UTF-8 alone, else None.
-
-    Added tokens are None too, so the hot path needs a single test.
-    """
-    out: list[str | None] = []
-    for raw in vocab.token_bytes:
-        try:
-            out.append(raw.decode("utf-8"))
-        except UnicodeDecodeError:
-            out.append(None)
-    for token_id in vocab.added_text:
-        out[token_id] = None
-    return tuple(out)
-
-
 class ByteLevelDetokenizer:
     """Byte-level BPE (GPT-2 style, Qwen, Llama 3): tokens are byte strings.
 
     Added tokens decode atomically from their content; a partial character
     before one can never complete, so it is flushed as U+FFFD first — the same
     as a full decode. A skipped special token is invisible and flushes nothing,
-    as it is removed before decoding there too.
+    as it is removed before decoding there too. Text decoded while a character
+    is incomplete waits in `_held` (the slow path only: the hot path is one
+    table lookup while nothing is pending).
     """
 
-    __slots__ = ("_bytes", "_text", "_added", "_skipped", "_utf8", "_pending")
+    __slots__ = ("_bytes", "_text", "_added", "_skipped", "_utf8", "_pending", "_held")
 
     def __init__(self, vocab: TokenVocab, *, skip_special_tokens: bool = True) -> None:
         self._bytes = vocab.token_bytes
-        self._text = _complete_text(vocab)
+        self._text = vocab.complete_text()
         self._added = vocab.added_text
         self._skipped = vocab.special_ids if skip_special_tokens else frozenset()
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         self._pending = False
+        self._held = ""
 
     def step(self, token_id: int) -> str:
         if not self._pending:
@@ -75,16 +64,34 @@ class ByteLevelDetokenizer:
         if added is not None:
             if token_id in self._skipped:
                 return ""
-            return self.finish() + added
+            return self._flush() + added
         text = self._utf8.decode(self._bytes[token_id])
-        self._pending = bool(self._utf8.getstate()[0])
+        if self._utf8.getstate()[0]:  # a character is still incomplete: hold its token's text
+            self._pending = True
+            self._held += text
+            return ""
+        self._pending = False
+        if self._held:
+            text = self._held + text
+            self._held = ""
         return text
 
-    def finish(self) -> str:
+    def _flush(self) -> str:
+        """Held text and the incomplete character as U+FFFD (what a full decode shows)."""
         if not self._pending:
             return ""
         self._pending = False
-        return self._utf8.decode(b"", True)
+        text = self._held + self._utf8.decode(b"", True)
+        self._held = ""
+        return text
+
+    def finish(self) -> str:
+        """The output ended inside a character: drop it and the text held with it."""
+        if self._pending:
+            self._pending = False
+            self._held = ""
+            self._utf8.reset()
+        return ""
 
 
 class WindowDetokenizer:
@@ -135,11 +142,14 @@ class WindowDetokenizer:
         return delta
 
     def finish(self) -> str:
+        """Text still held; none when it ends inside a character (dropped, as in `step`)."""
         prefix_text = self._decode(self._ids[self._prefix : self._read])
         new_text = self._decode(self._ids[self._prefix :])
         self._read = len(self._ids)
         self._prefix = self._read
-        return new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
+        if new_text.endswith(_REPLACEMENT) or len(new_text) <= len(prefix_text):
+            return ""
+        return new_text[len(prefix_text) :]
 
 
 def make_detokenizer(

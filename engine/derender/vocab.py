@@ -4,11 +4,18 @@ The hot path never calls into the tokenizer: a byte-level BPE token decodes to
 a fixed byte string, so one table lookup per token replaces a `decode()` call.
 Added tokens (specials, and markers such as `<think>`) are kept apart because
 the tokenizer renders them atomically from their content, never byte by byte.
+
+Not every entry of a byte-level vocabulary is written in the byte-level
+alphabet: DeepSeek-V3's `tokenizer.json` keeps `<｜begin▁of▁sentence｜>` and
+its kin as raw strings in `model.vocab` (issue #27). Such an entry's bytes are
+taken from the tokenizer's own decode of its id.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,9 +42,14 @@ def _unicode_to_byte() -> dict[str, int]:
     return {chr(cp): byte for byte, cp in zip(printable, codepoints)}
 
 
-def _byte_level_bytes(token: str) -> bytes:
+def _byte_level_bytes(backend: Tokenizer, token: str, token_id: int) -> bytes:
+    """The bytes a byte-level vocabulary entry stands for; an entry written outside the
+    byte-level alphabet (a raw marker string) is what the tokenizer decodes it to."""
     table = _unicode_to_byte()
-    return bytes(table[ch] for ch in token)
+    try:
+        return bytes([table[ch] for ch in token])
+    except KeyError:
+        return backend.decode([token_id], skip_special_tokens=False).encode()
 
 
 class TokenVocab:
@@ -48,7 +60,17 @@ class TokenVocab:
     content; `special_ids` are the ones `skip_special_tokens` removes.
     """
 
-    __slots__ = ("backend", "byte_level", "token_bytes", "added_text", "special_ids", "size", "parsers", "_pieces")
+    __slots__ = (
+        "backend",
+        "byte_level",
+        "token_bytes",
+        "added_text",
+        "special_ids",
+        "size",
+        "parsers",
+        "_pieces",
+        "_complete",
+    )
 
     def __init__(
         self,
@@ -69,10 +91,28 @@ class TokenVocab:
         self.parsers: dict[tuple[str | None, str | None], object] = {}
         """Parser families bound to this vocabulary, by (reasoning, tool) name (`bind_parsers`)."""
         self._pieces: dict[int, tuple[str, list[int]]] = {}
+        self._complete: tuple[str | None, ...] | None = None
 
     def __repr__(self) -> str:
         kind = "byte-level" if self.byte_level else "windowed"
         return f"TokenVocab({self.size} tokens, {kind}, {len(self.added_text)} added)"
+
+    def complete_text(self) -> tuple[str | None, ...]:
+        """Each ordinary token's text when its bytes are valid UTF-8 alone, else None;
+        added tokens are None too, so the detokenizer's hot path needs a single test.
+        Built on first use and kept with the vocabulary (dies with it)."""
+        table = self._complete
+        if table is None:
+            out: list[str | None] = []
+            for raw in self.token_bytes:
+                try:
+                    out.append(raw.decode("utf-8"))
+                except UnicodeDecodeError:
+                    out.append(None)
+            for token_id in self.added_text:
+                out[token_id] = None
+            table = self._complete = tuple(out)
+        return table
 
     def check_ids(self, token_ids: Sequence[int]) -> None:
         """Raise `TokenIdOutOfRange` for an id the tokenizer cannot decode."""
@@ -135,7 +175,7 @@ def _build(backend: Tokenizer) -> TokenVocab:
     table: list[bytes] = [b""] * size
     if byte_level:
         for token, tid in backend.get_vocab(with_added_tokens=False).items():
-            table[tid] = _byte_level_bytes(token)
+            table[tid] = _byte_level_bytes(backend, token, tid)
     return TokenVocab(
         backend=backend,
         byte_level=byte_level,
@@ -146,15 +186,41 @@ def _build(backend: Tokenizer) -> TokenVocab:
     )
 
 
-_VOCABS: dict[int, TokenVocab] = {}
+VOCAB_CACHE_SIZE = 4
+"""Vocabularies `vocab_for` keeps for tokenizers it was asked about. Whoever serves a model
+holds its vocabulary itself (the gateway's model runtime, the engine state); this only
+spares rebuilding one for a tokenizer asked about again, and never keeps more."""
+
+
+class _RecentVocabs:
+    """The last few vocabularies built, by tokenizer identity. Each holds its tokenizer,
+    so an id here never names a newer object; an evicted one is rebuilt on its next use."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._vocabs: OrderedDict[int, TokenVocab] = OrderedDict()
+        self._lock = threading.Lock()  # the gateway and engine build off the loop, in threads
+
+    def get(self, backend: Tokenizer) -> TokenVocab:
+        key = id(backend)
+        with self._lock:
+            vocab = self._vocabs.get(key)
+            if vocab is not None and vocab.backend is backend:
+                self._vocabs.move_to_end(key)
+                return vocab
+        vocab = _build(backend)
+        with self._lock:
+            self._vocabs[key] = vocab
+            self._vocabs.move_to_end(key)
+            while len(self._vocabs) > self._size:
+                self._vocabs.popitem(last=False)
+        return vocab
+
+
+_RECENT = _RecentVocabs(VOCAB_CACHE_SIZE)
 
 
 def vocab_for(tokenizer: Any) -> TokenVocab:
-    """The `TokenVocab` of a HF tokenizer or `tokenizers.Tokenizer`, built once per object."""
-    backend = _backend_of(tokenizer)
-    key = id(backend)
-    vocab = _VOCABS.get(key)
-    if vocab is None or vocab.backend is not backend:
-        vocab = _build(backend)
-        _VOCABS[key] = vocab
-    return vocab
+    """The `TokenVocab` of a HF tokenizer or `tokenizers.Tokenizer` (the same object for the
+    same tokenizer while it is among the last `VOCAB_CACHE_SIZE` asked about)."""
+    return _RECENT.get(_backend_of(tokenizer))

@@ -34,6 +34,10 @@ class UnknownParser(ValueError):
     """A parser name that no registry knows, or markers the tokenizer lacks."""
 
 
+class MissingMarker(UnknownParser):
+    """A family's marker is not a single token of this vocabulary."""
+
+
 def new_tool_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
@@ -95,7 +99,7 @@ class Markers:
         for text in texts:
             token_id = vocab.token_id(text)
             if token_id is None:
-                raise UnknownParser(f"marker {text!r} is not a single token in this tokenizer")
+                raise MissingMarker(f"marker {text!r} is not a single token in this tokenizer")
             by_text[text] = token_id
         self.by_text = by_text
         self.by_id = {token_id: text for text, token_id in by_text.items()}

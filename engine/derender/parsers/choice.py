@@ -9,12 +9,14 @@ output (the master test).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 from engine.derender.parsers.base import (
     BoundReasoning,
     BoundTools,
+    MissingMarker,
     ParseOptions,
     ReasoningParser,
     ToolDelta,
@@ -23,6 +25,8 @@ from engine.derender.parsers.base import (
 from engine.derender.parsers.registry import reasoning_factory, tool_factory
 from engine.derender.stop import Piece
 from engine.derender.vocab import TokenVocab
+
+log = logging.getLogger(__name__)
 
 
 class ChoiceParsing(Protocol):
@@ -93,12 +97,30 @@ def bind_parsers(vocab: TokenVocab, reasoning: str | None, tools: str | None) ->
     cached = vocab.parsers.get(key)
     if cached is None:
         cached = ParserSet(
-            reasoning_factory(reasoning).bind(vocab) if reasoning is not None else None,
+            bind_reasoning(vocab, reasoning) if reasoning is not None else None,
             tool_factory(tools).bind(vocab) if tools is not None else None,
         )
         vocab.parsers[key] = cached
     assert isinstance(cached, BoundParsers)
     return cached
+
+
+def bind_reasoning(vocab: TokenVocab, name: str) -> BoundReasoning | None:
+    """The reasoning family bound to `vocab`, or None when the vocabulary lacks its markers.
+
+    A model of the family's tokenizer that cannot reason (every Mistral before Magistral
+    has no `[THINK]`) is served without reasoning, as vLLM serves it, never failing its
+    requests (issue #27). Bound once per vocabulary, so the warning is logged once."""
+    alone = vocab.parsers.get((name, None))
+    if isinstance(alone, ParserSet):
+        return alone.reasoning
+    try:
+        return reasoning_factory(name).bind(vocab)
+    except MissingMarker as exc:
+        log.warning("reasoning parser %r: %s; serving this model without reasoning", name, exc)
+        if alone is None:
+            vocab.parsers[(name, None)] = ParserSet(None, None)
+        return None
 
 
 class ChoiceParser:

@@ -12,7 +12,8 @@ marker's text (a stop string cut it) is plain text. Other special tokens
 (`[INST]`, `<s>`, ...) never reach any text, as in vLLM. A tokenizer without an
 `[ARGS]` token is pre-v11, as vLLM reads an HF tokenizer: its calls are the older
 `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (`LegacyToolParser`); one
-without `[THINK]` has no reasoning family (binding it raises `UnknownParser`).
+without `[THINK]` (every Mistral before Magistral) is served without reasoning:
+its reasoning family binds to nothing, with a warning (`bind_reasoning`).
 
 Reasoning, one choice (`MistralReasoning`)::
 

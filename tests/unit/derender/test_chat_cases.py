@@ -80,7 +80,44 @@ def test_genuine_replacement_character_and_cut_character(qwen3_vocab: TokenVocab
     assert stream(qwen3_vocab, PLAIN, enc("a\ufffdb")).folded.content == "a\ufffdb"
     cut = enc("ok 🫠")[:-1]
     folded = stream(qwen3_vocab, PLAIN, cut, finish_reason="length").folded
-    assert folded.content == "ok \ufffd"  # flush policy: an unfinished character becomes U+FFFD at the end
+    assert folded.content == "ok"  # flush policy: an unfinished character is dropped, its space with it
+
+
+def cut_inside_last_character(tokenizer: Any, text: str) -> list[int]:
+    """The ids of `text` cut as `max_tokens` would, inside its last (multi-byte) character."""
+    ids = tokenizer.encode(text)
+    cut = max(k for k in range(len(ids)) if tokenizer.decode(ids[:k]).endswith("\ufffd"))
+    return ids[:cut]
+
+
+CUT_CASES = {
+    "content": ("<think>\nok\n</think>\n\nSee 世界 🫠", {"reasoning": "\nok\n", "content": "\n\nSee 世界"}),
+    "reasoning": ("<think>\nThe weather 🫠", {"reasoning": "\nThe weather", "content": None}),
+    "arguments": (
+        '<think>\nok\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris 🫠',
+        {"reasoning": "\nok\n", "arguments": '{"city": "Paris'},
+    ),
+}
+
+
+@pytest.mark.parametrize("where", list(CUT_CASES))
+def test_length_cut_inside_a_character_leaves_no_replacement(
+    qwen3_tokenizer: Any, qwen3_vocab: TokenVocab, where: str
+) -> None:
+    """Issue #27: `max_tokens` ending inside a character, in content, reasoning or tool
+    arguments, streamed and not: the character and its space are dropped, no U+FFFD."""
+    text, expected = CUT_CASES[where]
+    ids = cut_inside_last_character(qwen3_tokenizer, text)
+    answers = [comparable_response(whole(qwen3_vocab, TOOLS_ON, ids, finish_reason="length"))]
+    for sizes in (fixed(1), fixed(3)):
+        answers.append(stream(qwen3_vocab, TOOLS_ON, ids, sizes, finish_reason="length").folded.as_comparable())
+    for answer in answers:
+        assert "\ufffd" not in json.dumps(answer, ensure_ascii=False)
+        assert answer["reasoning"] == expected["reasoning"]
+        if "content" in expected:
+            assert answer["content"] == expected["content"]
+        if "arguments" in expected:
+            assert [call["arguments"] for call in answer["tool_calls"]] == [expected["arguments"]]
 
 
 # -- 3. out-of-range ids ------------------------------------------------------
