@@ -9,6 +9,7 @@ import msgspec
 import yaml
 from msgspec import Meta, Struct
 
+from engine.grammar_limits import GrammarLimits
 from engine.telemetry import TracingConfig
 
 Route = Literal["derender", "text", "tokens", "tokens-remote"]
@@ -66,6 +67,10 @@ class Limits(Struct, forbid_unknown_fields=True, kw_only=True):
     max_messages: Annotated[int, Meta(ge=1)] = 2048
     max_prompts: Annotated[int, Meta(ge=1)] = 64
     """Prompts in one /v1/completions request (each is one engine request)."""
+    grammar: GrammarLimits = msgspec.field(default_factory=GrammarLimits)
+    """Bounds of a structured-output constraint (`response_format`, Responses `text.format`,
+    Messages `output_config.format`, `structured_outputs`): past them an engine's grammar
+    library crashes or stalls, so the request never reaches one (issue #27)."""
 
 
 class Auth(Struct, forbid_unknown_fields=True, kw_only=True):
