@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from typing import Any
 
 import llguidance
@@ -20,20 +21,25 @@ from engine.protocol import StructuredOutputs
 CONSTRAINTS = frozenset({"json", "json_object", "regex", "choice", "grammar"})
 """What the hf backend enforces (vLLM's `structural_tag` is not mapped)."""
 
+log = logging.getLogger("onehop.engine.grammar")
+
 SHORT_ERROR_CHARS = 300
 """A library error as a client sees it: llguidance's panics carry a Rust backtrace of 70+
 lines after their first (issue #27); that detail stays in the engine's log."""
 
 
 def short_error(error: str) -> str:
-    """The first line of a library error, at most SHORT_ERROR_CHARS long."""
-    first = error.strip().split("\n", 1)[0]
-    return first if len(first) <= SHORT_ERROR_CHARS else first[:SHORT_ERROR_CHARS] + "…"
-
-
-def digest(error: str) -> str:
-    """A library error for a log line: its short form and a hash of the whole text."""
-    return f"{short_error(error)} [{hashlib.sha256(error.encode()).hexdigest()[:12]}]"
+    """The first line of a library error, at most SHORT_ERROR_CHARS long; when more was cut,
+    the whole text goes to the engine's log under a hash the short form names."""
+    text = error.strip()
+    first = text.split("\n", 1)[0]
+    if len(first) > SHORT_ERROR_CHARS:
+        first = first[:SHORT_ERROR_CHARS] + "…"
+    if first == text:
+        return first
+    tag = hashlib.sha256(text.encode()).hexdigest()[:12]
+    log.warning("grammar library error %s in full:\n%s", tag, text)
+    return f"{first} (detail {tag} in the engine log)"
 
 
 def compile_grammar(constraint: StructuredOutputs) -> str:
