@@ -208,7 +208,7 @@ class EngineResponse:
         reason = f": {exc}" if exc is not None else ""
         self.fail(
             EngineDied(
-                f"the engine failed while serving this request (the connection closed {where}{reason});"
+                f"the engine stream broke: the engine failed while serving this request (the connection closed {where}{reason});"
                 " it is not retried on another engine"
             )
         )
