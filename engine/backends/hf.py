@@ -716,6 +716,9 @@ class HFBackend:
             if self._info.constraints:
                 tokenizer = await self._in_thread(_load_tokenizer, Path(self._config.model))
                 self._grammar_tokenizer = GrammarTokenizer(tokenizer, self._info.vocab_size)
+                # Built now, before serving: building it holds the GIL for seconds (4 s of 7
+                # measured on this project's CPUs), which would stall the event loop mid-serving.
+                await self._in_thread(self._grammar_tokenizer.get)
                 self._grammar_executor = compile_executor()
                 await self._grammar_check.start()
         except BaseException:
@@ -781,8 +784,8 @@ class HFBackend:
 
     def _matchers(self, constraint: StructuredOutputs, n: int, waiting: frozenset[int] | None) -> list[ChoiceGrammar]:
         assert self._grammar_tokenizer is not None  # the executor exists only with it
-        grammar = compile_grammar(constraint)
-        return [ChoiceGrammar(self._grammar_tokenizer, grammar, waiting) for _ in range(n)]
+        first = ChoiceGrammar(self._grammar_tokenizer, compile_grammar(constraint), waiting)
+        return [first] + [first.copy() for _ in range(n - 1)]
 
     async def generate(self, request: BackendRequest) -> AsyncGenerator[list[BackendOutput], None]:
         request = await self.prepare(request)  # a no-op when the engine prepared it
