@@ -97,6 +97,13 @@ async def test_a_constraint_that_crashes_the_library_past_raised_bounds_leaves_t
                 "token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2, "structured_outputs": {"grammar": 'start: "ab"'}},
             })
             assert status == 200 and answer["choices"][0]["token_ids"], answer
+        # Past 65,525 symbols the library panics (in the engine: the check process passes it);
+        # the client gets the panic's first line, not its 77-line Rust backtrace.
+        status, answer, _ = await post_json(session, engine_url + "/inference/v1/generate", {
+            "token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2, "structured_outputs": {"choice": many_choices(66_000)}},
+        })
+        message = _message(answer)
+        assert status == 400 and "\n" not in message and "backtrace" not in message and len(message) < 500, (status, message)
 
 
 async def test_health_answers_while_a_large_allowed_grammar_compiles(tiny_model_dir: Path) -> None:
