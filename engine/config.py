@@ -9,6 +9,7 @@ from msgspec import Meta, Struct
 
 from engine.derender.chat import ReasoningField
 from engine.http_server import HEADER_S, KEEPALIVE_S
+from engine.grammar_limits import GrammarLimits
 from engine.telemetry import TracingConfig
 
 BackendName = Literal["hf", "sim", "vllm"]
@@ -49,6 +50,9 @@ class EngineLimits(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True
     max_string_chars: Annotated[int, Meta(ge=1)] = 1024
     """Longest stop string or bad word, in characters: a stop string's length is the text
     each choice holds back while it might still match."""
+    grammar: GrammarLimits = msgspec.field(default_factory=GrammarLimits)
+    """Size, depth and symbol bounds of a `structured_outputs` constraint, checked before it
+    is compiled (past them the grammar library crashes or stalls: `engine.grammar_limits`)."""
 
 
 def engine_limits(**values: Any) -> EngineLimits:

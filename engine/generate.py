@@ -42,6 +42,7 @@ from engine.errors import (
     error_body,
     log_failure,
 )
+from engine.grammar_limits import GrammarTooLarge, check_grammar
 from engine.metrics import EngineMetrics
 from engine.outputs import OutputWriter, make_writer
 from engine.protocol import (
@@ -121,7 +122,13 @@ def constraints(state: EngineState) -> frozenset[str]:
 
 def _check_constraint(state: EngineState, sampling: SamplingParams) -> None:
     constraint = sampling.structured_outputs
-    if constraint is None or constraint.kind in constraints(state):
+    if constraint is None:
+        return
+    try:
+        check_grammar(constraint, state.config.limits.grammar)
+    except GrammarTooLarge as exc:
+        raise BadRequest(str(exc), param="structured_outputs") from exc
+    if constraint.kind in constraints(state):
         return
     served = ", ".join(sorted(constraints(state))) or "none"
     raise BadRequest(
@@ -395,7 +402,8 @@ async def _generate(http: web.Request, state: EngineState, span: Span) -> web.St
     metrics.in_flight.labels(mode).inc()
     status = 200
     try:
-        outputs = state.backend.generate(backend_request(state, request))
+        prepared = await state.backend.prepare(backend_request(state, request))
+        outputs = state.backend.generate(prepared)
         if request.stream:
             return await _stream(http, state, request, writer, outputs, times)
         return await _json(state, request, writer, outputs, times)

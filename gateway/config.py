@@ -10,6 +10,7 @@ import msgspec
 import yaml
 from msgspec import Meta, Struct
 
+from engine.grammar_limits import GrammarLimits
 from engine.telemetry import TracingConfig
 
 Route = Literal["derender", "text", "tokens", "tokens-remote"]
@@ -97,6 +98,10 @@ class Limits(Struct, forbid_unknown_fields=True, kw_only=True):
     its own, so small requests never wait behind it."""
     large_render_workers: Annotated[int, Meta(ge=1)] = LARGE_RENDER_WORKERS
     """Large renders at once (each may take ~100 bytes of memory a character); more wait."""
+    grammar: GrammarLimits = msgspec.field(default_factory=GrammarLimits)
+    """Bounds of a structured-output constraint (`response_format`, Responses `text.format`,
+    Messages `output_config.format`, `structured_outputs`): past them an engine's grammar
+    library crashes or stalls, so the request never reaches one (issue #27)."""
 
 
 class Auth(Struct, forbid_unknown_fields=True, kw_only=True):

@@ -17,6 +17,7 @@ route, so it is not picked again until `ROUTES_OFF_RECHECK_S` have passed.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -35,6 +36,7 @@ from gateway.config import Health, Route, Timeouts
 from gateway.engine_stream import EngineAnswer, StreamPool
 from gateway.errors import (
     ClientGone,
+    EngineDied,
     EngineFailed,
     EngineTimeout,
     EngineRoutesOff,
@@ -88,6 +90,7 @@ def engine_error(status: int, body: bytes, retry_after: str | None = None) -> Ga
         message = error.message if isinstance(error, _ErrorView) else (error or parsed.detail or "")
     except msgspec.DecodeError:
         message = body[:500].decode("utf-8", "replace")
+    message = _first_line(message)
     if status == 403:  # stock vLLM with its scale-out endpoints off, in its own words
         return EngineRoutesOff(f"the engine does not serve the generate API (403): {message}")
     if status == 429:
@@ -99,6 +102,22 @@ def engine_error(status: int, body: bytes, retry_after: str | None = None) -> Ga
     if kind is not None:
         return with_context_code(kind(message or f"the engine refused the request ({status})", status=status if status != 422 else None))
     return EngineFailed(f"the engine failed ({status}): {message}")
+
+
+ENGINE_MESSAGE_CHARS = 500
+"""An engine's error message as the gateway passes it on and logs it: its first line, cut to
+this length (a backend's 77-line Rust backtrace once reached clients: issue #27)."""
+
+
+def _first_line(message: str) -> str:
+    """The first line of an engine's message; what was cut is named by a hash and size, to
+    find in the engine's own log, not repeated here."""
+    text = message.strip()
+    first = text.split("\n", 1)[0][:ENGINE_MESSAGE_CHARS]
+    if first == text:
+        return first
+    tag = hashlib.sha256(text.encode()).hexdigest()[:12]
+    return f"{first} (engine detail {tag}: {len(text)} characters cut)"
 
 
 class _Capabilities(msgspec.Struct):
@@ -310,6 +329,11 @@ class EngineClient:
                     raise
                 endpoint = other
                 self._on_retry(current.url)
+            except EngineDied as exc:
+                # The request may be what killed it: it is not replayed on another engine.
+                self.pool.failed(current)
+                log.warning("engine %s failed while serving request %s (%s); not retried", current.url, public_request_id(request_id), exc)
+                raise
             except (EngineUnavailable, EngineFailed) as exc:
                 if answered:
                     raise  # it failed after answering: not a reason to try another engine
@@ -365,8 +389,13 @@ class EngineClient:
                 raise EngineUnavailable(f"cannot connect to the engine within {self._timeouts.connect_s} s") from exc
             except TimeoutError as exc:
                 raise EngineTimeout(f"the engine did not answer within {limit} s") from exc
-            except aiohttp.ClientError as exc:
+            except aiohttp.ClientConnectorError as exc:
                 raise EngineUnavailable(f"cannot reach the engine: {exc}") from exc
+            except aiohttp.ClientError as exc:  # sent, then the connection closed or broke
+                raise EngineDied(
+                    f"the engine failed while serving this request ({exc or type(exc).__name__});"
+                    " it is not retried on another engine"
+                ) from exc
             span.set_attribute("http.response.status_code", response.status)
             try:
                 if response.status != 200:

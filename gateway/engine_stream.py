@@ -31,7 +31,7 @@ from typing import Any
 import aiohttp
 from yarl import URL
 
-from gateway.errors import EngineFailed, EngineUnavailable
+from gateway.errors import EngineDied, EngineFailed, EngineUnavailable
 
 MAX_HEAD_BYTES = 64 * 1024
 """A response head (status line and headers) longer than this is not an engine's."""
@@ -212,7 +212,12 @@ class EngineResponse:
             return
         where = "before its answer's head" if self._state == _HEAD else "mid-answer"
         reason = f": {exc}" if exc is not None else ""
-        self.fail(EngineFailed(f"the engine stream broke: the connection closed {where}{reason}"))
+        self.fail(
+            EngineDied(
+                f"the engine stream broke: the engine failed while serving this request (the connection closed {where}{reason});"
+                " it is not retried on another engine"
+            )
+        )
 
     def fail(self, exc: BaseException) -> None:
         if self._error is not None or self._state == _DONE:
@@ -455,9 +460,18 @@ class StreamPool:
             try:
                 await _head(response)
                 return response
-            except EngineFailed:
+            except EngineFailed as exc:
                 if response.answered:
                     raise
+                # Closed under a kept connection: its keep-alive ran out, or the engine died
+                # serving this request. An engine that then refuses a new connection did die.
+                try:
+                    connection = await self._connect(host, port, key)
+                except EngineUnavailable as refused:
+                    raise EngineDied(f"{exc.message}; then it refused a new connection ({refused.message})") from refused
+                response = connection.send(request)
+                await _head(response)
+                return response
         connection = await self._connect(host, port, key)
         response = connection.send(request)
         await _head(response)

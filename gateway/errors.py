@@ -23,6 +23,8 @@ and as client libraries match on (`context_length_exceeded`, `model_not_found`,
     │   └── EngineRoutesOff 503   server_error / engine_unavailable (a 403: its generate API is off)
     ├── StreamDeadline      504   server_error / stream_deadline_exceeded (not retried)
     └── EngineFailed        502   server_error / engine_failed (an answer we cannot pass on)
+        └── EngineDied      502   server_error / engine_failed (the connection closed while the
+                                  engine served it: not replayed on another engine)
 
 `gateway_error_middleware` maps every raised exception to one of these;
 engine 4xx answers are passed on with the engine's message. After the first
@@ -153,6 +155,13 @@ class EngineFailed(GatewayError):
     status = 502
     type = "server_error"
     code: str | None = "engine_failed"
+
+
+class EngineDied(EngineFailed):
+    """The engine closed the connection (or reset it) after the request was sent, before its
+    answer ended. The request may be what killed it (a grammar that crashed its library
+    took a whole pool down as it was retried on each engine: issue #27), so it is never
+    replayed elsewhere: the client gets a 502 saying so."""
 
 
 def error_json(error: GatewayError) -> bytes:

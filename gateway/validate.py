@@ -8,8 +8,11 @@ from typing import Any
 import msgspec
 from msgspec import UNSET
 
+from engine.grammar_limits import GrammarTooLarge, check_grammar
 from engine.openai_schema import MAX_JSON_DEPTH, ChatCompletionRequest, CompletionRequest, too_deep
+from engine.protocol import ProtocolError, StructuredOutputs
 from gateway.config import Limits
+from gateway.engine_request import structured_outputs
 from gateway.errors import CONTEXT_LENGTH_EXCEEDED, InvalidRequest
 
 _encode_json = msgspec.json.Encoder().encode
@@ -169,6 +172,24 @@ def check_chat_limits(request: ChatCompletionRequest, limits: Limits) -> None:
         raise InvalidRequest(
             f"messages holds {len(request.messages)} messages, at most {limits.max_messages} are accepted", param="messages"
         )
+    _check_grammar(request, limits)
+
+
+def _check_grammar(request: ChatCompletionRequest | CompletionRequest, limits: Limits) -> None:
+    """The constraint an engine would compile keeps `limits.grammar`: one past it can crash
+    the engine's grammar library, so it is refused here and never sent (issue #27)."""
+    given = structured_outputs(request.structured_outputs, getattr(request, "response_format", None))
+    if given is None:
+        return
+    try:
+        constraint = msgspec.convert(given, StructuredOutputs)
+    except (msgspec.ValidationError, ProtocolError):
+        return  # malformed: refused by name when the sampling parameters are checked
+    try:
+        check_grammar(constraint, limits.grammar)
+    except GrammarTooLarge as exc:
+        param = "response_format" if given is not request.structured_outputs else "structured_outputs"
+        raise InvalidRequest(str(exc), param=param) from exc
 
 
 def prompt_count(request: CompletionRequest) -> int:
@@ -178,6 +199,7 @@ def prompt_count(request: CompletionRequest) -> int:
 
 def check_completion_limits(request: CompletionRequest, limits: Limits) -> None:
     _check_n(request.n, limits)
+    _check_grammar(request, limits)
     _check_max_tokens(request.max_tokens, "max_tokens", limits)
     prompts = prompt_count(request)
     if prompts > limits.max_prompts:

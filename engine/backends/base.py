@@ -44,6 +44,8 @@ class BackendRequest:
     reasoning_end_ids: frozenset[int] | None = None
     """With `sampling.structured_outputs`: the constraint holds once the output has one of these
     ids (the model is reasoning when it starts); None: from the first token."""
+    prepared: object | None = None
+    """What the backend's `prepare` made for this request (the hf backend: its grammar matchers)."""
 
 
 @dataclass(slots=True)
@@ -89,6 +91,10 @@ class Backend(Protocol):
 
     async def close(self) -> None:
         """Stop every request and release resources."""
+
+    async def prepare(self, request: BackendRequest) -> BackendRequest:
+        """The awaited checks and work before `generate` (the hf backend compiles a grammar,
+        off the event loop); a BackendRequestError here is a 400 before any byte is sent."""
 
     def generate(self, request: BackendRequest) -> AsyncIterator[list[BackendOutput]]:
         """Yield batches of per-choice outputs until every choice has a finish_reason."""

@@ -20,11 +20,15 @@ no row needs any more are cut from the left; prompts are never re-run.
 Tensor work (load, prefill, joins, decode, sampling) runs on one worker
 thread so the event loop stays free. The scheduler awaits each call, so only
 that thread touches the batch while it runs; the event loop only sets flags.
+Structured-output grammars are compiled before a request registers, in a check
+process and then on a thread of their own (`grammar_check`), so neither a
+constraint that crashes the grammar library nor a slow one stops the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -55,8 +59,10 @@ from engine.backends.base import (
     BackendRequestError,
     FinishReason,
 )
-from engine.backends.grammar import CONSTRAINTS, ChoiceGrammar, GrammarTokenizer, compile_grammar
-from engine.protocol import GenerateLogProb, GenerateLogProbsContent, SamplingParams
+from engine.backends.grammar import ChoiceGrammar, GrammarTokenizer
+from engine.backends.grammar_check import DEFAULT_TIMEOUT_S, GrammarCheck, compile_executor
+from engine.backends.grammar_compile import CONSTRAINTS, compile_grammar
+from engine.protocol import GenerateLogProb, GenerateLogProbsContent, SamplingParams, StructuredOutputs
 
 __all__ = ["HFBackend", "HFBackendConfig"]
 
@@ -91,6 +97,9 @@ class HFBackendConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Default: the model config's max_position_embeddings."""
     threads: Annotated[int, Meta(ge=1)] | None = None
     """torch intra-op threads when set."""
+    grammar_timeout_s: Annotated[float, Meta(gt=0)] = DEFAULT_TIMEOUT_S
+    """Longest a structured-output constraint may take to compile (in the check process):
+    past it the request is a 400 (a 60,000-symbol grammar took 3 s on this project's CPUs)."""
 
 
 # ------------------------------------------------------------ model folder
@@ -197,7 +206,6 @@ class _Plan:
     bias_values: torch.Tensor | None
     disallowed: torch.Tensor | None  # bool [vocab]: not in allowed_token_ids
     seed: int | None
-    grammar: str | None = None  # structured outputs: the llguidance grammar every choice follows
     always_shapes: bool = False  # allowed ids, a bias or a penalty changes the logits every step
 
     def __post_init__(self) -> None:
@@ -283,7 +291,7 @@ class _Row:
     index: int
     generator: torch.Generator | None  # None: torch's global RNG (no seed asked for)
     output_ids: list[int] = field(default_factory=list)
-    grammar: ChoiceGrammar | None = None  # structured outputs (made on the worker thread at prefill)
+    grammar: ChoiceGrammar | None = None  # structured outputs (made by `HFBackend.prepare`)
     finished: bool = False  # no more tokens to sample (set on the worker thread)
     reported: bool = False  # its finish_reason reached the consumer's outbox (set on the event loop)
 
@@ -638,17 +646,7 @@ def _plan(request: BackendRequest, info: BackendInfo, device: torch.device, eos:
         bias_values=bias_values,
         disallowed=_disallowed(sampling.allowed_token_ids, vocab, device),
         seed=None if sampling.seed == -1 else sampling.seed,  # vLLM reads -1 as "no seed"
-        grammar=_grammar(sampling, info),
     )
-
-
-def _grammar(sampling: SamplingParams, info: BackendInfo) -> str | None:
-    constraint = sampling.structured_outputs
-    if constraint is None:
-        return None
-    if constraint.kind not in info.constraints:
-        raise BackendRequestError(f"this model folder has no tokenizer: structured_outputs.{constraint.kind} cannot be enforced")
-    return compile_grammar(constraint)
 
 
 def _bias(
@@ -698,6 +696,8 @@ class HFBackend:
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self._grammar_tokenizer: GrammarTokenizer | None = None
+        self._grammar_check = GrammarCheck(config.grammar_timeout_s)
+        self._grammar_executor: ThreadPoolExecutor | None = None
 
     @property
     def info(self) -> BackendInfo:
@@ -716,9 +716,15 @@ class HFBackend:
             if self._info.constraints:
                 tokenizer = await self._in_thread(_load_tokenizer, Path(self._config.model))
                 self._grammar_tokenizer = GrammarTokenizer(tokenizer, self._info.vocab_size)
+                # Built now, before serving: building it holds the GIL for seconds (4 s of 7
+                # measured on this project's CPUs), which would stall the event loop mid-serving.
+                await self._in_thread(self._grammar_tokenizer.get)
+                self._grammar_executor = compile_executor()
+                await self._grammar_check.start()
         except BaseException:
             self._executor.shutdown(wait=False)
             self._executor = None
+            await self._close_grammar()
             raise
         self._task = asyncio.create_task(self._schedule(), name="onehop-hf-scheduler")
 
@@ -740,6 +746,13 @@ class HFBackend:
         if self._executor is not None:
             self._executor.shutdown(wait=False)
             self._executor = None
+        await self._close_grammar()
+
+    async def _close_grammar(self) -> None:
+        await self._grammar_check.close()
+        if self._grammar_executor is not None:
+            self._grammar_executor.shutdown(wait=False)
+            self._grammar_executor = None
 
     def running(self) -> frozenset[str]:
         return frozenset(self._requests)
@@ -752,7 +765,30 @@ class HFBackend:
         # Returns once the scheduler has dropped the rows: at most one step away.
         await state.released.wait()
 
+    async def prepare(self, request: BackendRequest) -> BackendRequest:
+        """With structured outputs: one grammar matcher per choice, compiled first in the check
+        process (a constraint that crashes the library kills that, not this engine), then
+        here on the compile thread, never on the event loop (`grammar_check`)."""
+        constraint = request.sampling.structured_outputs
+        if constraint is None or request.prepared is not None:
+            return request
+        if constraint.kind not in self.info.constraints or self._grammar_executor is None:
+            raise BackendRequestError(
+                f"this model folder has no tokenizer: structured_outputs.{constraint.kind} cannot be enforced"
+            )
+        await self._grammar_check.check(constraint)
+        matchers = await asyncio.get_running_loop().run_in_executor(
+            self._grammar_executor, self._matchers, constraint, request.sampling.n, request.reasoning_end_ids
+        )
+        return dataclasses.replace(request, prepared=matchers)
+
+    def _matchers(self, constraint: StructuredOutputs, n: int, waiting: frozenset[int] | None) -> list[ChoiceGrammar]:
+        assert self._grammar_tokenizer is not None  # the executor exists only with it
+        first = ChoiceGrammar(self._grammar_tokenizer, compile_grammar(constraint), waiting)
+        return [first] + [first.copy() for _ in range(n - 1)]
+
     async def generate(self, request: BackendRequest) -> AsyncGenerator[list[BackendOutput], None]:
+        request = await self.prepare(request)  # a no-op when the engine prepared it
         state = self._register(request)
         try:
             while (outputs := await state.outbox.get()) is not None:
@@ -784,6 +820,9 @@ class HFBackend:
         prompt = torch.tensor([list(ids)], dtype=torch.long, device=self._device)
         state = _Request(request, plan, prompt)
         state.rows = [_Row(state, i, g) for i, g in enumerate(_generators(plan.seed, n, self._device))]
+        if isinstance(request.prepared, list):
+            for row, matcher in zip(state.rows, request.prepared, strict=True):
+                row.grammar = matcher
         self._requests[request.request_id] = state
         self._waiting.append(state)
         self._wake.set()
@@ -930,7 +969,6 @@ class HFBackend:
     def _prefill(self, state: _Request, result: _StepResult) -> tuple[list[_Row], DynamicCache] | None:
         """Run one prompt alone, sample each choice's first token; the rows that go on, with their cache."""
         try:
-            self._attach_grammars(state)
             cache = DynamicCache(config=self._model.config)
             out = self._model(input_ids=state.prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
             logits = self._logits(out.logits).expand(len(state.rows), -1)
@@ -945,15 +983,6 @@ class HFBackend:
         except Exception as exc:
             result.fail(state, exc)
             return None
-
-    def _attach_grammars(self, state: _Request) -> None:
-        """A matcher per choice of a constrained request (the vocabulary table is built on first use)."""
-        grammar = state.plan.grammar
-        if grammar is None:
-            return
-        assert self._grammar_tokenizer is not None  # a plan has a grammar only when the info lists constraints
-        for row in state.rows:
-            row.grammar = ChoiceGrammar(self._grammar_tokenizer, grammar, state.request.reasoning_end_ids)
 
     def _logits(self, logits: torch.Tensor) -> torch.Tensor:
         # Qwen3 pads its embedding past the tokenizer's vocabulary; those ids are

@@ -745,6 +745,9 @@ class SimBackend:
     def running(self) -> frozenset[str]:
         return frozenset(self._live)
 
+    async def prepare(self, request: BackendRequest) -> BackendRequest:
+        return request  # a constraint is read when its answer is written: nothing compiles
+
     async def generate(self, request: BackendRequest) -> AsyncIterator[list[BackendOutput]]:
         if self._closed:
             raise BackendError("the sim backend is closed")

@@ -131,6 +131,9 @@ class VLLMBackend:
         if self._llm is not None and request_id in self._running:
             await self._llm.abort(request_id)
 
+    async def prepare(self, request: BackendRequest) -> BackendRequest:
+        return request  # vLLM compiles grammars in its own engine-core process
+
     async def generate(self, request: BackendRequest) -> AsyncIterator[list[BackendOutput]]:
         llm = self._started()
         rid = request.request_id

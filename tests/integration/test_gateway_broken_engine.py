@@ -51,10 +51,18 @@ class BrokenEngine:
         self.upstream = upstream
         self.fault: Fault | None = None
         self.session: aiohttp.ClientSession | None = None
+        self.generates = 0
+        """Generate requests that reached this engine."""
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         assert self.session is not None
         body = await request.read()
+        if request.path.endswith("/generate"):
+            self.generates += 1
+            if self.fault is not None and self.fault.kind == "die":  # as a process that crashed on it
+                assert request.transport is not None
+                request.transport.abort()
+                return web.Response()
         headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
         url = self.upstream + request.path_qs
         async with self.session.request(request.method, url, data=body, headers=headers) as upstream:
@@ -208,7 +216,9 @@ async def test_an_answer_broken_before_the_first_byte_is_a_502_or_504(
                 body = _body(stream)
                 async with session.post(base + "/chat/completions", json=body, headers={"onehop-route": route}) as resp:
                     status, raw = resp.status, await resp.read()
-                expected = _status_before_output(kind) if stream or kind != "reset" else 503
+                # A reset after the request was sent is the engine failing while serving it: a 502,
+                # streamed or not, never replayed elsewhere (issue #27).
+                expected = _status_before_output(kind)
                 assert status == expected, (kind, stream, status, raw[:300])
                 error = json.loads(raw)["error"]
                 assert error["code"] == _CODES[expected] and error["message"], (kind, stream, error)
@@ -237,3 +247,35 @@ async def test_the_openai_sdk_sees_each_failure_as_an_api_error(setup: tuple[str
 
 def _gateway_errors(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name.startswith("gateway") and r.levelno >= logging.ERROR]
+
+
+async def test_a_request_whose_engine_died_serving_it_is_not_replayed_on_another(qwen3_tokenizer_dir: Path) -> None:
+    """Issue #27: a request that killed its engine (a grammar that crashed the engine's library)
+    was retried on the next engine of the pool, which died too, and so on. An engine that
+    closes the connection after the request reached it, before any answer, now ends that
+    request with a 502 naming it; the other engine never sees it. Requests that land on the
+    healthy engine are answered as usual."""
+    health = Health(failure_threshold=1000, retries=2, interval_s=60)
+    async with (
+        engine_server(qwen3_tokenizer_dir) as (engine_url, _),
+        broken_engine(engine_url) as (dying_url, dying),
+        broken_engine(engine_url) as (healthy_url, healthy),
+        gateway_server(qwen3_tokenizer_dir, [dying_url, healthy_url], health=health) as (base, _),
+        aiohttp.ClientSession() as session,
+    ):
+        dying.fault = Fault("die", at=0)
+        answered = 0
+        for stream in (False, True):
+            dying.generates = 0
+            for _ in range(40):  # until the pool's random pick has sent one to the dying engine
+                async with session.post(base + "/chat/completions", json=_body(stream)) as resp:
+                    status, raw = resp.status, await resp.read()
+                if dying.generates:
+                    break
+                assert status == 200, raw[:300]
+                answered += 1
+            assert dying.generates == 1, stream
+            error = json.loads(raw)["error"]
+            assert status == 502 and error["code"] == "engine_failed", (stream, status, error)
+            assert "failed while serving this request" in error["message"], error
+            assert healthy.generates == answered, (stream, healthy.generates, answered)  # not replayed there

@@ -49,3 +49,15 @@ def test_other_engine_refusals_keep_their_words_and_get_a_null_code() -> None:
 def test_a_status_maps_to_openais_type_and_a_string_or_null_code(status: int, shape: tuple[str, str | None]) -> None:
     info = _info(error_json(status_error(status, "m")))
     assert (info["type"], info["code"]) == shape
+
+
+@pytest.mark.parametrize("status", [400, 500])
+def test_an_engine_message_with_a_backtrace_passes_on_as_its_first_line(status: int) -> None:
+    """An engine once sent llguidance's panic with its 77-line Rust backtrace (issue #27): the
+    client gets the first line and a hash to find the rest in the engine's log."""
+    trace = "\n".join(f"  {i}: <unknown>" for i in range(77))
+    message = f"invalid structured output grammar: panic: assertion failed\n<backtrace>\n{trace}\n</backtrace>"
+    body = json.dumps({"error": {"message": message, "type": "BadRequestError", "code": status}}).encode()
+    shown = str(_info(error_json(engine_error(status, body)))["message"])
+    assert "invalid structured output grammar: panic: assertion failed" in shown
+    assert "\n" not in shown and "unknown" not in shown and "characters cut" in shown, shown
