@@ -33,7 +33,9 @@ break is read as written; text after the list is content; a list left open
 keeps its calls; a list that breaks after a call was announced (`days=1 + 2`,
 `get_time(UTC)`) keeps that call, its arguments closed after the last
 complete value, and the text from the break on is content. A break before any
-header makes the whole output content, as vLLM's full answer has it.
+header makes the whole output content, as vLLM's full answer has it. A list
+cut by the output's end keeps its open call; a held value cut before it could
+be read is left out, and the chat choice closes the arguments (`json_close`).
 """
 
 from __future__ import annotations
@@ -726,13 +728,13 @@ class PythonicParser(ToolParser):
             self._content.add(rest, calls=self.calls)
 
     def _held_cut_short(self) -> None:
-        source = "".join(self._held)
         try:
-            value = literal_json(source)
+            value = literal_json("".join(self._held))
         except BadValue:
-            if not self._header:
-                return  # no call was announced: the list's text is content
-            value = source  # released as written
+            # A value cut before it could be read: without a header the list's text is content;
+            # with one, the member is left out (Python source is no JSON) and the call is closed
+            # after its last complete value by the chat choice's closer.
+            return
         self._open_member(value)
 
 

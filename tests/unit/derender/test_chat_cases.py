@@ -162,7 +162,7 @@ def test_stop_string_keeps_partial_tool_call(qwen3_vocab: TokenVocab, enc: Any) 
     opts = options(TOOLS_ON, stop=("STOP",))
     folded = stream(qwen3_vocab, opts, ids, prompt_ids=enc("</think>\n\n")).folded
     assert folded.tool_calls[0]["name"] == "f"
-    assert folded.tool_calls[0]["arguments"] == '{"q": "alpha '
+    assert folded.tool_calls[0]["arguments"] == '{"q": "alpha "}'  # closed to valid JSON (issue #27)
     assert (folded.finish_reason, folded.stop_reason) == ("stop", "STOP")
 
 
@@ -279,7 +279,7 @@ def test_truncated_tool_call_under_max_tokens(qwen3_vocab: TokenVocab, enc: Any)
     for k in (1, 4):
         folded = stream(qwen3_vocab, TOOLS_ON, ids, fixed(k), finish_reason="length").folded
         assert [c["name"] for c in folded.tool_calls] == ["f"]
-        assert folded.tool_calls[0]["arguments"] == ""
+        assert folded.tool_calls[0]["arguments"] == "{}"  # cut before any argument text (issue #27)
         assert folded.finish_reason == "length"
     nameless = enc('</think>\n\n<tool_call>\n{"na')
     folded = stream(qwen3_vocab, TOOLS_ON, nameless, finish_reason="length").folded

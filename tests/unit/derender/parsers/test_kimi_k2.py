@@ -176,7 +176,7 @@ VECTORS: dict[str, Vector] = {
     "max_tokens_mid_call": Vector(
         ("R.</think>", SB, CB, "functions.get_weather:0", AB, '{"city": "Par'),
         reasoning="R.",
-        calls=[("functions.get_weather:0", "get_weather", '{"city": "Par')],
+        calls=[("functions.get_weather:0", "get_weather", {"city": "Par"})],  # closed to valid JSON (issue #27)
         finish="length",
         eos=False,
     ),
@@ -310,7 +310,7 @@ def _json_or_raw(text: str) -> Any:
 def test_stop_string_inside_a_call(vocab: TokenVocab, tokenizer: Any, enc: Any, im_end: int) -> None:
     ids = enc("R.</think>", SB, call("get_weather", {"city": "Lyon", "days": 3}, 0), SE) + [im_end]
     got = chunked_answer(vocab, chat_options(stop=["Lyon"]), ids, prompt_ids(tokenizer, "pre_open"))
-    assert [(c["id"], c["arguments"]) for c in got["tool_calls"]] == [("functions.get_weather:0", '{"city": "')]
+    assert [(c["id"], c["arguments"]) for c in got["tool_calls"]] == [("functions.get_weather:0", '{"city": ""}')]
     # onehop: `stop`, not `tool_calls`, when a stop string cut the call short (chat.py).
     assert (got["content"], got["finish_reason"], got["stop_reason"]) == (None, "stop", "Lyon")
 
