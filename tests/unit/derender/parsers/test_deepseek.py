@@ -226,6 +226,16 @@ VECTORS: dict[str, Vector] = {
     "v3_section_without_calls": Vector(
         ("R.</think>Hi ", SB, "nothing", SE, " end"), reasoning="R.", content=f"Hi {SB}nothing{SE} end", finish="stop"
     ),
+    # A section with nothing but whitespace in it is markup, not content (issue #27).
+    "v3_empty_section": Vector(("R.</think>", SB, SE), reasoning="R.", finish="stop"),
+    "v31_empty_section": Vector(("R.</think>", SB, SE), reasoning="R.", finish="stop", tools=V31),
+    "v3_empty_section_between_text": Vector(
+        ("R.</think>Hi\n\n", SB, " ", SE, "\nDone."), reasoning="R.", content="Hi\n\n\nDone.", finish="stop"
+    ),
+    "v3_empty_section_at_the_end": Vector(("R.</think>Hi\n", SB, "\n", SE), reasoning="R.", content="Hi\n", finish="stop"),
+    "v3_section_opened_at_the_cut": Vector(
+        ("R.</think>Hi", SB), reasoning="R.", content="Hi", finish="length", eos=False
+    ),
     "v3_call_markers_outside_section": Vector(
         ("R.</think>", v3_call("get_time", UTC)), reasoning="R.", content=v3_call("get_time", UTC), finish="stop"
     ),
