@@ -57,12 +57,18 @@ class Family:
     markers: dict[str, int]
     """Every marker's text -> id (reasoning and tool families)."""
 
-    def options(self, tools: Sequence[dict[str, Any]] = (UNTYPED_TOOL,), **request: Any) -> ChatOptions:
+    def options(
+        self, tools: Sequence[dict[str, Any]] = (UNTYPED_TOOL,), *, reasoning: bool = True, **request: Any
+    ) -> ChatOptions:
+        """A chat request's options; `reasoning=False` leaves the reasoning parser out (output
+        is content from the first token, whatever the family's template pre-opens)."""
         body: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **request}
         if tools:
             body["tools"] = list(tools)
         parsed = msgspec.convert(body, ChatCompletionRequest)
-        return ChatOptions.from_request(parsed, reasoning_parser=self.reasoning_parser, tool_parser=self.tool_parser)
+        return ChatOptions.from_request(
+            parsed, reasoning_parser=self.reasoning_parser if reasoning else None, tool_parser=self.tool_parser
+        )
 
     def format_calls(self, calls: Sequence[ToolCallText]) -> str:
         write = TOOL_PARSERS[self.tool_parser].format_calls

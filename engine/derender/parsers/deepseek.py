@@ -293,15 +293,15 @@ class DeepSeekToolParser(ToolParser):
             lead = self._pending[: self._pending.index(CALLS_BEGIN)]
             self._pending = []
             if lead:
-                self._content.add("".join(lead), calls=self.calls)
+                self._content.add("".join(lead))
             return
         if marker and not self._section_called:
-            self._content.add(marker, calls=self.calls)
+            self._content.add(marker)
 
     def _release_pending(self) -> None:
         """The section made no call (yet): its opening is the model's text after all."""
         if self._pending:
-            self._content.add("".join(self._pending), calls=self.calls)
+            self._content.add("".join(self._pending))
             self._pending = []
 
     # -- text -----------------------------------------------------------------
@@ -320,7 +320,7 @@ class DeepSeekToolParser(ToolParser):
                 self._pending.append(text)  # still an empty section, so far
                 return
             self._release_pending()
-        self._content.add(text, calls=self.calls)
+        self._content.add(text)
 
     def _call_text(self, text: str) -> None:
         phase = self._phase
@@ -430,7 +430,7 @@ class DeepSeekToolParser(ToolParser):
         self._raw = []
         if not self._header_sent:
             self._release_pending()
-            self._content.add("".join(self._space + raw), calls=self.calls)
+            self._content.add("".join(self._space + raw))
             return
         if self._index >= 0 and closed and not self._has_arguments:
             self._deltas.append(ToolDelta(index=self._index, arguments="{}"))

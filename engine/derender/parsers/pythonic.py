@@ -342,7 +342,7 @@ class PythonicParser(ToolParser):
         if self._state not in (_LEAD, _CONTENT, _AFTER):
             self._cut_short(self._state)
         elif self._state == _LEAD and self._lead:
-            self._content.add(self._lead, calls=0)
+            self._content.add(self._lead)
         self._content.finish(calls=self.calls)
 
     def drain(self) -> tuple[str, list[ToolDelta]]:
@@ -370,13 +370,13 @@ class PythonicParser(ToolParser):
     def _text(self, text: str) -> None:
         state = self._state
         if state in (_CONTENT, _AFTER):
-            self._content.add(text, calls=self.calls)
+            self._content.add(text)
             return
         self._mark = 0
         if state == _LEAD:
             if text[0] != "[":  # vLLM: a call list only when the output starts with one
                 self._state = _CONTENT
-                self._content.add(self._lead + text, calls=0)
+                self._content.add(self._lead + text)
                 return
             self._state = _CALL
             if self._lead:
@@ -399,7 +399,7 @@ class PythonicParser(ToolParser):
             elif state == _HELD:
                 pos = self._held_value(text, pos)
             elif state in (_CONTENT, _AFTER):
-                self._content.add(text[pos:], calls=self.calls)
+                self._content.add(text[pos:])
                 return
             elif text[pos].isspace() and self._skips_space(state):
                 pos += 1
@@ -702,7 +702,7 @@ class PythonicParser(ToolParser):
         self._mark = len(text)
         self._state = _CONTENT
         if rest:
-            self._content.add(rest, calls=self.calls)
+            self._content.add(rest)
         return len(text)
 
     def _cut_short(self, state: int) -> None:
@@ -725,7 +725,7 @@ class PythonicParser(ToolParser):
         self._raw.clear()
         self._state = _CONTENT
         if rest:
-            self._content.add(rest, calls=self.calls)
+            self._content.add(rest)
 
     def _held_cut_short(self) -> None:
         try:

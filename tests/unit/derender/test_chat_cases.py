@@ -54,7 +54,7 @@ def test_master_rechunking_equals_non_streaming(qwen3_vocab: TokenVocab, enc: An
     assert folded.as_comparable() == reference
     assert folded.role == "assistant"
     assert reference["reasoning"] == "\nThe user wants weather 世界 🫠𓀀.\nCheck it.\n"
-    assert reference["content"] == "\n\nLet me look that up.\n"
+    assert reference["content"] == "\n\nLet me look that up."  # the line break before the call is dropped
     assert parsed_arguments(folded) == [{"city": "Paris 🫠", "days": [1, 2]}, {}]
     assert reference["finish_reason"] == "tool_calls"
     assert len(folded.logprobs) == len(ids)

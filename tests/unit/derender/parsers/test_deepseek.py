@@ -163,7 +163,7 @@ VECTORS: dict[str, Vector] = {
     "v3_call_right_after_reasoning": Vector(("R.</think>", SB, v3_call("get_time", UTC), SE), reasoning="R.", calls=[("get_time", UTC)]),
     "v3_content_then_parallel_calls": Vector(
         ("R.\n</think>\n\nLet me check.\n", SB, v3_call("get_weather", PARIS), "\n", v3_call("get_time", UTC), SE),
-        reasoning="R.\n", content="\n\nLet me check.\n", calls=[("get_weather", PARIS), ("get_time", UTC)],
+        reasoning="R.\n", content="\n\nLet me check.", calls=[("get_weather", PARIS), ("get_time", UTC)],
     ),
     "v3_whitespace_before_calls_is_dropped": Vector(
         ("R.</think>\n\n", SB, v3_call("get_time", UTC), SE), reasoning="R.", calls=[("get_time", UTC)]
@@ -293,7 +293,7 @@ VECTORS: dict[str, Vector] = {
         reasoning="R.", calls=[("get_weather", PARIS)], request={"parallel_tool_calls": False}, tools=V31,
     ),
     "v31_thinking_closed_in_prompt": Vector(
-        ("Sure. ", SB, v31_call("get_time", UTC), SE), content="Sure. ", calls=[("get_time", UTC)], tools=V31, prompt="closed"
+        ("Sure. ", SB, v31_call("get_time", UTC), SE), content="Sure.", calls=[("get_time", UTC)], tools=V31, prompt="closed"
     ),
 }
 

@@ -332,7 +332,7 @@ def legacy(*calls: tuple[str, Any]) -> str:
 
 
 LEGACY_VECTORS: dict[str, Vector] = {
-    "one_call": Vector(("Hi ", TC, " " + legacy(clock())), content="Hi ", calls=[clock()]),
+    "one_call": Vector(("Hi ", TC, " " + legacy(clock())), content="Hi", calls=[clock()]),
     "parallel_calls_not_retyped": Vector(
         (TC, legacy(("get_weather", {"city": "Zürich\n世界", "days": "2"}), clock())),
         calls=[weather(city="Zürich\n世界", days="2"), clock()],
