@@ -63,8 +63,9 @@ class JsonCloser:
 
     def feed(self, text: str) -> str:
         """The part of `text` that may be streamed now (a trailing comma is held)."""
-        if self._state == _BROKEN:
-            return text
+        state = self._state
+        if state == _BROKEN or (state == _STRING and _STRING_STOP.search(text) is None):
+            return text  # hot path: a delta inside a string value (most of a long argument)
         pos, end = 0, len(text)
         comma_at = -1 if self._held else -2  # -1: the comma is in `_held`; -2: none pending
         while pos < end:  # hot loop over argument text
