@@ -47,7 +47,8 @@ JSON included, and so does onehop. Where vLLM loses text, onehop keeps it:
 - multi-line arguments (vLLM's regexes stop at the first newline: its full
   answer drops the call, its stream sends the first line only);
 - a call cut short (truncation, a stop string) is a call with the partial
-  arguments, as vLLM streams it (its full answer drops it);
+  arguments, as vLLM streams it (its full answer drops it), closed to valid
+  JSON by the chat choice (`json_close`);
 - a call that never got a name, and a section with text but no call, come
   back as content, marker text included; a section with nothing but
   whitespace in it (`<｜tool▁calls▁begin｜><｜tool▁calls▁end｜>`, or an opening the
