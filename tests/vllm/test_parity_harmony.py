@@ -180,7 +180,11 @@ DEVIATIONS: dict[str, tuple[Deviation, ...]] = {
     "closed_call_without_arguments": both(
         "onehop_closed_call_without_arguments_is_empty_object", "calls", [("get_time", "")], [("get_time", "{}")]
     ),
-    "truncated_mid_call": (LENGTH_KEPT,),
+    # onehop closes a cut call's arguments to valid JSON, streamed and not (issue #27).
+    "truncated_mid_call": (
+        LENGTH_KEPT,
+        *both(parity.CLOSES_CUT_CALL, "calls", [("get_weather", '{"city": "Pa')], [("get_weather", '{"city": "Pa"}')]),
+    ),
     "truncated_mid_header": both(
         # vLLM's recovery returns the cut header's raw text, markers included, as content;
         # onehop drops a Harmony header cut short (finish_reason `length` says it was cut).
@@ -193,7 +197,7 @@ DEVIATIONS: dict[str, tuple[Deviation, ...]] = {
         # vLLM's Harmony parser reads token ids, so the text of the stop string (up to the end
         # of the token completing it) stays in the output; onehop cuts it as on every route.
         *both(
-            "vllm_keeps_stop_string_text", "calls", [("get_weather", '{"city": "Lyon')], [("get_weather", '{"city": "')]
+            "vllm_keeps_stop_string_text", "calls", [("get_weather", '{"city": "Lyon')], [("get_weather", '{"city": ""}')]
         ),
         # onehop (README): `stop`, not `tool_calls`, when a stop string cut the call short.
         *both("onehop_stop_string_cut_call_finishes_stop", "finish_reason", "tool_calls", "stop"),

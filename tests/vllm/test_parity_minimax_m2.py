@@ -180,13 +180,15 @@ def weather(arguments: str) -> list[tuple[str, str]]:
 
 
 TWICE = '{"city": "A", "days": 1, "city": "B"}'
-SPLIT_CONTENT = f"{START}\n\n{END}"
+SPLIT_CONTENT = f"{START}\n{END}"  # the line break right before the bare call is dropped (issue #27)
 
 DEVIATIONS: dict[str, tuple[Deviation, ...]] = {
     # vLLM strips content when calls were made, non-streamed only; a stream cannot take back
     # what it sent, so onehop keeps the streamed text (as vLLM streams it) in both shapes.
     "reasoning_content_call": (
-        Deviation("vllm_full_strips_content_with_calls", "full", "content", ("Let me check.",), "\n\nLet me check.\n"),
+        Deviation("vllm_full_strips_content_with_calls", "full", "content", ("Let me check.",), "\n\nLet me check."),
+        # The line break right before the call: vLLM streams it, onehop drops it (issue #27).
+        Deviation(parity.DROPS_SPACE_BEFORE_CALL, "stream", "content", ("\n\nLet me check.\n",), "\n\nLet me check."),
     ),
     # An invoke of a function the request did not offer is no call (vLLM's validate_tool_names);
     # vLLM drops its text, and its stream also drops the newline after it on some chunkings.
@@ -271,16 +273,17 @@ DEVIATIONS: dict[str, tuple[Deviation, ...]] = {
     # its stream, and onehop, read the prompt and give content.
     "thinking_disabled_prompt": (
         Deviation("vllm_full_ignores_closed_think_in_prompt", "full", "reasoning", ("Sure.",), None),
-        Deviation("vllm_full_ignores_closed_think_in_prompt", "full", "content", (None,), "Sure. "),
+        Deviation("vllm_full_ignores_closed_think_in_prompt", "full", "content", (None,), "Sure."),
+        Deviation(parity.DROPS_SPACE_BEFORE_CALL, "stream", "content", ("Sure. ",), "Sure."),
         Deviation("vllm_full_ignores_closed_think_in_prompt", "full", "reasoning_tokens", (3,), 0),
     ),
     # append_think: vLLM's tool pass drops the model's `</think>` from the content it was meant
     # to keep whole, and its full answer strips the content; onehop keeps the output verbatim.
     "append_think": (
         Deviation("vllm_append_think_drops_think_end", "stream", "content", ("<think>R.\n\nHi ",),
-                  "<think>R.</think>\n\nHi "),
+                  "<think>R.</think>\n\nHi"),
         Deviation("vllm_append_think_drops_think_end", "full", "content", ("<think>R.\n\nHi",),
-                  "<think>R.</think>\n\nHi "),
+                  "<think>R.</think>\n\nHi"),
     ),
 }
 # Calls whose arguments are not JSON on either side: compared as text.

@@ -163,7 +163,18 @@ DEVIATIONS: dict[str, tuple[Deviation, ...]] = {
     # stream and onehop keep `length`.
     "max_tokens_mid_call": (
         Deviation("vllm_full_tool_calls_after_length", "full", "finish_reason", ("tool_calls",), "length"),
+        # onehop closes a cut call's arguments to valid JSON, streamed and not (issue #27).
+        *both(parity.CLOSES_CUT_CALL, "calls", [("get_weather", '{"city": "Par')], [("get_weather", '{"city": "Par"}')]),
     ),
+    # A call left open before the next one is closed before the next header (issue #27).
+    "unclosed_json_then_call": both(
+        parity.CLOSES_CUT_CALL,
+        "calls",
+        [("get_time", '{"tz": "A"'), ("get_time", '{"tz": "UTC"}')],
+        [("get_time", '{"tz": "A"}'), ("get_time", '{"tz": "UTC"}')],
+    ),
+    # vLLM keeps the whitespace before the call; onehop drops it (issue #27).
+    "legacy_one_call": both(parity.DROPS_SPACE_BEFORE_CALL, "content", "Hi ", "Hi"),
     "max_tokens_mid_name": (
         Deviation("vllm_full_tool_calls_after_length", "full", "finish_reason", ("tool_calls",), "length"),
         Deviation("vllm_streams_empty_arguments", "stream", "calls", ([("get_wea", "")],), [("get_wea", "{}")]),
@@ -190,8 +201,9 @@ DEVIATIONS: dict[str, tuple[Deviation, ...]] = {
             "stream",
             "calls",
             ([("get_weather", '{"city": "')], [("get_weather[ARGS", ']{"city": "')], []),
-            [("get_weather", '{"city": "')],
+            [("get_weather", '{"city": ""}')],
         ),
+        Deviation(parity.CLOSES_CUT_CALL, "full", "calls", ([("get_weather", '{"city": "')],), [("get_weather", '{"city": ""}')]),
         Deviation("vllm_streams_held_marker_text", "stream", "finish_reason", ("tool_calls", "stop"), "stop"),
         # onehop (chat.py): `stop`, not `tool_calls`, when a stop string cut the call short.
         Deviation("onehop_stop_string_cut_call_finishes_stop", "full", "finish_reason", ("tool_calls",), "stop"),
@@ -286,7 +298,8 @@ DEVIATIONS: dict[str, tuple[Deviation, ...]] = {
         Deviation(
             "vllm_full_cut_call_is_content", "full", "content", ('[{"name": "get_time", "arguments": {"tz": "U',), None
         ),
-        Deviation("vllm_full_cut_call_is_content", "full", "calls", ([],), [("get_time", '{"tz": "U')]),
+        Deviation("vllm_full_cut_call_is_content", "full", "calls", ([],), [("get_time", '{"tz": "U"}')]),
+        Deviation(parity.CLOSES_CUT_CALL, "stream", "calls", ([("get_time", '{"tz": "U')],), [("get_time", '{"tz": "U"}')]),
     ),
     # An object whose name is not a string: vLLM's stream loses the text, its full answer and
     # onehop give it back as content.

@@ -218,16 +218,22 @@ DEVIATIONS: dict[str, tuple[Deviation, ...]] = {
         stream_loses_content("vllm_loses_call_before_bad_value", ", days=1 + 2)]"),
     ),
     # Cut by max_tokens: vLLM's full answer is the text, its stream the call so far (a number that
-    # may still grow is held back); onehop streams the call as far as it got.
-    "max_tokens_mid_string": full_as_text(
-        "vllm_full_cut_call_is_text", '[get_weather(city="Par', None, [("get_weather", '{"city": "Par')], None
+    # may still grow is held back); onehop streams the call as far as it got, then closes its
+    # arguments to valid JSON, streamed and not (issue #27).
+    "max_tokens_mid_string": (
+        *full_as_text(
+            "vllm_full_cut_call_is_text", '[get_weather(city="Par', None, [("get_weather", '{"city": "Par"}')], None
+        ),
+        Deviation(
+            parity.CLOSES_CUT_CALL, "stream", "calls", ([("get_weather", '{"city": "Par')],), [("get_weather", '{"city": "Par"}')]
+        ),
     ),
     "max_tokens_mid_number": (
         *full_as_text(
             "vllm_full_cut_call_is_text",
             '[get_weather(city="Oslo", days=12',
             None,
-            [("get_weather", '{"city": "Oslo", "days": 12')],
+            [("get_weather", '{"city": "Oslo", "days": 12}')],
             None,
         ),
         Deviation(
@@ -240,13 +246,14 @@ DEVIATIONS: dict[str, tuple[Deviation, ...]] = {
                 [("get_weather", '{"city": "')],
                 [],
             ),
-            [("get_weather", '{"city": "Oslo", "days": 12')],
+            [("get_weather", '{"city": "Oslo", "days": 12}')],
         ),
     ),
     "stop_string_inside_call": (
         *full_as_text(
-            "vllm_full_cut_call_is_text", '[get_weather(city="', None, [("get_weather", '{"city": "')], None
+            "vllm_full_cut_call_is_text", '[get_weather(city="', None, [("get_weather", '{"city": ""}')], None
         ),
+        Deviation(parity.CLOSES_CUT_CALL, "stream", "calls", ([("get_weather", '{"city": "')],), [("get_weather", '{"city": ""}')]),
         # onehop (chat.py): `stop`, not `tool_calls`, when a stop string cut the call short.
         Deviation("onehop_stop_string_cut_call_finishes_stop", "stream", "finish_reason", ("tool_calls",), "stop"),
     ),

@@ -113,10 +113,14 @@ def lost_content(onehop: str, vllm: str | None = None) -> tuple[Deviation, ...]:
     return (differs("stream", "content", (vllm,), onehop), differs("full", "content", (vllm,), onehop))
 
 
-def stripped_content(onehop: str, vllm_full: str) -> tuple[Deviation, ...]:
+def stripped_content(onehop: str, vllm_full: str, vllm_stream: str) -> tuple[Deviation, ...]:
     """vLLM strips content when calls were made, non-streamed only; a stream cannot take back
-    what it sent, so onehop keeps the streamed text (as vLLM streams it) in both shapes."""
-    return (differs("full", "content", (vllm_full,), onehop),)
+    what it sent, so onehop keeps the leading text it streamed, and drops only the whitespace
+    right before a call (held until the call starts), in both shapes (issue #27)."""
+    return (
+        differs("full", "content", (vllm_full,), onehop),
+        Deviation(parity.DROPS_SPACE_BEFORE_CALL, "stream", "content", (vllm_stream,), onehop),
+    )
 
 
 AFTER = "\nI will report back shortly."
@@ -134,7 +138,7 @@ SPECS: dict[str, Spec] = {
     "call_inside_reasoning": Spec(f"<think>\nI will call {UTC}"),
     "content_then_call": Spec(
         f"{THINK}Let me look that up.\n{PARIS}",
-        deviations=stripped_content("\n\nLet me look that up.\n", "Let me look that up."),
+        deviations=stripped_content("\n\nLet me look that up.", "Let me look that up.", "\n\nLet me look that up.\n"),
     ),
     "non_ascii_multiline_values": Spec(
         THINK
@@ -145,7 +149,7 @@ SPECS: dict[str, Spec] = {
         f"{THINK}{BAD_TYPES}\n{call('lookup', ('n', '1'), ('flag', 'true'))}\n{call('ping', ('q', '5'))}"
     ),
     "thinking_disabled": Spec(
-        f"Sure.\n{ROME}", enable_thinking=False, deviations=stripped_content("Sure.\n", "Sure.")
+        f"Sure.\n{ROME}", enable_thinking=False, deviations=stripped_content("Sure.", "Sure.", "Sure.\n")
     ),
     "text_after_last_call": Spec(
         f"{THINK}{ROME}{AFTER}",
@@ -229,7 +233,8 @@ SPECS: dict[str, Spec] = {
         deviations=(
             # Text that spells `<tool_call>` is not the marker token: vLLM's stream agrees
             # (content, then the bare `<function=` call); its full answer reads text alone.
-            differs("full", "content", (None,), "\n\n<tool_call>\n"),
+            differs("full", "content", (None,), "\n\n<tool_call>"),
+            Deviation(parity.DROPS_SPACE_BEFORE_CALL, "stream", "content", ("\n\n<tool_call>\n",), "\n\n<tool_call>"),
         ),
     ),
     "spaces_around_the_function_name": Spec(

@@ -5,6 +5,11 @@
 choice gets a `ChoiceParser` from it. Every decision depends on the text order
 only, never on how it was chunked, so any chunking yields the same joined
 output (the master test).
+
+A tool call left open is closed here, for every family alike: each call's
+arguments stream through a `JsonCloser`, and one more arguments delta makes
+what was streamed valid JSON, before the next call's header or at finish (an
+output cut by `max_tokens`, a stop string or EOS inside a call; see `json_close`).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from engine.derender.parsers.base import (
     ToolDelta,
     ToolParser,
 )
+from engine.derender.parsers.json_close import JsonCloser
 from engine.derender.parsers.registry import reasoning_factory, tool_factory
 from engine.derender.stop import Piece
 from engine.derender.vocab import TokenVocab
@@ -126,7 +132,7 @@ def bind_reasoning(vocab: TokenVocab, name: str) -> BoundReasoning | None:
 class ChoiceParser:
     """Reasoning + tool-call parsing of one choice. Feed pieces, drain deltas."""
 
-    __slots__ = ("_reasoning", "_tools", "_strays", "_reasoning_out", "_content_out")
+    __slots__ = ("_reasoning", "_tools", "_strays", "_reasoning_out", "_content_out", "_index", "_closer", "_finished")
 
     def __init__(
         self, reasoning: ReasoningParser | None, tools: ToolParser | None, strays: Mapping[int, str]
@@ -136,6 +142,9 @@ class ChoiceParser:
         self._strays = strays
         self._reasoning_out: list[str] = []
         self._content_out: list[str] = []
+        self._index = -1  # the call whose arguments `_closer` follows (calls stream one after another)
+        self._closer = JsonCloser()
+        self._finished = False
 
     @property
     def reasoning_tokens(self) -> int:
@@ -159,6 +168,7 @@ class ChoiceParser:
                 self._content(rest)
         if self._tools is not None:
             self._tools.finish()
+            self._finished = True
 
     def drain(self) -> tuple[str, str, list[ToolDelta]]:
         """(reasoning, content, tool deltas) produced since the last drain."""
@@ -166,10 +176,37 @@ class ChoiceParser:
         self._reasoning_out = []
         if self._tools is not None:
             content, deltas = self._tools.drain()
+            if deltas or self._finished:
+                deltas = self._closed(deltas)
             return reasoning, content, deltas
         content = "".join(self._content_out) if self._content_out else ""
         self._content_out = []
         return reasoning, content, []
+
+    def _closed(self, deltas: list[ToolDelta]) -> list[ToolDelta]:
+        """The deltas with the open call's arguments passed through its closer; the closing of a
+        call goes out before the next call's header, or at finish."""
+        out: list[ToolDelta] = []
+        for delta in deltas:
+            if delta.index != self._index:
+                self._close_call(out)
+                self._index, self._closer = delta.index, JsonCloser()
+            if delta.arguments:
+                delta.arguments = self._closer.feed(delta.arguments)
+                if not delta.arguments and delta.name is None:
+                    continue  # only a held comma
+            out.append(delta)
+        if self._finished:
+            self._finished = False
+            self._close_call(out)
+        return out
+
+    def _close_call(self, out: list[ToolDelta]) -> None:
+        if self._index >= 0:
+            tail = self._closer.close()
+            if tail:
+                out.append(ToolDelta(index=self._index, arguments=tail))
+        self._index = -1
 
     def _content(self, pieces: Sequence[Piece]) -> None:
         if self._tools is not None:

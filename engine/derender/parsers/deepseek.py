@@ -47,9 +47,12 @@ JSON included, and so does onehop. Where vLLM loses text, onehop keeps it:
 - multi-line arguments (vLLM's regexes stop at the first newline: its full
   answer drops the call, its stream sends the first line only);
 - a call cut short (truncation, a stop string) is a call with the partial
-  arguments, as vLLM streams it (its full answer drops it);
-- a call that never got a name, and a section that made no call, come back
-  as content, marker text included;
+  arguments, as vLLM streams it (its full answer drops it), closed to valid
+  JSON by the chat choice (`json_close`);
+- a call that never got a name, and a section with text but no call, come
+  back as content, marker text included; a section with nothing but
+  whitespace in it (`<｜tool▁calls▁begin｜><｜tool▁calls▁end｜>`, or an opening the
+  output ended after) is markup: no content, no call;
 - text after the last call is content (vLLM's full answer keeps only the
   text before the section).
 Call markers outside a section, and markers written as ordinary tokens, are
@@ -209,7 +212,7 @@ class DeepSeekToolParser(ToolParser):
         self._deltas: list[ToolDelta] = []
         self._section = False
         self._section_called = False  # a call was made in the open section
-        self._pending: list[str] = []  # the section's opening (and the space before it) until a call is made
+        self._pending: list[str] = []  # the space before the section, its opening, the space after, until text or a call
         self._phase = _NONE
         self._raw: list[str] = []  # the open call's text until its header, given back if it never gets one
         self._space: list[str] = []  # whitespace held when the call began
@@ -285,14 +288,21 @@ class DeepSeekToolParser(ToolParser):
 
     def _close_section(self, marker: str) -> None:
         self._section = False
-        self._release_pending()
+        if self._pending:
+            # Nothing but whitespace since the opening (issue #27): markup, not text. The space
+            # before the section goes back to content, held as it was.
+            lead = self._pending[: self._pending.index(CALLS_BEGIN)]
+            self._pending = []
+            if lead:
+                self._content.add("".join(lead))
+            return
         if marker and not self._section_called:
-            self._content.add(marker, calls=self.calls)
+            self._content.add(marker)
 
     def _release_pending(self) -> None:
         """The section made no call (yet): its opening is the model's text after all."""
         if self._pending:
-            self._content.add("".join(self._pending), calls=self.calls)
+            self._content.add("".join(self._pending))
             self._pending = []
 
     # -- text -----------------------------------------------------------------
@@ -306,9 +316,12 @@ class DeepSeekToolParser(ToolParser):
         self._call_text(text)
 
     def _outside(self, text: str) -> None:
-        if self._pending and not text.isspace():
+        if self._pending:
+            if text.isspace():
+                self._pending.append(text)  # still an empty section, so far
+                return
             self._release_pending()
-        self._content.add(text, calls=self.calls)
+        self._content.add(text)
 
     def _call_text(self, text: str) -> None:
         phase = self._phase
@@ -418,7 +431,7 @@ class DeepSeekToolParser(ToolParser):
         self._raw = []
         if not self._header_sent:
             self._release_pending()
-            self._content.add("".join(self._space + raw), calls=self.calls)
+            self._content.add("".join(self._space + raw))
             return
         if self._index >= 0 and closed and not self._has_arguments:
             self._deltas.append(ToolDelta(index=self._index, arguments="{}"))

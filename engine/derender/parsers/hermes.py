@@ -115,7 +115,7 @@ class HermesParser(ToolParser):
         if not text:
             return
         if self._call is None:
-            self._content.add(text, calls=self.calls)
+            self._content.add(text)
         else:
             self._call_text(text)
 
@@ -155,7 +155,7 @@ class HermesParser(ToolParser):
             # Never became a call: give the model's text back as content.
             raw = "".join(self._call_space + self._call_raw)
             self._call_raw = []
-            self._content.add(raw, calls=self.calls)
+            self._content.add(raw)
             return
         self._call_raw = []
         if self._call_index >= 0 and not call.has_arguments and (closed or call.closed):

@@ -12,7 +12,8 @@ member is held only when its schema can change it:
     LEAD --first non-space--> OBJECT (`{` and a schema) | PASS (anything else)
     OBJECT: KEY -> KEY_STRING -> COLON -> VALUE -> (raw | held) -> AFTER -> KEY | TAIL
 
-A held value that never closes (the output was cut) is released as written. When
+A held value that never closes (the output was cut) is released as written (the
+chat choice then closes the arguments: `json_close`). When
 nothing but whitespace was written the arguments are `{}`, as vLLM's full answer has.
 """
 

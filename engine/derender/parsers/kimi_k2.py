@@ -19,7 +19,7 @@ Reasoning, one choice (`KimiReasoning`)::
     REASONING --</think>------------------> DONE  (dropped)
     REASONING --<|tool_calls_section_begin|>-> DONE  (implicit end; the marker goes on)
     REASONING --<think>-------------------> REASONING (absorbed)
-    DONE: content; with tools off, skipped markers are given their text back.
+    DONE: content; with tools off, markers keep the text `skip_special_tokens` left them.
 
 Reasoning never ends in trailing whitespace (vLLM strips it, streamed or not):
 the trailing whitespace run is held and dropped when reasoning ends. Whether a
@@ -201,17 +201,16 @@ class KimiReasoning(ReasoningParser):
         return ()
 
     def _content(self, pieces: Sequence[Piece]) -> list[Piece]:
-        """Content when no tool parser follows: skipped markers get their text back
-        (vLLM shows them), other special tokens are dropped."""
+        """Content when no tool parser follows: the tool markers are special tokens like any
+        other, their text what `skip_special_tokens` left (vLLM shows none by default: its
+        parser turns skipping off only when it parses calls); other special tokens are dropped."""
         out: list[Piece] = []
         kinds = self._kinds
         for piece in pieces:  # hot loop for content while tools are off
             kind = kinds.get(piece[1])
-            head = None if kind is None else split_marker(piece[0], kind[1])
-            if kind is None or head is None:
+            head = None if kind is None or kind[0] != DROP else split_marker(piece[0], kind[1])
+            if head is None:
                 out.append(piece)
-            elif kind[0] != DROP:
-                out.append((head + kind[1], piece[1]))
             elif head:
                 out.append((head, -1))
         return out
@@ -281,7 +280,7 @@ class KimiToolParser(MarkerToolParser):
             self._close_call()
         self._gap.clear()
         if self._space and not self.calls:
-            self._content.add("".join(self._space), calls=0)
+            self._content.add("".join(self._space))
         self._content.finish(calls=self.calls)
 
     # -- dispatch -----------------------------------------------------------
@@ -295,7 +294,7 @@ class KimiToolParser(MarkerToolParser):
         elif state == _SECTION:
             self._gap_text(text)
         else:
-            self._content.add(text, calls=self.calls)
+            self._content.add(text)
 
     def _marker(self, kind: int, text: str) -> None:
         state = self._state
@@ -304,7 +303,7 @@ class KimiToolParser(MarkerToolParser):
                 self._space = self._content.take_held()
                 self._state = _SECTION
             elif kind != _THINK_END:
-                self._content.add(text, calls=self.calls)
+                self._content.add(text)
         elif state == _SECTION:
             self._gap.clear()
             if kind == _CALL_BEGIN:
@@ -372,7 +371,7 @@ class KimiToolParser(MarkerToolParser):
         if self._space:
             text = "".join(self._space) + text
             self._space = []
-        self._content.add(text, calls=self.calls)
+        self._content.add(text)
 
     def _gap_text(self, text: str) -> None:
         """Text between calls or after the section: trailing whitespace is layout (held,

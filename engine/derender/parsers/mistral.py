@@ -332,7 +332,7 @@ class MistralToolParser(MarkerToolParser):
         elif self._state == _IN_ARGS:
             self._close_call()
         if self._space and (self._state != _NAME or not self.calls):
-            self._content.add("".join(self._space), calls=self.calls)  # ContentText drops it after a call
+            self._content.add("".join(self._space))  # ContentText drops it after a call
         self._space = []
         self._content.finish(calls=self.calls)
 
@@ -362,7 +362,7 @@ class MistralToolParser(MarkerToolParser):
         if self._space:
             body = "".join(self._space) + body
             self._space = []
-        self._content.add(body, calls=self.calls)
+        self._content.add(body)
         if len(body) < len(text):
             self._space.append(text[len(body) :])
 
@@ -450,14 +450,14 @@ class LegacyToolParser(MarkerToolParser):
         if self._state == _L_CALL:
             self._end_call()
         elif self._state in (_L_LEAD, _L_LIST) and self._raw and not self.calls:
-            self._content.add("".join(self._raw), calls=0)
+            self._content.add("".join(self._raw))
         self._content.finish(calls=self.calls)
 
     def _text(self, text: str) -> None:
         while text:
             state = self._state
             if state in (CONTENT, _L_AFTER, _L_RAW):
-                self._content.add(text, calls=self.calls)
+                self._content.add(text)
                 return
             if state == _L_CALL:
                 text = self._call_text(text)
@@ -526,7 +526,7 @@ class LegacyToolParser(MarkerToolParser):
     def _to_raw(self) -> None:
         """Malformed: the list's text so far (and all that follows) is content."""
         self._state = _L_RAW
-        self._content.add("".join(self._raw), calls=self.calls)
+        self._content.add("".join(self._raw))
         self._raw = []
 
 

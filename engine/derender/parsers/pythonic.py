@@ -33,7 +33,9 @@ break is read as written; text after the list is content; a list left open
 keeps its calls; a list that breaks after a call was announced (`days=1 + 2`,
 `get_time(UTC)`) keeps that call, its arguments closed after the last
 complete value, and the text from the break on is content. A break before any
-header makes the whole output content, as vLLM's full answer has it.
+header makes the whole output content, as vLLM's full answer has it. A list
+cut by the output's end keeps its open call; a held value cut before it could
+be read is left out, and the chat choice closes the arguments (`json_close`).
 """
 
 from __future__ import annotations
@@ -340,7 +342,7 @@ class PythonicParser(ToolParser):
         if self._state not in (_LEAD, _CONTENT, _AFTER):
             self._cut_short(self._state)
         elif self._state == _LEAD and self._lead:
-            self._content.add(self._lead, calls=0)
+            self._content.add(self._lead)
         self._content.finish(calls=self.calls)
 
     def drain(self) -> tuple[str, list[ToolDelta]]:
@@ -368,13 +370,13 @@ class PythonicParser(ToolParser):
     def _text(self, text: str) -> None:
         state = self._state
         if state in (_CONTENT, _AFTER):
-            self._content.add(text, calls=self.calls)
+            self._content.add(text)
             return
         self._mark = 0
         if state == _LEAD:
             if text[0] != "[":  # vLLM: a call list only when the output starts with one
                 self._state = _CONTENT
-                self._content.add(self._lead + text, calls=0)
+                self._content.add(self._lead + text)
                 return
             self._state = _CALL
             if self._lead:
@@ -397,7 +399,7 @@ class PythonicParser(ToolParser):
             elif state == _HELD:
                 pos = self._held_value(text, pos)
             elif state in (_CONTENT, _AFTER):
-                self._content.add(text[pos:], calls=self.calls)
+                self._content.add(text[pos:])
                 return
             elif text[pos].isspace() and self._skips_space(state):
                 pos += 1
@@ -700,7 +702,7 @@ class PythonicParser(ToolParser):
         self._mark = len(text)
         self._state = _CONTENT
         if rest:
-            self._content.add(rest, calls=self.calls)
+            self._content.add(rest)
         return len(text)
 
     def _cut_short(self, state: int) -> None:
@@ -723,16 +725,16 @@ class PythonicParser(ToolParser):
         self._raw.clear()
         self._state = _CONTENT
         if rest:
-            self._content.add(rest, calls=self.calls)
+            self._content.add(rest)
 
     def _held_cut_short(self) -> None:
-        source = "".join(self._held)
         try:
-            value = literal_json(source)
+            value = literal_json("".join(self._held))
         except BadValue:
-            if not self._header:
-                return  # no call was announced: the list's text is content
-            value = source  # released as written
+            # A value cut before it could be read: without a header the list's text is content;
+            # with one, the member is left out (Python source is no JSON) and the call is closed
+            # after its last complete value by the chat choice's closer.
+            return
         self._open_member(value)
 
 

@@ -158,7 +158,7 @@ class XmlCallParser(ToolParser):
 
     def _add_content(self, text: str) -> None:
         if text:
-            self._content.add(text, calls=self.calls)
+            self._content.add(text)
             if self._after_bare and not text.isspace():
                 self._after_bare = False
 

@@ -54,7 +54,7 @@ def test_master_rechunking_equals_non_streaming(qwen3_vocab: TokenVocab, enc: An
     assert folded.as_comparable() == reference
     assert folded.role == "assistant"
     assert reference["reasoning"] == "\nThe user wants weather 世界 🫠𓀀.\nCheck it.\n"
-    assert reference["content"] == "\n\nLet me look that up.\n"
+    assert reference["content"] == "\n\nLet me look that up."  # the line break before the call is dropped
     assert parsed_arguments(folded) == [{"city": "Paris 🫠", "days": [1, 2]}, {}]
     assert reference["finish_reason"] == "tool_calls"
     assert len(folded.logprobs) == len(ids)
@@ -199,7 +199,7 @@ def test_stop_string_keeps_partial_tool_call(qwen3_vocab: TokenVocab, enc: Any) 
     opts = options(TOOLS_ON, stop=("STOP",))
     folded = stream(qwen3_vocab, opts, ids, prompt_ids=enc("</think>\n\n")).folded
     assert folded.tool_calls[0]["name"] == "f"
-    assert folded.tool_calls[0]["arguments"] == '{"q": "alpha '
+    assert folded.tool_calls[0]["arguments"] == '{"q": "alpha "}'  # closed to valid JSON (issue #27)
     assert (folded.finish_reason, folded.stop_reason) == ("stop", "STOP")
 
 
@@ -316,7 +316,7 @@ def test_truncated_tool_call_under_max_tokens(qwen3_vocab: TokenVocab, enc: Any)
     for k in (1, 4):
         folded = stream(qwen3_vocab, TOOLS_ON, ids, fixed(k), finish_reason="length").folded
         assert [c["name"] for c in folded.tool_calls] == ["f"]
-        assert folded.tool_calls[0]["arguments"] == ""
+        assert folded.tool_calls[0]["arguments"] == "{}"  # cut before any argument text (issue #27)
         assert folded.finish_reason == "length"
     nameless = enc('</think>\n\n<tool_call>\n{"na')
     folded = stream(qwen3_vocab, TOOLS_ON, nameless, finish_reason="length").folded

@@ -163,7 +163,7 @@ VECTORS: dict[str, Vector] = {
     "v3_call_right_after_reasoning": Vector(("R.</think>", SB, v3_call("get_time", UTC), SE), reasoning="R.", calls=[("get_time", UTC)]),
     "v3_content_then_parallel_calls": Vector(
         ("R.\n</think>\n\nLet me check.\n", SB, v3_call("get_weather", PARIS), "\n", v3_call("get_time", UTC), SE),
-        reasoning="R.\n", content="\n\nLet me check.\n", calls=[("get_weather", PARIS), ("get_time", UTC)],
+        reasoning="R.\n", content="\n\nLet me check.", calls=[("get_weather", PARIS), ("get_time", UTC)],
     ),
     "v3_whitespace_before_calls_is_dropped": Vector(
         ("R.</think>\n\n", SB, v3_call("get_time", UTC), SE), reasoning="R.", calls=[("get_time", UTC)]
@@ -200,7 +200,7 @@ VECTORS: dict[str, Vector] = {
     ),
     "v3_max_tokens_mid_arguments": Vector(
         ("R.</think>", SB, CB, "function", SEP, 'get_weather\n```json\n{"city": "Par'),
-        reasoning="R.", calls=[("get_weather", '{"city": "Par')], finish="length", eos=False,
+        reasoning="R.", calls=[("get_weather", {"city": "Par"})], finish="length", eos=False,  # closed (issue #27)
     ),
     "v3_max_tokens_in_closing_fence": Vector(
         ("R.</think>", SB, CB, "function", SEP, 'get_weather\n```json\n{"city": "Paris"}\n``'),
@@ -208,7 +208,7 @@ VECTORS: dict[str, Vector] = {
     ),
     "v3_max_tokens_in_opening_fence": Vector(
         ("R.</think>", SB, CB, "function", SEP, "get_weather\n```js"),
-        reasoning="R.", calls=[("get_weather", "")], finish="length", eos=False,
+        reasoning="R.", calls=[("get_weather", {})], finish="length", eos=False,
     ),
     "v3_max_tokens_mid_name": Vector(
         ("R.</think>", SB, CB, "function", SEP, "get_wea"), reasoning="R.", content=f"{SB}{CB}function{SEP}get_wea",
@@ -225,6 +225,16 @@ VECTORS: dict[str, Vector] = {
     "v3_unclosed_section": Vector(("R.</think>", SB, v3_call("get_time", UTC)), reasoning="R.", calls=[("get_time", UTC)]),
     "v3_section_without_calls": Vector(
         ("R.</think>Hi ", SB, "nothing", SE, " end"), reasoning="R.", content=f"Hi {SB}nothing{SE} end", finish="stop"
+    ),
+    # A section with nothing but whitespace in it is markup, not content (issue #27).
+    "v3_empty_section": Vector(("R.</think>", SB, SE), reasoning="R.", finish="stop"),
+    "v31_empty_section": Vector(("R.</think>", SB, SE), reasoning="R.", finish="stop", tools=V31),
+    "v3_empty_section_between_text": Vector(
+        ("R.</think>Hi\n\n", SB, " ", SE, "\nDone."), reasoning="R.", content="Hi\n\n\nDone.", finish="stop"
+    ),
+    "v3_empty_section_at_the_end": Vector(("R.</think>Hi\n", SB, "\n", SE), reasoning="R.", content="Hi\n", finish="stop"),
+    "v3_section_opened_at_the_cut": Vector(
+        ("R.</think>Hi", SB), reasoning="R.", content="Hi", finish="length", eos=False
     ),
     "v3_call_markers_outside_section": Vector(
         ("R.</think>", v3_call("get_time", UTC)), reasoning="R.", content=v3_call("get_time", UTC), finish="stop"
@@ -258,12 +268,12 @@ VECTORS: dict[str, Vector] = {
         ("R.</think>", SB, v31_call("launch", {"zoom": 2}), SE), reasoning="R.", calls=[("launch", {"zoom": 2})], tools=V31
     ),
     "v31_invalid_json": Vector(
-        ("R.</think>", SB, v31_call("get_time", None, raw='{"tz": '), SE), reasoning="R.", calls=[("get_time", '{"tz": ')], tools=V31
+        ("R.</think>", SB, v31_call("get_time", None, raw='{"tz": '), SE), reasoning="R.", calls=[("get_time", {"tz": None})], tools=V31
     ),
     "v31_empty_arguments": Vector(("R.</think>", SB, v31_call("get_time", None, raw=""), SE), reasoning="R.", calls=[("get_time", {})], tools=V31),
     "v31_max_tokens_mid_arguments": Vector(
         ("R.</think>", SB, CB, "get_weather", SEP, '{"city": "Par'),
-        reasoning="R.", calls=[("get_weather", '{"city": "Par')], finish="length", eos=False, tools=V31,
+        reasoning="R.", calls=[("get_weather", {"city": "Par"})], finish="length", eos=False, tools=V31,
     ),
     "v31_max_tokens_mid_name": Vector(
         ("R.</think>", SB, CB, "get_wea"), reasoning="R.", content=f"{SB}{CB}get_wea", finish="length", eos=False, tools=V31
@@ -283,7 +293,7 @@ VECTORS: dict[str, Vector] = {
         reasoning="R.", calls=[("get_weather", PARIS)], request={"parallel_tool_calls": False}, tools=V31,
     ),
     "v31_thinking_closed_in_prompt": Vector(
-        ("Sure. ", SB, v31_call("get_time", UTC), SE), content="Sure. ", calls=[("get_time", UTC)], tools=V31, prompt="closed"
+        ("Sure. ", SB, v31_call("get_time", UTC), SE), content="Sure.", calls=[("get_time", UTC)], tools=V31, prompt="closed"
     ),
 }
 
@@ -312,7 +322,7 @@ def test_stop_string_inside_a_call(vocab: TokenVocab, tokenizer: Any, enc: Any, 
     write = v3_call if tools == "deepseek_v3" else v31_call
     ids = enc("R.</think>", SB, write("get_weather", {"city": "Lyon", "days": 3}), SE) + [eos]
     got = chunked_answer(vocab, chat_options(tools, stop=["Lyon"]), ids, prompt_ids(tokenizer), finish_reason="stop")
-    assert [(c["name"], c["arguments"]) for c in got["tool_calls"]] == [("get_weather", '{"city": "')]
+    assert [(c["name"], c["arguments"]) for c in got["tool_calls"]] == [("get_weather", '{"city": ""}')]
     # onehop: `stop`, not `tool_calls`, when a stop string cut the call short (chat.py).
     assert (got["reasoning"], got["content"], got["finish_reason"], got["stop_reason"]) == ("R.", None, "stop", "Lyon")
 

@@ -186,7 +186,7 @@ VECTORS: dict[str, Vector] = {
     "max_tokens_mid_call": Vector(
         (analysis("R."), NEXT, call("get_weather", '{"city": "Par', end="")),
         reasoning="R.",
-        calls=[("get_weather", '{"city": "Par')],
+        calls=[("get_weather", {"city": "Par"})],  # closed to valid JSON (issue #27)
         finish="length",
         end=None,
     ),
@@ -265,7 +265,7 @@ VECTORS: dict[str, Vector] = {
     "stop_string_inside_call": Vector(
         (analysis("R."), NEXT, call("get_weather", {"city": "Lyon", "days": 3}, end="")),
         reasoning="R.",
-        calls=[("get_weather", '{"city": "')],
+        calls=[("get_weather", {"city": ""})],
         finish="stop",
         request={"stop": ["Lyon"]},
     ),

@@ -52,6 +52,11 @@ def call(
     return f"{CB}functions.{name}:{index}{AB}{body}{CE}"
 
 
+def unmarked_call(name: str, arguments: dict[str, Any], index: int) -> str:
+    """A call's text with its marker tokens skipped (`skip_special_tokens`)."""
+    return f"functions.{name}:{index}{json.dumps(arguments, ensure_ascii=False)}"
+
+
 @pytest.fixture(scope="module")
 def tokenizer(qwen3_tokenizer_dir: Path) -> Any:
     from transformers import AutoTokenizer
@@ -121,7 +126,7 @@ VECTORS: dict[str, Vector] = {
     "reasoning_content_call": Vector(
         ("Plan it.\n</think>Let me check.\n", SB, call("get_weather", PARIS, 0), SE),
         reasoning="Plan it.",
-        content="Let me check.\n",
+        content="Let me check.",  # the whitespace right before a call is dropped (issue #27)
         calls=[weather(**PARIS)],
     ),
     "model_opens_think": Vector(
@@ -176,7 +181,7 @@ VECTORS: dict[str, Vector] = {
     "max_tokens_mid_call": Vector(
         ("R.</think>", SB, CB, "functions.get_weather:0", AB, '{"city": "Par'),
         reasoning="R.",
-        calls=[("functions.get_weather:0", "get_weather", '{"city": "Par')],
+        calls=[("functions.get_weather:0", "get_weather", {"city": "Par"})],  # closed to valid JSON (issue #27)
         finish="length",
         eos=False,
     ),
@@ -236,19 +241,19 @@ VECTORS: dict[str, Vector] = {
     "tools_not_offered": Vector(
         ("R.</think>Hi ", SB, call("get_time", UTC, 0), SE, " tail"),
         reasoning="R.",
-        content=f"Hi {SB}{call('get_time', UTC, 0)}{SE} tail",
+        content=f"Hi {unmarked_call('get_time', UTC, 0)} tail",  # special tokens skipped (issue #27)
         finish="stop",
         tools=None,
     ),
     "tool_choice_none": Vector(
         ("R.</think>Hi ", SB, call("get_time", UTC, 0), SE),
         reasoning="R.",
-        content=f"Hi {SB}{call('get_time', UTC, 0)}{SE}",
+        content=f"Hi {unmarked_call('get_time', UTC, 0)}",  # special tokens skipped (issue #27)
         finish="stop",
         request={"tool_choice": "none"},
     ),
     "thinking_disabled": Vector(
-        ("Sure. ", SB, call("get_time", UTC, 0), SE), content="Sure. ", calls=[clock()], prompt="off"
+        ("Sure. ", SB, call("get_time", UTC, 0), SE), content="Sure.", calls=[clock()], prompt="off"
     ),
     "thinking_kwarg_off": Vector(
         ("Plain answer.",),
@@ -310,7 +315,7 @@ def _json_or_raw(text: str) -> Any:
 def test_stop_string_inside_a_call(vocab: TokenVocab, tokenizer: Any, enc: Any, im_end: int) -> None:
     ids = enc("R.</think>", SB, call("get_weather", {"city": "Lyon", "days": 3}, 0), SE) + [im_end]
     got = chunked_answer(vocab, chat_options(stop=["Lyon"]), ids, prompt_ids(tokenizer, "pre_open"))
-    assert [(c["id"], c["arguments"]) for c in got["tool_calls"]] == [("functions.get_weather:0", '{"city": "')]
+    assert [(c["id"], c["arguments"]) for c in got["tool_calls"]] == [("functions.get_weather:0", '{"city": ""}')]
     # onehop: `stop`, not `tool_calls`, when a stop string cut the call short (chat.py).
     assert (got["content"], got["finish_reason"], got["stop_reason"]) == (None, "stop", "Lyon")
 
@@ -319,11 +324,12 @@ def test_stop_string_inside_a_call(vocab: TokenVocab, tokenizer: Any, enc: Any, 
 def test_skip_special_tokens_either_way(vocab: TokenVocab, tokenizer: Any, enc: Any, im_end: int, skip: bool) -> None:
     ids = enc("R.</think>Hi<|im_user|> ", SB, call("get_time", UTC, 0), SE) + [im_end]
     got = chunked_answer(vocab, chat_options(skip_special_tokens=skip), ids, prompt_ids(tokenizer, "pre_open"))
-    assert (got["reasoning"], got["content"]) == ("R.", "Hi ")
+    assert (got["reasoning"], got["content"]) == ("R.", "Hi")  # the space before the call is dropped
     assert [c["arguments"] for c in got["tool_calls"]] == ['{"tz": "UTC"}']
-    off_options = chat_options(tools=None, skip_special_tokens=skip)
-    off = chunked_answer(vocab, off_options, ids, prompt_ids(tokenizer, "pre_open"))
-    assert off["content"] == f"Hi {SB}{call('get_time', UTC, 0)}{SE}"  # markers keep their text
+    for off_options in (chat_options(tools=None, skip_special_tokens=skip), chat_options(tool_choice="none", skip_special_tokens=skip)):
+        off = chunked_answer(vocab, off_options, ids, prompt_ids(tokenizer, "pre_open"))
+        # No tool parsing: the markers are special tokens like any other, shown only when not skipped (issue #27).
+        assert off["content"] == (f"Hi {SB}{call('get_time', UTC, 0)}{SE}" if not skip else f"Hi {unmarked_call('get_time', UTC, 0)}")
 
 
 def test_reasoning_tokens_are_the_ids_inside_reasoning(

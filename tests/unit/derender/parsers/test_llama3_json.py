@@ -156,7 +156,7 @@ VECTORS: dict[str, Vector] = {
     ),
     "max_tokens_mid_call": Vector(
         ('{"name": "get_weather", "parameters": {"city": "Par',),
-        calls=[("get_weather", '{"city": "Par')],
+        calls=[("get_weather", {"city": "Par"})],  # closed to valid JSON (issue #27)
         finish="length",
         eos=False,
     ),
@@ -208,7 +208,7 @@ def test_calls_right_after_reasoning(vocab: TokenVocab, enc: Any, eot: int, prom
 def test_stop_string_inside_a_call(vocab: TokenVocab, enc: Any, eot: int, prompt: list[int]) -> None:
     ids = enc(call("get_weather", {"city": "Lyon", "days": 3})) + [eot]
     got = answer(vocab, chat_options(stop=["Lyon"]), ids, prompt)
-    assert [(c["name"], c["arguments"]) for c in got["tool_calls"]] == [("get_weather", '{"city": "')]
+    assert [(c["name"], c["arguments"]) for c in got["tool_calls"]] == [("get_weather", '{"city": ""}')]
     # onehop: `stop`, not `tool_calls`, when a stop string cut the call short (chat.py).
     assert (got["content"], got["finish_reason"], got["stop_reason"]) == (None, "stop", "Lyon")
 

@@ -142,7 +142,7 @@ VECTORS: dict[str, Vector] = {
     "unknown_function": Vector((call("launch", {"speed": "3"}),), calls=[("launch", {"speed": "3"})]),
     "invalid_json": Vector((call("get_time", None, raw="{tz: UTC"),), calls=[("get_time", "{tz: UTC")]),
     "max_tokens_mid_call": Vector(
-        (TC, "get_weather", A, '{"city": "Par'), calls=[("get_weather", '{"city": "Par')], finish="length", eos=False
+        (TC, "get_weather", A, '{"city": "Par'), calls=[("get_weather", {"city": "Par"})], finish="length", eos=False
     ),
     "max_tokens_mid_name": Vector((TC, "get_wea"), calls=[("get_wea", {})], finish="length", eos=False),
     "text_after_last_call": Vector((TIME, "\nChecking now. "), content="\nChecking now.", calls=[clock()]),
@@ -152,7 +152,7 @@ VECTORS: dict[str, Vector] = {
     "call_without_args_marker": Vector((TC, 'get_time{"tz": "UTC"}'), calls=[clock()]),
     "call_without_arguments": Vector((TC, "get_time", A, TC, "get_time"), calls=[("get_time", {}), ("get_time", {})]),
     "unclosed_json_then_call": Vector(
-        (TC, "get_time", A, '{"tz": "A"', TIME), calls=[("get_time", '{"tz": "A"'), clock()]
+        (TC, "get_time", A, '{"tz": "A"', TIME), calls=[("get_time", {"tz": "A"}), clock()]
     ),
     "name_with_layout": Vector((TC, " get_time \n", A, ' {"tz": "UTC"} '), calls=[clock()]),
     "repeated_marker_before_name": Vector((TC, TIME), calls=[clock()]),
@@ -210,7 +210,7 @@ def _json_or_raw(text: str) -> Any:
 def test_stop_string_inside_a_call(vocab: TokenVocab, enc: Any, eos: int, prompt: list[int]) -> None:
     ids = enc(call("get_weather", {"city": "Lyon", "days": 3})) + [eos]
     got = chunked_answer(vocab, chat_options(stop=["Lyon"]), ids, prompt, finish_reason="stop", stop_reason="Lyon")
-    assert [(c["name"], c["arguments"]) for c in got["tool_calls"]] == [("get_weather", '{"city": "')]
+    assert [(c["name"], c["arguments"]) for c in got["tool_calls"]] == [("get_weather", '{"city": ""}')]
     # onehop: `stop`, not `tool_calls`, when a stop string cut the call short (chat.py).
     assert (got["content"], got["finish_reason"], got["stop_reason"]) == (None, "stop", "Lyon")
 
@@ -332,7 +332,7 @@ def legacy(*calls: tuple[str, Any]) -> str:
 
 
 LEGACY_VECTORS: dict[str, Vector] = {
-    "one_call": Vector(("Hi ", TC, " " + legacy(clock())), content="Hi ", calls=[clock()]),
+    "one_call": Vector(("Hi ", TC, " " + legacy(clock())), content="Hi", calls=[clock()]),
     "parallel_calls_not_retyped": Vector(
         (TC, legacy(("get_weather", {"city": "Zürich\n世界", "days": "2"}), clock())),
         calls=[weather(city="Zürich\n世界", days="2"), clock()],
@@ -344,7 +344,7 @@ LEGACY_VECTORS: dict[str, Vector] = {
     "repeated_marker": Vector((TC, TC, legacy(clock())), calls=[clock()]),
     "cut_mid_arguments": Vector(
         (TC, '[{"name": "get_time", "arguments": {"tz": "U'),
-        calls=[("get_time", '{"tz": "U')],
+        calls=[("get_time", {"tz": "U"})],
         finish="length",
         eos=False,
     ),

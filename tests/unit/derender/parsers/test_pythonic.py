@@ -173,18 +173,24 @@ VECTORS: dict[str, Vector] = {
         ('[get_time(tz="UTC"), get_time(UTC)] done',), content=", get_time(UTC)] done", calls=[clock()]
     ),
     "max_tokens_mid_string": Vector(
-        ('[get_weather(city="Par',), calls=[("get_weather", '{"city": "Par')], finish="length", eos=False
+        ('[get_weather(city="Par',), calls=[("get_weather", {"city": "Par"})], finish="length", eos=False
     ),
     "max_tokens_mid_number": Vector(
         ('[get_weather(city="Oslo", days=12',),
-        calls=[("get_weather", '{"city": "Oslo", "days": 12')],
+        calls=[("get_weather", {"city": "Oslo", "days": 12})],
         finish="length",
         eos=False,
     ),
     "max_tokens_mid_escape": Vector(
-        ('[get_weather(city="Os\\u00',), calls=[("get_weather", '{"city": "Os\\\\u00')], finish="length", eos=False
+        ('[get_weather(city="Os\\u00',), calls=[("get_weather", {"city": "Os\\u00"})], finish="length", eos=False
     ),
     "max_tokens_mid_name": Vector(("[get_wea",), content="[get_wea", finish="length", eos=False),
+    "max_tokens_mid_held_value": Vector(  # a value cut before it could be read is left out (issue #27)
+        ('[get_weather(city="Oslo", tags=[\'a\', \'b',),
+        calls=[("get_weather", {"city": "Oslo"})],
+        finish="length",
+        eos=False,
+    ),
     "tools_not_offered": Vector((UTC,), content=UTC, finish="stop", tools=None),
     "tool_choice_none": Vector((UTC,), content=UTC, finish="stop", request={"tool_choice": "none"}),
     "parallel_tool_calls_false": Vector(
@@ -247,7 +253,7 @@ def _json_or_raw(text: str) -> Any:
 def test_stop_string_inside_a_call(vocab: TokenVocab, enc: Any, eot: int) -> None:
     ids = enc('[get_weather(city="Lyon", days=3)]') + [eot]
     got = chunked_answer(vocab, chat_options(stop=["Lyon"]), ids, finish_reason="stop")
-    assert [(c["name"], c["arguments"]) for c in got["tool_calls"]] == [("get_weather", '{"city": "')]
+    assert [(c["name"], c["arguments"]) for c in got["tool_calls"]] == [("get_weather", '{"city": ""}')]
     # onehop: `stop`, not `tool_calls`, when a stop string cut the call short (chat.py).
     assert (got["content"], got["finish_reason"], got["stop_reason"]) == (None, "stop", "Lyon")
 
