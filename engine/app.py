@@ -22,7 +22,7 @@ from engine.backends import make_backend
 from engine.backends.base import Backend
 from engine.backends.vllm_parsers import ParserKind, owners, vllm_parser_names
 from engine.config import EngineConfig
-from engine.derender.parsers import REASONING_PARSERS, TOOL_PARSERS, UnknownParser, bind_reasoning
+from engine.derender.parsers import REASONING_PARSERS, TOOL_PARSERS, UnknownParser, bind_reasoning, check_tool_markers
 from engine.derender.parsers.detect import resolve
 from engine.derender.vocab import TokenVocab, vocab_for
 from engine.errors import error_middleware
@@ -116,6 +116,12 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             reasoning = state.config.reasoning_parser
             if reasoning in REASONING_PARSERS:  # its markers checked now: a missing one is logged at start
                 bind_reasoning(state.vocab, reasoning)
+            tools = state.config.tool_parser
+            if tools in TOOL_PARSERS:  # a tool family the vocabulary cannot speak stops the start
+                try:
+                    check_tool_markers(state.vocab, tools)
+                except UnknownParser as exc:
+                    raise UnknownParser(f"tool parser {tools!r}: {exc}") from exc
             if "vllm" in state.parsers().values():
                 _bind_vllm_parsers(state, state.vocab)
         except BaseException:

@@ -21,7 +21,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from engine.http_server import CONNECTION_LIMITS, ERROR_BODY, ConnectionLimits, new_event_loop, run_app
 from engine.derender.vocab import TokenVocab, vocab_for
-from engine.derender.parsers import REASONING_PARSERS, TOOL_PARSERS, bind_reasoning
+from engine.derender.parsers import REASONING_PARSERS, TOOL_PARSERS, UnknownParser, bind_reasoning, check_tool_markers
 from engine.derender.parsers.detect import resolve
 from engine.openai_schema import ModelCard, ModelList
 from engine.telemetry import Tracing, extract
@@ -97,6 +97,11 @@ async def _runtime(plan: _ModelPlan, limits: Limits) -> ModelRuntime:
     vocab = await asyncio.to_thread(vocab_for, renderer.tokenizer)
     if config.reasoning_parser in REASONING_PARSERS:  # its markers checked now: a missing one is logged at start
         bind_reasoning(vocab, config.reasoning_parser)
+    if config.tool_parser in TOOL_PARSERS:
+        try:
+            await asyncio.to_thread(check_tool_markers, vocab, config.tool_parser)
+        except UnknownParser as exc:
+            raise ConfigError(f"model {config.name}: tool parser {config.tool_parser!r}: {exc}") from exc
     assert config.route is not None and config.render is not None and config.reasoning_field is not None  # defaults filled
     return ModelRuntime(
         name=config.name,

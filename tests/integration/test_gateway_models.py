@@ -244,3 +244,24 @@ async def test_policy_rules_match_the_model_and_send_to_its_pools(qwen3_tokenize
                 assert (raw.headers["onehop-route"], rule in raw.headers["onehop-policy"]) == (route, True), model
         served = {name: await _served(session, url) for name, url in (("qwen", qwen_url), ("kimi", kimi_url), ("batch", batch_url))}
         assert served == {"qwen": 2, "kimi": 1, "batch": 1}
+
+
+async def test_a_tool_parser_whose_markers_the_vocabulary_lacks_stops_the_start(qwen3_tokenizer_dir: Path) -> None:
+    """Kimi K2's call markers are no tokens of Qwen3's vocabulary: every tool request would fail,
+    so the start fails instead, naming the marker (the engine likewise)."""
+    from engine.app import create_app as create_engine_app
+    from engine.config import EngineConfig
+    from engine.derender.parsers import UnknownParser
+
+    config = GatewayConfig(
+        model="qwen", tokenizer=str(qwen3_tokenizer_dir), engines=[EngineEndpoint(url="http://127.0.0.1:9")], tool_parser="kimi_k2"
+    )
+    message = await _refused(config)
+    assert "tool parser 'kimi_k2'" in message and "<|tool_calls_section_begin|>" in message
+
+    engine = TestServer(create_engine_app(EngineConfig(model=str(qwen3_tokenizer_dir), backend="sim", tool_parser="kimi_k2")))
+    try:
+        with pytest.raises(UnknownParser, match="tool_calls_section_begin"):
+            await engine.start_server()
+    finally:
+        await engine.close()

@@ -1,7 +1,7 @@
 """Reasoning and tool-call parsers: the interface (`base`), the families, and their registry."""
 
 from engine.derender.parsers.base import ParseOptions, ToolDelta, ToolSchema, UnknownParser, new_tool_call_id
-from engine.derender.parsers.choice import ChoiceParser, ParserSet, bind_parsers, bind_reasoning
+from engine.derender.parsers.choice import ChoiceParser, ParserSet, bind_parsers, bind_reasoning, check_tool_markers
 from engine.derender.parsers.registry import REASONING_PARSERS, TOOL_PARSERS, reasoning_factory, tool_factory
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "UnknownParser",
     "bind_parsers",
     "bind_reasoning",
+    "check_tool_markers",
     "new_tool_call_id",
     "reasoning_factory",
     "tool_factory",

@@ -129,6 +129,16 @@ def bind_reasoning(vocab: TokenVocab, name: str) -> BoundReasoning | None:
         return None
 
 
+def check_tool_markers(vocab: TokenVocab, name: str) -> None:
+    """Raise `MissingMarker` when the tool family's markers are not single tokens of `vocab`.
+
+    Called at start: unlike reasoning, a model cannot be served "without tools" behind a
+    tool parser its vocabulary cannot speak, so the start fails naming the marker instead
+    of every tool request failing later."""
+    if vocab.parsers.get((None, name)) is None:
+        vocab.parsers[(None, name)] = ParserSet(None, tool_factory(name).bind(vocab))
+
+
 class ChoiceParser:
     """Reasoning + tool-call parsing of one choice. Feed pieces, drain deltas."""
 
