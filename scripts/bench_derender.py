@@ -240,9 +240,14 @@ def measure(lengths: list[int], vllm_python: Path | None, repeats: int) -> dict[
 
 def same_answer(ours: dict[str, Any], vllm: dict[str, Any]) -> bool:
     calls = [(c["name"], c["arguments"]) for c in ours["tool_calls"]]
+    content = vllm["content"] or ""
+    if vllm["tool_calls"]:
+        # A named difference: onehop drops the whitespace right before a call, which vLLM
+        # streams as content (README, "Derender behaviour").
+        content = content.rstrip()
     return (
         ours["reasoning"] == vllm["reasoning"]
-        and ours["content"] == vllm["content"]
+        and ours["content"] == content
         and calls == [(c["name"], c["arguments"]) for c in vllm["tool_calls"]]
     )
 

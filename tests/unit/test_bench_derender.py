@@ -35,7 +35,7 @@ def test_short_run_reports_all_columns(tmp_path: Path, capsys: object) -> None:
             {"city": "Paris", "unit": "celsius"},
             {"tz": "Europe/Paris"},
         ]
-        assert result["content"] == "\n\nLet me check both.\n"
+        assert result["content"] == "\n\nLet me check both."  # the newline before the call is dropped
         assert result["reasoning"].startswith("\n")
     printed = capsys.readouterr().out  # type: ignore[attr-defined]
     assert "(b)/(a)" in printed and "per-token growth" in printed

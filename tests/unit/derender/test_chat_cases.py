@@ -95,7 +95,7 @@ CUT_CASES = {
     "reasoning": ("<think>\nThe weather 🫠", {"reasoning": "\nThe weather", "content": None}),
     "arguments": (
         '<think>\nok\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris 🫠',
-        {"reasoning": "\nok\n", "arguments": '{"city": "Paris'},
+        {"reasoning": "\nok\n", "arguments": '{"city": "Paris"}'},  # and the cut call closed to JSON
     ),
 }
 
