@@ -96,7 +96,10 @@ async def _declared_too_large(base: str, path: str, limit: int) -> dict[str, Any
         head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {limit + 1}\r\n\r\n"
         writer.write(head.encode())  # and no body at all
         await writer.drain()
-        answer = await _until_closed(reader)
+        # The answer, not the close: aiohttp lingers up to 10 s reading a body it refused.
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")))
+        answer = head + await reader.readexactly(length)
     finally:
         writer.close()
     status_line, _, rest = answer.partition(b"\r\n")
