@@ -60,6 +60,7 @@ print(json.dumps(asyncio.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]
 """
 
 
+@pytest.mark.slow  # a whole run of its own: CI's second stage
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmRSS from /proc")
 def test_fifty_gateway_apps_leave_no_memory_behind(qwen3_tokenizer_dir: Path) -> None:
     root = Path(__file__).resolve().parents[2]

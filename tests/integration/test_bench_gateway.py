@@ -25,6 +25,7 @@ def load_bench() -> ModuleType:
     return module
 
 
+@pytest.mark.slow  # a whole run of its own: CI's second stage
 def test_quick_run_reports_every_cell(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bench = load_bench()
     out = tmp_path / "gateway.json"

@@ -26,6 +26,7 @@ def load_bench() -> ModuleType:
     return module
 
 
+@pytest.mark.slow  # a whole run of its own: CI's second stage
 def test_quick_run_reports_every_setup_and_workload(tmp_path: Path) -> None:
     bench = load_bench()
     out_json, out_md = tmp_path / "out.json", tmp_path / "out.md"

@@ -28,6 +28,7 @@ def load_script(name: str) -> ModuleType:
     return module
 
 
+@pytest.mark.slow  # a whole run of its own: CI's second stage
 def test_quick_relay_run_reports_every_setup(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bench = load_script("bench_relay")
     out = tmp_path / "relay.json"
@@ -47,6 +48,7 @@ def test_quick_relay_run_reports_every_setup(tmp_path: Path, capsys: pytest.Capt
     assert "targets: not checked" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # a whole run of its own: CI's second stage
 def test_quick_workers_run_compares_one_and_two(capsys: pytest.CaptureFixture[str]) -> None:
     bench = load_script("bench_workers")
     assert bench.main(["--quick", "--routes", "derender"]) == 0

@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # a whole run of its own: CI's second stage
 def test_short_soak_samples_both_processes(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
     args = ["--duration", "8", "--sample-every", "1", "--concurrency", "4", "--json", str(out)]
