@@ -41,6 +41,23 @@ class ConfigError(ValueError):
     pass
 
 
+class Agents(Struct, forbid_unknown_fields=True, kw_only=True):
+    """What the gateway does with fields and tools of coding agents (Codex CLI, Claude Code)
+    and of API versions newer than this gateway, on `/v1/responses` and `/v1/messages`."""
+
+    unknown_fields: Literal["ignore", "refuse"] = "ignore"
+    """A top-level request field this gateway does not know: `ignore` (counted in
+    `onehop_ignored_fields_total` and logged once per name, as vLLM's servers do) or `refuse`
+    (a 400 naming it). Chat and completions always refuse one."""
+    hosted_tools: Literal["drop", "refuse"] = "drop"
+    """Tools only OpenAI's or Anthropic's servers run (`web_search`, `file_search`,
+    `code_interpreter`, `image_generation`, `mcp`, ...): left out of the prompt (`drop`,
+    counted in `onehop_dropped_tools_total`) or a 400 (`refuse`)."""
+    strip_attribution: bool = True
+    """Remove Claude Code's per-release attribution line (`x-anthropic-billing-header: ...`)
+    from the start of the system prompt before render, so conversations share a cacheable prefix."""
+
+
 class Timeouts(Struct, forbid_unknown_fields=True, kw_only=True):
     connect_s: Annotated[float, Meta(gt=0)] = CONNECT_TIMEOUT_S
     """Opening a connection to an engine."""
@@ -264,6 +281,7 @@ class GatewayConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     limits: Limits = msgspec.field(default_factory=Limits)
     auth: Auth = msgspec.field(default_factory=Auth)
     response_store: ResponseStoreConfig = msgspec.field(default_factory=ResponseStoreConfig)
+    agents: Agents = msgspec.field(default_factory=Agents)
 
     def __post_init__(self) -> None:
         shorthand = [name for name in ("model", "tokenizer") if getattr(self, name) is not None]
