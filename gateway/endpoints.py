@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar
 
 import msgspec
@@ -45,6 +46,7 @@ from gateway.responses import to_chat as responses_to_chat
 from gateway.runtime import ModelRuntime
 from gateway.state import GATEWAY
 from gateway.translate import Presenter, Turn, turn
+from gateway.unknown_fields import Decoded
 from gateway.validate import (
     chat_text_chars,
     check_chat,
@@ -444,7 +446,7 @@ class Responses(TranslatedChat[ResponsesRequest]):
     id_prefix = "resp_"
 
     def decode(self, body: bytes, http: web.Request) -> Turn[ResponsesRequest]:
-        request = decode_responses_request(body)
+        request = tolerated(decode_responses_request, self.name, body, http)
         history: list[Any] = []
         if request.previous_response_id is not None:
             stored = http.app[GATEWAY].responses.get(owner(http), request.previous_response_id)
@@ -468,11 +470,20 @@ class Messages(TranslatedChat[MessagesRequest]):
     id_prefix = "msg_"
 
     def decode(self, body: bytes, http: web.Request) -> Turn[MessagesRequest]:
-        request = decode_messages_request(body)
+        request = tolerated(decode_messages_request, self.name, body, http)
         return turn(request, messages_to_chat(request))
 
     def presenter(self, http: web.Request, request: Turn[MessagesRequest]) -> MessagesPresenter:
         return MessagesPresenter()
+
+
+def tolerated(decode: Callable[..., Decoded[R]], endpoint: str, body: bytes, http: web.Request) -> R:
+    """The request, unknown top-level fields ignored (and counted) or refused as the config says."""
+    state = http.app[GATEWAY]
+    decoded = decode(body, ignore_unknown=state.config.agents.unknown_fields == "ignore")
+    if decoded.ignored:
+        state.ignored_fields.record(endpoint, decoded.ignored, state.metrics.ignored_fields)
+    return decoded.request
 
 
 def _remote_url(model: ModelRuntime) -> str:

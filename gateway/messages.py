@@ -10,8 +10,8 @@ turns the chat answer back into a `Message`, or the chat chunks into Anthropic's
     message_delta  {stop_reason, stop_sequence}      text, one tool_use per call
     message_stop
 
-Names follow the `anthropic` SDK's types. Top-level request fields are strict (a misspelt one
-is refused by name); blocks, tools and the small config objects are not, because clients
+Names follow the `anthropic` SDK's types. An unknown top-level request field is ignored or
+refused by name, as `agents.unknown_fields` says (`gateway.unknown_fields`); blocks, tools and the small config objects are not, because clients
 send back the blocks of earlier answers with fields Anthropic keeps adding (`citations`,
 `caller`, `cache_control`), none of which changes what a self-hosted model is asked.
 """
@@ -45,6 +45,7 @@ from engine.openai_schema import (
 )
 from gateway.errors import GatewayError, InvalidRequest
 from gateway.translate import Presented, Turn
+from gateway.unknown_fields import Decoded, TolerantDecoder
 
 # ------------------------------------------------------------ content blocks, in and out
 
@@ -168,8 +169,16 @@ class MessagesRequest(CountTokensRequest, kw_only=True, omit_defaults=True, forb
     mcp_servers: list[dict[str, Any]] | None = None
 
 
-_REQUEST_DECODER = msgspec.json.Decoder(MessagesRequest)
-_COUNT_DECODER = msgspec.json.Decoder(CountTokensRequest)
+class _LenientMessagesRequest(MessagesRequest, kw_only=True, omit_defaults=True, forbid_unknown_fields=False):
+    pass
+
+
+class _LenientCountTokensRequest(CountTokensRequest, kw_only=True, omit_defaults=True, forbid_unknown_fields=False):
+    pass
+
+
+_REQUEST_DECODER = TolerantDecoder(MessagesRequest, _LenientMessagesRequest)
+_COUNT_DECODER = TolerantDecoder(CountTokensRequest, _LenientCountTokensRequest)
 _ARGUMENTS_DECODER = msgspec.json.Decoder()
 _encode = msgspec.json.Encoder().encode
 _UNKNOWN = re.compile(r"Object contains unknown field `([^`]*)`")
@@ -178,17 +187,17 @@ _AT = re.compile(r" - at `\$\.?([^`]*)`$")
 _BAD_TAG = re.compile(r"Invalid value '([^']*)'")
 
 
-def decode_request(body: bytes) -> MessagesRequest:
-    return _decode(_REQUEST_DECODER, body)
+def decode_request(body: bytes, *, ignore_unknown: bool = True) -> Decoded[MessagesRequest]:
+    return _decode(_REQUEST_DECODER, body, ignore_unknown)
 
 
-def decode_count_tokens_request(body: bytes) -> CountTokensRequest:
-    return _decode(_COUNT_DECODER, body)
+def decode_count_tokens_request(body: bytes, *, ignore_unknown: bool = True) -> Decoded[CountTokensRequest]:
+    return _decode(_COUNT_DECODER, body, ignore_unknown)
 
 
-def _decode(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
+def _decode(decoder: TolerantDecoder[Any], body: bytes, ignore_unknown: bool) -> Decoded[Any]:
     try:
-        return decoder.decode(body)
+        return decoder.decode(body, ignore_unknown=ignore_unknown)
     except msgspec.ValidationError as exc:
         raise _invalid(str(exc)) from exc
     except msgspec.DecodeError as exc:

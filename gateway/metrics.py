@@ -95,6 +95,17 @@ class GatewayMetrics:
             "onehop_gateway_admission_waiting", "Requests waiting for a slot (admission control).",
             registry=r, multiprocess_mode="livesum",
         )
+        self.ignored_fields = Counter(
+            "onehop_gateway_ignored_fields",
+            "Unknown top-level request fields ignored (agents.unknown_fields: ignore), by endpoint and field "
+            "(after 64 distinct names, `_other`).",
+            ["endpoint", "field"], registry=r,
+        )
+        self.dropped_tools = Counter(
+            "onehop_gateway_dropped_tools",
+            "Hosted tools (web_search, ...) left out of the prompt (agents.hosted_tools: drop), by endpoint and tool type.",
+            ["endpoint", "type"], registry=r,
+        )
         self.circuit_open = Gauge(
             "onehop_gateway_engine_circuit_open", "1 while an engine's circuit breaker is open, else 0.", ["engine"],
             registry=r, multiprocess_mode="livemax",

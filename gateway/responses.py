@@ -17,8 +17,8 @@ is kept with the chat conversation it ended in this replica's store (`gateway.re
 scoped to its caller, so that `previous_response_id` continues it without the client sending
 it again.
 
-Names follow the `openai` SDK's types. Top-level request fields are strict (a misspelt one is
-refused by name); items, tools and the small config objects are not, because clients send
+Names follow the `openai` SDK's types. An unknown top-level request field is ignored or refused
+by name, as `agents.unknown_fields` says (`gateway.unknown_fields`); items, tools and the small config objects are not, because clients send
 back the items of earlier answers with fields OpenAI keeps adding.
 """
 
@@ -59,6 +59,7 @@ from engine.openai_schema import (
 from gateway.errors import GatewayError, InvalidRequest
 from gateway.response_store import ResponseStorage
 from gateway.translate import Presented, Turn
+from gateway.unknown_fields import Decoded, TolerantDecoder
 from gateway.validate import check_metadata
 
 # ------------------------------------------------------------ request
@@ -209,7 +210,11 @@ class ResponsesRequest(Struct, kw_only=True, omit_defaults=True, forbid_unknown_
     """vLLM's constraint options (`disable_any_whitespace`, ...), kept beside `text.format` as chat keeps them."""
 
 
-_DECODER = msgspec.json.Decoder(ResponsesRequest)
+class _LenientResponsesRequest(ResponsesRequest, kw_only=True, omit_defaults=True, forbid_unknown_fields=False):
+    pass
+
+
+_DECODER = TolerantDecoder(ResponsesRequest, _LenientResponsesRequest)
 _encode = msgspec.json.Encoder().encode
 _UNKNOWN = re.compile(r"Object contains unknown field `([^`]*)`")
 _LOCATED = re.compile(r"(.*) - at `\$\.?([^`]*)`")
@@ -220,18 +225,19 @@ _UNSERVED: list[tuple[str, Callable[[ResponsesRequest], bool], str]] = [
 ]
 
 
-def decode_request(body: bytes) -> ResponsesRequest:
+def decode_request(body: bytes, *, ignore_unknown: bool = True) -> Decoded[ResponsesRequest]:
     try:
-        request = _DECODER.decode(body)
+        decoded = _DECODER.decode(body, ignore_unknown=ignore_unknown)
     except msgspec.DecodeError as exc:
         raise _invalid(str(exc)) from exc
     except RecursionError as exc:  # msgspec's own bound, far deeper than any we accept
         raise InvalidRequest("invalid responses request: JSON nested too deeply") from exc
+    request = decoded.request
     for name, asks, why in _UNSERVED:
         if asks(request):
             raise InvalidRequest(f"{name}: {why}", param=name)
     check_metadata(request.metadata)
-    return request
+    return decoded
 
 
 def _invalid(text: str) -> InvalidRequest:

@@ -20,6 +20,7 @@ from gateway.policy import Policy
 from gateway.reload import WatchedFile
 from gateway.response_store import ResponseStorage
 from gateway.shared_responses import response_store
+from gateway.unknown_fields import IgnoredFields
 from gateway.runtime import ModelRuntime
 
 
@@ -43,6 +44,8 @@ class GatewayState:
     responses: ResponseStorage = field(default_factory=response_store)
     """Responses API answers kept for `previous_response_id` and `GET /v1/responses/{id}`:
     this replica's (its workers share them), each caller's own, bounded, lost on restart."""
+    ignored_fields: IgnoredFields = field(default_factory=IgnoredFields)
+    """Unknown request fields ignored so far (`gateway.unknown_fields`): each logged once."""
 
     def policy(self, model: ModelRuntime) -> Policy:
         """The policy file's, as last loaded; without one, the model's fixed route."""

@@ -11,6 +11,7 @@ from typing import Any
 import anthropic
 import pytest
 
+from gateway.config import Agents
 from tests.support.engine import engine_server
 from tests.support.gateway import gateway_server
 
@@ -95,10 +96,29 @@ async def test_count_tokens_matches_the_prompt_the_model_sees(client: anthropic.
 
 async def test_errors_come_in_anthropic_shape(client: anthropic.AsyncAnthropic) -> None:
     with pytest.raises(anthropic.BadRequestError) as refused:
-        await client.messages.create(model="sim", max_tokens=10, messages=ASK, extra_body={"frobnicate": 1})
+        await client.messages.create(model="sim", max_tokens=10, messages=ASK, extra_body={"top_k": "many"})
     body: Any = refused.value.body
     assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
-    assert "frobnicate" in body["error"]["message"]
+    assert "top_k" in body["error"]["message"]
     with pytest.raises(anthropic.NotFoundError) as missing:
         await client.messages.create(model="nope", max_tokens=10, messages=ASK)
     assert missing.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
+
+
+async def test_unknown_fields_are_ignored_counted_or_refused(qwen3_tokenizer_dir: Path) -> None:
+    """A field newer than this gateway (Claude Code adds some every few releases) is ignored and
+    counted by default; `agents.unknown_fields: refuse` makes it a 400 naming it."""
+    async with engine_server(qwen3_tokenizer_dir) as (engine_url, _):
+        async with gateway_server(qwen3_tokenizer_dir, engine_url) as (base, state):
+            sdk = anthropic.AsyncAnthropic(base_url=base.removesuffix("/v1"), api_key="none", max_retries=0)
+            for _ in range(2):
+                answer = await sdk.messages.create(model="sim", max_tokens=10, messages=ASK, extra_body={"frobnicate": 1})
+                assert answer.content
+            await sdk.close()
+            assert state.metrics.ignored_fields.labels("messages", "frobnicate")._value.get() == 2
+        async with gateway_server(qwen3_tokenizer_dir, engine_url, agents=Agents(unknown_fields="refuse")) as (base, _):
+            sdk = anthropic.AsyncAnthropic(base_url=base.removesuffix("/v1"), api_key="none", max_retries=0)
+            with pytest.raises(anthropic.BadRequestError) as refused:
+                await sdk.messages.create(model="sim", max_tokens=10, messages=ASK, extra_body={"frobnicate": 1})
+            await sdk.close()
+            assert refused.value.body["error"]["message"] == "frobnicate: Extra inputs are not permitted"  # type: ignore[index]

@@ -131,7 +131,7 @@ async def test_stored_responses_are_read_and_deleted(client: openai.AsyncOpenAI)
         ({"tools": [{"type": "web_search"}]}, "web_search"),
         ({"tools": [{"type": "file_search", "vector_store_ids": ["vs"]}]}, "file_search"),
         ({"background": True}, "background"),
-        ({"frobnicate": 1}, "frobnicate"),
+        ({"truncation": "sometimes"}, "truncation"),
     ],
 )
 async def test_what_is_not_served_is_refused_by_name(client: openai.AsyncOpenAI, extra: dict[str, Any], named: str) -> None:

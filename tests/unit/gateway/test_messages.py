@@ -49,7 +49,7 @@ WEATHER = {"name": "get_weather", "description": "Weather now", "input_schema": 
 
 
 def chat_of(**body: Any) -> ChatCompletionRequest:
-    return to_chat(decode_request(_encode({"model": "m", "max_tokens": 64, **body})))
+    return to_chat(decode_request(_encode({"model": "m", "max_tokens": 64, **body})).request)
 
 
 def refused(**body: Any) -> InvalidRequest:
@@ -179,7 +179,6 @@ IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png"
         ({"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER], "tool_choice": {"type": "tool"}}, "tool_choice.name"),
         ({"messages": [{"role": "user", "content": "hi"}], "container": "cntr_1"}, "container"),
         ({"messages": [{"role": "user", "content": "hi"}], "mcp_servers": [{"type": "url", "url": "https://x", "name": "x"}]}, "mcp_servers"),
-        ({"messages": [{"role": "user", "content": "hi"}], "frequency_penalty": 1}, "frequency_penalty"),
         ({"messages": [{"role": "user", "content": "hi"}], "temperature": 1.5}, "temperature"),
         ({"messages": [{"role": "user", "content": [{"type": "search_result"}]}]}, "messages[0].content[0].type"),
     ],
@@ -199,22 +198,24 @@ def test_media_and_unknown_blocks_are_named() -> None:
 
 def test_unknown_field_and_missing_max_tokens_in_anthropics_words() -> None:
     with pytest.raises(InvalidRequest, match=r"^frequency_penalty: Extra inputs are not permitted$"):
-        decode_request(_encode({"model": "m", "max_tokens": 1, "messages": [], "frequency_penalty": 1}))
+        decode_request(_encode({"model": "m", "max_tokens": 1, "messages": [], "frequency_penalty": 1}), ignore_unknown=False)
+    ignored = decode_request(_encode({"model": "m", "max_tokens": 1, "messages": [], "context_management_v2": {}}))
+    assert ignored.ignored == ("context_management_v2",)
     with pytest.raises(InvalidRequest, match=r"^max_tokens: Field required$") as info:
-        decode_request(_encode({"model": "m", "messages": []}))
+        decode_request(_encode({"model": "m", "messages": []})).request
     assert info.value.param == "max_tokens"
     with pytest.raises(InvalidRequest, match="not valid JSON"):
-        decode_request(b"{")
+        decode_request(b"{").request
 
 
 def test_count_tokens_renders_the_same_prompt_without_sampling() -> None:
     body = {"model": "m", "system": "s", "messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER], "thinking": {"type": "enabled", "budget_tokens": 1024}}
-    counted = count_tokens_to_chat(decode_count_tokens_request(_encode(body)))
-    full = to_chat(decode_request(_encode({**body, "max_tokens": 9})))
+    counted = count_tokens_to_chat(decode_count_tokens_request(_encode(body)).request)
+    full = to_chat(decode_request(_encode({**body, "max_tokens": 9})).request)
     assert wire(counted) == wire(full) and counted.tools == full.tools
     assert counted.chat_template_kwargs == {"enable_thinking": True} and counted.max_completion_tokens is None
     with pytest.raises(InvalidRequest) as info:
-        decode_count_tokens_request(_encode({**body, "max_tokens": 9}))
+        decode_count_tokens_request(_encode({**body, "max_tokens": 9}), ignore_unknown=False)
     assert info.value.param == "max_tokens"
 
 
@@ -231,7 +232,7 @@ def completion(message: ChatCompletionMessage, finish: str, stop_reason: int | s
 
 
 def turn_of(**body: Any) -> Turn[MessagesRequest]:
-    request = decode_request(_encode({"model": "client-name", "max_tokens": 64, "messages": [{"role": "user", "content": "hi"}], **body}))
+    request = decode_request(_encode({"model": "client-name", "max_tokens": 64, "messages": [{"role": "user", "content": "hi"}], **body})).request
     return turn(request, to_chat(request))
 
 
@@ -360,7 +361,7 @@ async def test_the_sdk_accumulates_the_stream() -> None:
     ) as stream:
         final = await stream.get_final_message()
     await client.close()
-    assert to_chat(decode_request(_encode(sent[0]))).stream  # what the SDK sends decodes
+    assert to_chat(decode_request(_encode(sent[0])).request).stream  # what the SDK sends decodes
     assert [block.to_dict() for block in final.content] == [
         {"type": "thinking", "thinking": "Let me think.", "signature": ""},
         {"type": "text", "text": "Sure, calling."},

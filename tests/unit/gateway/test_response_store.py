@@ -121,7 +121,7 @@ def _answer(rng: random.Random) -> tuple[object, Presented]:
     body = {"model": "sim", "input": "x" * rng.randrange(0, 8192), "metadata": {"n": str(rng.random())}}
     if with_logprobs:
         body["top_logprobs"] = 5
-    request = decode_request(msgspec.json.encode(body))
+    request = decode_request(msgspec.json.encode(body)).request
     meta = Presented(response_id=f"resp_{rng.getrandbits(128):032x}", model="sim", created=1_700_000_000, prompt_tokens=10)
     return (turn(request, to_chat(request, [])), completion), meta
 

@@ -57,7 +57,7 @@ ALLOWED_EXTRAS = {"store", "name"}
 
 
 def request(**fields: Any) -> ResponsesRequest:
-    return decode_request(json.dumps({"model": "sim", **fields}).encode())
+    return decode_request(json.dumps({"model": "sim", **fields}).encode()).request
 
 
 def turn_of(history: list[ChatMessageParam] | None = None, **fields: Any) -> Turn[ResponsesRequest]:
@@ -67,7 +67,7 @@ def turn_of(history: list[ChatMessageParam] | None = None, **fields: Any) -> Tur
 
 def refused(**fields: Any) -> InvalidRequest:
     with pytest.raises(InvalidRequest) as caught:
-        to_chat(decode_request(json.dumps({"model": "sim", **fields}).encode()), [])
+        to_chat(decode_request(json.dumps({"model": "sim", **fields}).encode(), ignore_unknown=False).request, [])
     return caught.value
 
 
@@ -235,9 +235,19 @@ def test_what_is_not_served_is_refused_by_name(fields: dict[str, Any], param: st
     assert error.code == ("unknown_parameter" if named == "frobnicate" else None)
 
 
+def test_unknown_fields_are_ignored_and_named_unless_refused() -> None:
+    body = json.dumps({"model": "sim", "input": "hi", "client_metadata_v9": {"a": 1}, "frobnicate": 1}).encode()
+    decoded = decode_request(body)
+    assert decoded.ignored == ("client_metadata_v9", "frobnicate") and decoded.request.input == "hi"
+    assert decode_request(json.dumps({"model": "sim", "input": "hi"}).encode()).ignored == ()
+    with pytest.raises(InvalidRequest) as caught:  # a known field's bad value is refused either way
+        decode_request(json.dumps({"model": "sim", "input": 3, "frobnicate": 1}).encode())
+    assert caught.value.param == "input"
+
+
 def test_malformed_json_is_a_400() -> None:
     with pytest.raises(InvalidRequest):
-        decode_request(b'{"input": ')
+        decode_request(b'{"input": ').request
 
 
 # ------------------------------------------------------------ the whole answer
