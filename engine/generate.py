@@ -346,6 +346,8 @@ def _read_cost() -> float:
 
 
 _READ_S = _read_cost()
+SESSION_HEADER = "X-Session-ID"
+"""The client's conversation, as vLLM's engines read it (the gateway sends it)."""
 
 
 async def handle_generate(http: web.Request) -> web.StreamResponse:
@@ -360,6 +362,8 @@ async def handle_generate(http: web.Request) -> web.StreamResponse:
     ) as span:
         if span.is_recording():
             span.set_attributes({"http.request.method": "POST", "http.route": GENERATE_PATH})
+            if session := http.headers.get(SESSION_HEADER):  # the gateway's key, bounded there
+                span.set_attribute("session.id", session[:128])
         try:
             response = await _generate(http, state, span)
         except asyncio.CancelledError:

@@ -7,8 +7,10 @@
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 import functools
 import logging
+import re
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -144,6 +146,7 @@ async def _start(state: GatewayState, plans: list[_ModelPlan], loops: Supervisor
         runtime = await _runtime(plan, config.limits)
         for name in plan.config.names():
             state.models[name] = runtime
+        state.patterns += [(re.compile(fnmatch.translate(alias)), runtime) for alias in plan.config.patterns()]
     release_freed_memory()
     for engines in state.clients:
         loops.start("health", engines.watch_health)

@@ -199,6 +199,13 @@ def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     serve.add_argument(
         "--served-model-name", default=None, help="the model name clients send (default: the model folder's name)"
     )
+    serve.add_argument(
+        "--alias",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="another model name clients may send, or a glob pattern of names (repeatable, e.g. 'claude-*'; default: none)",
+    )
     serve.add_argument("--reasoning-parser", default="auto", help="vLLM reasoning parser name, auto (from the model folder) or none")
     serve.add_argument("--tool-parser", default="auto", help="vLLM tool-call parser name, auto (from the model folder) or none")
     serve.add_argument(
@@ -232,7 +239,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         backend_options=_backend_options(args.backend_option),
     )
     with startup_errors(args.host, args.port):
-        serve(engine, host=args.host, port=args.port, route=args.route)
+        serve(engine, host=args.host, port=args.port, route=args.route, aliases=args.alias)
     return 0
 
 

@@ -210,7 +210,9 @@ class ModelConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     name: Annotated[str, Meta(min_length=1)]
     """The model name clients send and answers carry."""
     aliases: list[Annotated[str, Meta(min_length=1)]] = []
-    """More names clients may send for this model."""
+    """More names clients may send for this model: exact names, or glob patterns (`claude-*`,
+    `gpt-5*`: `*`, `?` and `[...]` as in shell globs) for clients whose model names change with
+    every release. An exact name (any model's) wins over a pattern; patterns are tried in config order."""
     tokenizer: str
     """Tokenizer (or model) folder: local render and the token route's derender."""
     engines: Annotated[list[EngineEndpoint], Meta(min_length=1)]
@@ -224,7 +226,15 @@ class ModelConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     reasoning_field: Literal["reasoning", "reasoning_content", "both"] | None = None
 
     def names(self) -> list[str]:
-        return [self.name, *self.aliases]
+        """The exact names this model answers to (its name and the aliases that are not patterns)."""
+        return [self.name, *(alias for alias in self.aliases if not is_pattern(alias))]
+
+    def patterns(self) -> list[str]:
+        return [alias for alias in self.aliases if is_pattern(alias)]
+
+
+def is_pattern(alias: str) -> bool:
+    return any(mark in alias for mark in "*?[")
 
 
 class GatewayConfig(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -292,7 +302,7 @@ class GatewayConfig(Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError("give model, tokenizer and engines (one model) or models (several)")
         seen: set[str] = set()
         for model in self.served_models():
-            for name in model.names():
+            for name in model.names() + model.patterns():
                 if name in seen:
                     raise ConfigError(f"the model name {name!r} is given twice")
                 seen.add(name)

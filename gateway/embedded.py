@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +21,7 @@ from engine.http_server import Runner, new_event_loop
 from engine.config import EngineConfig
 from gateway.access_log import AccessLogger
 from gateway.app import create_app as create_gateway_app
-from gateway.config import EngineEndpoint, GatewayConfig, Route
+from gateway.config import EngineEndpoint, GatewayConfig, ModelConfig, Route
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,9 @@ def served_name(engine: EngineConfig) -> str:
 
 
 @asynccontextmanager
-async def embedded(engine: EngineConfig, *, host: str, port: int, route: Route) -> AsyncIterator[Embedded]:
+async def embedded(
+    engine: EngineConfig, *, host: str, port: int, route: Route, aliases: Sequence[str] = ()
+) -> AsyncIterator[Embedded]:
     """Start engine then gateway; yield both apps and the gateway's base URL."""
     engine_runner = Runner(create_engine_app(engine), handler_cancellation=True, access_log=None)
     await engine_runner.setup()
@@ -47,9 +49,14 @@ async def embedded(engine: EngineConfig, *, host: str, port: int, route: Route) 
     await engine_site.start()
     engine_port = engine_runner.addresses[0][1]
     config = GatewayConfig(
-        model=served_name(engine),
-        tokenizer=engine.model,
-        engines=[EngineEndpoint(url=f"http://127.0.0.1:{engine_port}")],
+        models=[
+            ModelConfig(
+                name=served_name(engine),
+                aliases=list(aliases),
+                tokenizer=engine.model,
+                engines=[EngineEndpoint(url=f"http://127.0.0.1:{engine_port}")],
+            )
+        ],
         host=host,
         port=port,
         route=route,
@@ -72,20 +79,20 @@ async def embedded(engine: EngineConfig, *, host: str, port: int, route: Route) 
         await engine_runner.cleanup()
 
 
-async def _serve_forever(engine: EngineConfig, host: str, port: int, route: Route) -> None:
+async def _serve_forever(engine: EngineConfig, host: str, port: int, route: Route, aliases: Sequence[str]) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with embedded(engine, host=host, port=port, route=route) as running:
+    async with embedded(engine, host=host, port=port, route=route, aliases=aliases) as running:
         log.info("onehop serving %s (OpenAI base_url %s/v1, engine backend %s)", served_name(engine), running.url, engine.backend)
         await stop.wait()
 
 
-def serve(engine: EngineConfig, *, host: str, port: int, route: Route) -> None:
+def serve(engine: EngineConfig, *, host: str, port: int, route: Route, aliases: Sequence[str] = ()) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     loop = new_event_loop()
     try:
-        loop.run_until_complete(_serve_forever(engine, host, port, route))
+        loop.run_until_complete(_serve_forever(engine, host, port, route, aliases))
     finally:
         loop.close()

@@ -32,6 +32,7 @@ from yarl import URL
 
 from engine.protocol import CONSTRAINT_KINDS, public_request_id
 from engine.telemetry import Tracing, inject, record_error
+from gateway.session import SESSION_HEADER
 from gateway.config import Health, Route, Timeouts
 from gateway.engine_stream import EngineAnswer, StreamPool
 from gateway.errors import (
@@ -282,7 +283,14 @@ class EngineClient:
 
     @asynccontextmanager
     async def open(
-        self, first: Endpoint, body: bytes, *, stream: bool, request_id: str, parent: Span | None = None
+        self,
+        first: Endpoint,
+        body: bytes,
+        *,
+        stream: bool,
+        request_id: str,
+        parent: Span | None = None,
+        session: str | None = None,
     ) -> AsyncIterator[tuple[str, EngineAnswer]]:
         """`generate` on `first`, or on other engines of the pool if it fails before answering.
 
@@ -302,7 +310,9 @@ class EngineClient:
             current.outstanding += 1
             current.breaker.started()
             try:
-                async with self.generate(current.url, body, stream=stream, request_id=request_id, parent=parent) as response:
+                async with self.generate(
+                    current.url, body, stream=stream, request_id=request_id, parent=parent, session=session
+                ) as response:
                     self.pool.succeeded(current)
                     answered = True
                     yield current.url, response
@@ -352,13 +362,23 @@ class EngineClient:
 
     @asynccontextmanager
     async def generate(
-        self, url: str, body: bytes, *, stream: bool, request_id: str, parent: Span | None = None
+        self,
+        url: str,
+        body: bytes,
+        *,
+        stream: bool,
+        request_id: str,
+        parent: Span | None = None,
+        session: str | None = None,
     ) -> AsyncIterator[EngineAnswer]:
         """One engine request, inside an `engine.generate` client span (a child of `parent`)
-        whose context travels as `traceparent`; the span ends when the caller is done reading."""
+        whose context travels as `traceparent`; the span ends when the caller is done reading.
+        `session`: the client's conversation (`gateway.session`), sent as vLLM's `X-Session-ID`."""
         context = trace.set_span_in_context(parent) if parent is not None else None
         span = self._tracer.start_span("engine.generate", context=context, kind=SpanKind.CLIENT)
         headers = {"Content-Type": "application/json"}
+        if session is not None:
+            headers[SESSION_HEADER] = session
         if span.is_recording():
             target = URL(url)
             span.set_attributes(

@@ -59,6 +59,7 @@ from gateway.relay import (
     respond_stream,
 )
 from gateway.routing import choose_route
+from gateway.session import session_key
 from gateway.runtime import ModelRuntime
 from gateway.state import GATEWAY, GatewayState
 from gateway.translate import Presented
@@ -91,6 +92,9 @@ async def serve(http: web.Request, endpoint: Endpoint[Any]) -> web.StreamRespons
     request = endpoint.decode(body, http)
     server = http[SPAN_KEY]
     describe_model(server, endpoint.name, request.model)
+    session = session_key(http, request)
+    if session is not None:
+        server.set_attribute("session.id", session)
     endpoint.check(request, state.config.limits)
     sampling = endpoint.sampling(request)
     model = state.model(request.model)
@@ -118,7 +122,7 @@ async def serve(http: web.Request, endpoint: Endpoint[Any]) -> web.StreamRespons
         features = endpoint.features(request, model.name, prompts, http, sampling)
         target = await choose_route(state, model, http, features, prompts[0])
         forwarded = endpoint.forwarded(request, body)
-        exchange = Exchange(http, state, model, endpoint, request, forwarded, prompts, sampling, target, response_id)
+        exchange = Exchange(http, state, model, endpoint, request, forwarded, prompts, sampling, target, response_id, session)
         return await guard_disconnect(http, state, model, exchange.legs, exchange.run)
 
 
@@ -216,8 +220,10 @@ class Exchange:
         sampling: dict[str, Any],
         target: Target,
         response_id: str,
+        session: str | None = None,
     ) -> None:
         self.http = http
+        self.session = session
         self.state = state
         self.endpoint = endpoint
         self.request = request
@@ -297,10 +303,9 @@ class Exchange:
     async def _open(self, leg: Leg) -> AsyncIterator[EngineAnswer]:
         engines, server = self.target.engines, self.http[SPAN_KEY]
         body = self._engine_body(leg)
-        async with engines.open(self.target.endpoint, body, stream=self.stream, request_id=leg.request_id, parent=server) as (
-            url,
-            response,
-        ):
+        async with engines.open(
+            self.target.endpoint, body, stream=self.stream, request_id=leg.request_id, parent=server, session=self.session
+        ) as (url, response):
             leg.sent_to = url
             yield response
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 
@@ -38,7 +39,9 @@ class GatewayState:
     key_file: WatchedFile[Keys] | None = None
     env_keys: Keys = field(default_factory=dict)
     models: dict[str, ModelRuntime] = field(default_factory=dict)
-    """Each served model under every name it answers to; built once at start."""
+    """Each served model under every exact name it answers to; built once at start."""
+    patterns: list[tuple[re.Pattern[str], ModelRuntime]] = field(default_factory=list)
+    """Alias patterns (`claude-*`), in config order: tried when no exact name matches."""
     background: set[asyncio.Task[None]] = field(default_factory=set)
     """Aborts sent after a client left; kept referenced until done."""
     responses: ResponseStorage = field(default_factory=response_store)
@@ -56,6 +59,8 @@ class GatewayState:
         if name is None:
             return next(iter(self.models.values()))
         found = self.models.get(name)
+        if found is None:
+            found = next((model for pattern, model in self.patterns if pattern.fullmatch(name)), None)
         if found is None:
             raise ModelNotFound(f"The model `{name}` does not exist.", param="model")
         return found
