@@ -8,7 +8,6 @@ Agents name their conversation in different places; the first one present wins:
     session-id                         Codex CLI's header (its thread id)
     prompt_cache_key                   Responses API (Codex sends its thread id here too)
     metadata.user_id's session_id      Messages API (Claude Code writes JSON there)
-    previous_response_id's session     Responses API, continuing a stored response
     user                               OpenAI's end-user id (one user, one stream of work)
 
 The key goes on the server span (`session.id`) and to engines as `X-Session-ID`, vLLM's
@@ -34,13 +33,12 @@ _HEADERS = ("X-Session-ID", "X-Claude-Code-Session-Id", "session-id")
 MAX_KEY_CHARS = 128
 
 
-def session_key(http: web.Request, request: Any, stored: str | None = None) -> str | None:
-    """`request`: the decoded request (chat, completion, or a translated API's `Turn`);
-    `stored`: the session of the response `previous_response_id` continues, if known."""
+def session_key(http: web.Request, request: Any) -> str | None:
+    """`request`: the decoded request (chat, completion, or a translated API's `Turn`)."""
     header = http.headers.get(_HEADERS[0])
     body = getattr(request, "session_id", None) if isinstance(request, ChatCompletionRequest | CompletionRequest) else None
     found = header or body or next((value for name in _HEADERS[1:] if (value := http.headers.get(name))), None)
-    found = found or _from_body(request.original if isinstance(request, Turn) else None) or stored
+    found = found or _from_body(request.original if isinstance(request, Turn) else None)
     found = found or getattr(request.original if isinstance(request, Turn) else request, "user", None)
     return _bounded(found) if found else None
 
