@@ -41,7 +41,8 @@ What each mode plans before the token rules below apply:
   the results' text; else, when the ``<tools>`` block lists a tool named in
   ``agent_calls``, a call of the first such tool (in ``agent_calls``' order)
   with its configured arguments, in ``tool_format``'s format; else content as
-  in auto mode. Then EOS.
+  in auto mode. Answers and content are written as the tool format's family
+  writes an answer (gpt-oss: a ``final`` channel message). Then EOS.
 - ``auto``, in these parts, then EOS:
 
   1. Reasoning, when the prompt leaves thinking open (a ChatML prompt ending
@@ -744,6 +745,7 @@ class SimBackend:
         write_calls = TOOL_PARSERS[config.tool_format].format_calls
         assert write_calls is not None
         self._write_calls = write_calls
+        self._write_content = TOOL_PARSERS[config.tool_format].format_content or str
         self._script = [self._encode(text) for text in config.script]
         self._script_turn = 0
         self._live: dict[str, _Live] = {}
@@ -945,11 +947,11 @@ class SimBackend:
         plan = self._reasoning(rng) if prompt.thinking_open and self._think_open is not None else []
         results = _tool_results(self._reader.last_user_text(prompt.ids))
         if results:
-            return plan + self._encode(AGENT_ANSWER + "\n".join(results))
+            return plan + self._encode(self._write_content(AGENT_ANSWER + "\n".join(results)))
         offered = {tool["name"] for tool in prompt.tools}
         name = next((name for name in self._config.agent_calls if name in offered), None)
         if name is None:
-            return plan + self._content(rng)
+            return plan + self._encode(self._write_content(self._reader.decode(self._content(rng))))
         return plan + self._encode(self._write_calls([ToolCallText(name, self._config.agent_calls[name])]))
 
     def _reasoning(self, rng: random.Random) -> list[int]:

@@ -18,7 +18,10 @@ from engine.derender.chat import ChatDerender, ChatOptions
 from engine.derender.vocab import TokenVocab
 from engine.openai_schema import ChatCompletion
 from engine.protocol import SamplingParams
+from engine.qwen3.fixtures import cache_dir
 from engine.qwen3.vocab import ENDOFTEXT_ID, IM_END_ID, IM_START_ID
+from tests.support.families import FAMILIES, family
+from tests.support.family_tokenizers import build_family_tokenizer
 
 Make = Callable[..., SimBackend]
 Batches = list[list[BackendOutput]]
@@ -309,6 +312,31 @@ async def test_agent_without_a_configured_tool_writes_content(make: Make, render
         choice = derendered(qwen3_vocab, prompt, await collect(backend, request(prompt))).choices[0]
         assert choice.finish_reason == "stop" and not choice.message.tool_calls
         assert choice.message.content and not choice.message.content.startswith("The command printed")
+
+
+@pytest.mark.parametrize("results", [True, False], ids=["answer", "call"])
+async def test_agent_on_gpt_oss_answers_on_the_final_channel(qwen3_tokenizer_dir: Path, results: bool) -> None:
+    """Harmony content is a `final` message: plain text after the analysis would be dropped."""
+    harmony = family("openai", qwen3_tokenizer_dir)
+    folder = build_family_tokenizer(cache_dir(), "e2e-openai", list(FAMILIES["openai"][1]))
+    backend = SimBackend(
+        SimBackendConfig(
+            tokenizer=str(folder), mode="agent", agent_calls=AGENT_CALLS, tool_format="openai", reasoning_format="openai_gptoss"
+        )
+    )
+    messages = CALLED if results else HELLO
+    prompt = list(harmony.tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=True)["input_ids"])
+    derender = ChatDerender(harmony.vocab, harmony.options(TOOLS), model="sim", prompt_token_ids=prompt)
+    for batch in await collect(backend, request(prompt)):
+        for out in batch:
+            derender.step(out.index, out.token_ids, out.logprobs, finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+    message = derender.response().choices[0].message
+    assert message.reasoning
+    if results:
+        assert message.content == "The command printed: onehop-agent-OK" and not message.tool_calls
+    else:
+        (call,) = message.tool_calls
+        assert (call.function.name, json.loads(call.function.arguments)) == ("search", AGENT_CALLS["search"])
 
 
 async def test_agent_writes_calls_in_the_tool_format(make: Make, render: Any, qwen3_tokenizer: Any) -> None:
