@@ -115,7 +115,9 @@ def tokenizers() -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module", params=list(FORMATS))
-def onehop(request: pytest.FixtureRequest, tokenizers: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Onehop]:
+def onehop(
+    request: pytest.FixtureRequest, tokenizers: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Onehop]:
     """A sim engine in agent mode and `onehop gateway` in front of it (API keys on), as processes."""
     tool_parser = request.param
     reasoning_parser = FORMATS[tool_parser][0]
@@ -147,7 +149,8 @@ def onehop(request: pytest.FixtureRequest, tokenizers: dict[str, Path], tmp_path
         "--reasoning-parser", reasoning_parser, "--tool-parser", tool_parser,
         *(f"--backend-option={key}={json.dumps(value)}" for key, value in options.items()),
     ]  # fmt: skip
-    gateway_command = [sys.executable, "-m", "gateway", "gateway", "--config", str(tmp / "gateway.yaml"), "--workers", "1"]
+    gateway_command = [sys.executable, "-m", "gateway", "gateway", "--config", str(tmp / "gateway.yaml")]
+    gateway_command += ["--workers", "1"]
     env = {**os.environ, KEYS_ENV: KEY}
     with log.open("wb") as sink:
         engine = subprocess.Popen(engine_command, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT)
@@ -225,14 +228,20 @@ def _servers_log(server: Onehop) -> str:
     return "\n".join(line for line in lines if '"GET /health' not in line and '"GET /metrics' not in line)[-6000:]
 
 
+def _outputs(stdout: str | bytes | None, stderr: str | bytes | None, server: Onehop) -> str:
+    return f"stdout:\n{stdout!s}\nstderr:\n{str(stderr)[-6000:]}\nservers:\n{_servers_log(server)}"
+
+
 def _run(command: list[str], env: dict[str, str], cwd: Path, server: Onehop) -> subprocess.CompletedProcess[str]:
     started = time.monotonic()
     try:
-        result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=RUN_S, stdin=subprocess.DEVNULL)
+        result = subprocess.run(
+            command, cwd=cwd, env=env, capture_output=True, text=True, timeout=RUN_S, stdin=subprocess.DEVNULL
+        )
     except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"{command[0]} ran past {RUN_S} s\nstdout:\n{exc.stdout}\nstderr:\n{exc.stderr}\nservers:\n{_servers_log(server)}")
+        pytest.fail(f"{command[0]} ran past {RUN_S} s\n{_outputs(exc.stdout, exc.stderr, server)}")
     print(f"{Path(command[0]).name}: {time.monotonic() - started:.1f} s")
-    failure = f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr[-6000:]}\nservers:\n{_servers_log(server)}"
+    failure = f"exit {result.returncode}\n{_outputs(result.stdout, result.stderr, server)}"
     assert result.returncode == 0, failure
     assert MARKER in result.stdout, failure
     return result
@@ -254,3 +263,12 @@ def test_claude_code_runs_a_shell_command_through_onehop(onehop: Onehop, tmp_pat
     # asking, so the default permission mode runs it in -p mode (which cannot ask).
     _run([str(CLAUDE), "-p", PROMPT], env, work, onehop)
 
+
+
+def test_the_readme_shows_the_settings_tested_here() -> None:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("### Coding agents", 1)[1].split("\n### ", 1)[0]
+    assert codex_config("http://gateway-host:8000", "Qwen/Qwen3.6-35B-A3B") in section
+    for name in CLAUDE_QUIET:
+        assert f"{name}=1" in section
+    assert "ANTHROPIC_BASE_URL=http://gateway-host:8000\n" in section

@@ -283,7 +283,9 @@ CALLED = [
 ]
 
 
-async def test_agent_calls_the_first_configured_tool_offered(make: Make, render: Any, qwen3_vocab: TokenVocab) -> None:
+async def test_agent_calls_the_first_configured_tool_offered(
+    make: Make, render: Any, qwen3_vocab: TokenVocab
+) -> None:
     backend = make(mode="agent", agent_calls=AGENT_CALLS)
     prompt = render(HELLO, tools=TOOLS)  # get_weather comes first in the prompt, search first in agent_calls
     choice = derendered(qwen3_vocab, prompt, await collect(backend, request(prompt))).choices[0]
@@ -305,7 +307,9 @@ async def test_agent_answers_tool_results_with_their_text(make: Make, render: An
     assert plain.message.reasoning is None and plain.message.content == "The command printed: onehop-agent-OK"
 
 
-async def test_agent_without_a_configured_tool_writes_content(make: Make, render: Any, qwen3_vocab: TokenVocab) -> None:
+async def test_agent_without_a_configured_tool_writes_content(
+    make: Make, render: Any, qwen3_vocab: TokenVocab
+) -> None:
     backend = make(mode="agent", agent_calls={"exec_command": {"cmd": "echo hi"}})
     for tools in (TOOLS, None):
         prompt = render(HELLO, tools=tools)
@@ -321,15 +325,22 @@ async def test_agent_on_gpt_oss_answers_on_the_final_channel(qwen3_tokenizer_dir
     folder = build_family_tokenizer(cache_dir(), "e2e-openai", list(FAMILIES["openai"][1]))
     backend = SimBackend(
         SimBackendConfig(
-            tokenizer=str(folder), mode="agent", agent_calls=AGENT_CALLS, tool_format="openai", reasoning_format="openai_gptoss"
+            tokenizer=str(folder),
+            mode="agent",
+            agent_calls=AGENT_CALLS,
+            tool_format="openai",
+            reasoning_format="openai_gptoss",
         )
     )
     messages = CALLED if results else HELLO
-    prompt = list(harmony.tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=True)["input_ids"])
+    rendered = harmony.tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=True)
+    prompt = list(rendered["input_ids"])
     derender = ChatDerender(harmony.vocab, harmony.options(TOOLS), model="sim", prompt_token_ids=prompt)
     for batch in await collect(backend, request(prompt)):
         for out in batch:
-            derender.step(out.index, out.token_ids, out.logprobs, finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+            derender.step(
+                out.index, out.token_ids, out.logprobs, finish_reason=out.finish_reason, stop_reason=out.stop_reason
+            )
     message = derender.response().choices[0].message
     assert message.reasoning
     if results:
