@@ -54,7 +54,6 @@ CODEX_MODEL = "onehop-agent"
 # The names Claude Code 2.1.197 sends by default. TODO: one `claude-*` glob alias once
 # aliases take patterns (issue 28, item 3).
 CLAUDE_MODELS = ["claude-opus-4-8", "claude-sonnet-5", "claude-haiku-4-5-20251001"]
-SIM_CONTEXT = 262144  # Claude Code asks for max_tokens 64000 on a ~20k-token prompt
 
 # tool parser -> (reasoning parser, marker tokens added to the Qwen3 tokenizer). The chat
 # template stays Qwen3's, so the sim reads every prompt the same way; the output format differs.
@@ -142,7 +141,7 @@ def onehop(
         "auth": {"api_keys_env": KEYS_ENV},
     }
     (tmp / "gateway.yaml").write_text(yaml.safe_dump(config))
-    options = {"mode": "agent", "agent_calls": AGENT_CALLS, "max_model_len": SIM_CONTEXT}
+    options = {"mode": "agent", "agent_calls": AGENT_CALLS}
     engine_command = [
         sys.executable, "-m", "gateway", "engine", "--backend", "sim", "--model", str(folder),
         "--served-model-name", CODEX_MODEL, "--port", str(engine_port),
