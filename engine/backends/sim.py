@@ -12,8 +12,10 @@ Configuration (`SimBackendConfig`, decoded strictly: unknown keys are errors)::
     served_model_name   reported in BackendInfo.model ("sim")
     ttft_ms, itl_ms     time to first token, then time between steps (0, 0)
     tokens_per_step     tokens per step and choice, like speculative decoding (1)
-    mode                "auto", "echo" or "script" ("auto")
+    mode                "auto", "echo", "script" or "agent" ("auto")
     script              texts for mode "script"
+    agent_calls         mode "agent": tool name -> the arguments to call it with,
+                        tried in order ({}; the mode needs at least one)
     seed                mixed into every choice's random stream (0)
     max_model_len       prompt + output limit (32768)
     reasoning           auto mode thinks when the prompt leaves thinking open (true)
@@ -31,6 +33,16 @@ What each mode plans before the token rules below apply:
 - ``script``: the next text of ``script`` (the k-th request gets text
   ``k mod len(script)``; all choices of a request share it), encoded as is so
   it may carry ``<think>``/``<tool_call>`` markers, then EOS.
+- ``agent``: one step of a coding agent's tool loop, for driving real agent
+  clients (Codex CLI, Claude Code) through the gateway. Reasoning first when
+  the prompt leaves thinking open (as in auto mode), then: when the last
+  user turn holds tool results (``<tool_response>`` blocks, as the Qwen3
+  template renders tool messages), the answer ``The command printed: `` and
+  the results' text; else, when the ``<tools>`` block lists a tool named in
+  ``agent_calls``, a call of the first such tool (in ``agent_calls``' order)
+  with its configured arguments, in ``tool_format``'s format; else content as
+  in auto mode. Answers and content are written as the tool format's family
+  writes an answer (gpt-oss: a ``final`` channel message). Then EOS.
 - ``auto``, in these parts, then EOS:
 
   1. Reasoning, when the prompt leaves thinking open (a ChatML prompt ending
@@ -180,6 +192,10 @@ _TOOL_CALL_END = "</tool_call>"
 _OPEN_CALL_WINDOW = 64
 _SLOT = "\x00"  # stands for the reasoning text when a family's reasoning block is split in two
 _TOOLS_CLOSE = "\n</tools>"
+_TOOL_RESPONSE_OPEN = "<tool_response>\n"
+_TOOL_RESPONSE_CLOSE = "\n</tool_response>"
+AGENT_ANSWER = "The command printed: "
+"""How agent mode's answer to tool results starts (the results' text follows)."""
 
 
 class SimConfigError(ValueError):
@@ -193,8 +209,9 @@ class SimBackendConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     ttft_ms: Annotated[float, Meta(ge=0)] = 0
     itl_ms: Annotated[float, Meta(ge=0)] = 0
     tokens_per_step: Annotated[int, Meta(ge=1)] = 1
-    mode: Literal["auto", "echo", "script"] = "auto"
+    mode: Literal["auto", "echo", "script", "agent"] = "auto"
     script: list[str] = []
+    agent_calls: dict[str, dict[str, Any]] = {}
     seed: int = 0
     max_model_len: Annotated[int, Meta(ge=1)] = 32768
     reasoning: bool = True
@@ -208,6 +225,8 @@ class SimBackendConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
             raise SimConfigError(f"tokens_per_step must be at least 1, got {self.tokens_per_step}")
         if self.mode == "script" and not self.script:
             raise SimConfigError("mode 'script' needs at least one text in script")
+        if self.mode == "agent" and not self.agent_calls:
+            raise SimConfigError("mode 'agent' needs at least one tool in agent_calls")
         reasoning = REASONING_PARSERS.get(self.reasoning_format) if self.reasoning_format is not None else None
         if self.reasoning_format is not None and (reasoning is None or reasoning.format_reasoning is None):
             raise SimConfigError(f"the simulator cannot write reasoning as {self.reasoning_format!r}")
@@ -388,6 +407,19 @@ def _parse_tools(system: str) -> tuple[dict[str, Any], ...]:
         if tool is not None:
             tools.append(tool)
     return tuple(tools)
+
+
+def _tool_results(turn: str) -> list[str]:
+    """The texts of a user turn's `<tool_response>` blocks (the Qwen3 template's tool messages)."""
+    results: list[str] = []
+    start = turn.find(_TOOL_RESPONSE_OPEN)
+    while start >= 0:
+        end = turn.find(_TOOL_RESPONSE_CLOSE, start)
+        if end < 0:
+            break
+        results.append(turn[start + len(_TOOL_RESPONSE_OPEN) : end].strip())
+        start = turn.find(_TOOL_RESPONSE_OPEN, end)
+    return results
 
 
 def _tool_of(line: str) -> dict[str, Any] | None:
@@ -713,6 +745,7 @@ class SimBackend:
         write_calls = TOOL_PARSERS[config.tool_format].format_calls
         assert write_calls is not None
         self._write_calls = write_calls
+        self._write_content = TOOL_PARSERS[config.tool_format].format_content or str
         self._script = [self._encode(text) for text in config.script]
         self._script_turn = 0
         self._live: dict[str, _Live] = {}
@@ -868,7 +901,12 @@ class SimBackend:
         choices: list[_Choice] = []
         for index in range(request.sampling.n):
             rng = random.Random(self._seed(request.sampling.seed, digest, index))
-            plan = shared if shared is not None else self._auto_plan(prompt, rng, request.sampling.structured_outputs)
+            if shared is not None:
+                plan = shared
+            elif self._config.mode == "agent":
+                plan = self._agent_plan(prompt, rng)
+            else:
+                plan = self._auto_plan(prompt, rng, request.sampling.structured_outputs)
             choices.append(_Choice(index, plan, self._words.padding(rng), rules, logprobs))
         return choices
 
@@ -904,6 +942,17 @@ class SimBackend:
         else:
             plan += self._content(rng)
         return plan
+
+    def _agent_plan(self, prompt: _Prompt, rng: random.Random) -> list[int]:
+        plan = self._reasoning(rng) if prompt.thinking_open and self._think_open is not None else []
+        results = _tool_results(self._reader.last_user_text(prompt.ids))
+        if results:
+            return plan + self._encode(self._write_content(AGENT_ANSWER + "\n".join(results)))
+        offered = {tool["name"] for tool in prompt.tools}
+        name = next((name for name in self._config.agent_calls if name in offered), None)
+        if name is None:
+            return plan + self._encode(self._write_content(self._reader.decode(self._content(rng))))
+        return plan + self._encode(self._write_calls([ToolCallText(name, self._config.agent_calls[name])]))
 
     def _reasoning(self, rng: random.Random) -> list[int]:
         assert self._think_open is not None

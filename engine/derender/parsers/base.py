@@ -212,3 +212,6 @@ class ToolFactory:
     """Text that opens a call, appended to the prompt to force `tool_choice` (onehop
     has no guided decoding): a function name, or None for "required" with several
     tools (open up to the name). None when the family cannot be forced this way."""
+    format_content: Callable[[str], str] | None = None
+    """The text a model of this family writes for a plain answer (sim backend); None: the
+    answer's text as is."""

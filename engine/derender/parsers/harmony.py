@@ -224,6 +224,12 @@ def format_calls(calls: Sequence[ToolCallText]) -> str:
     )
 
 
+def format_content(text: str) -> str:
+    """An answer as gpt-oss writes it: a message on the final channel (plain text would be
+    read as a header, and dropped)."""
+    return f"{CHANNEL}final{MESSAGE}{text}{RETURN}"
+
+
 def forced_prefix(name: str | None) -> str:
     """A named call is opened up to its arguments; "required" up to the function name."""
     if name is None:
@@ -510,4 +516,4 @@ class HarmonyTools(_HarmonyMachine, ToolParser):
 
 
 REASONING = ReasoningFactory("openai_gptoss", BoundHarmonyReasoning, format_reasoning)
-TOOLS = ToolFactory("openai", BoundHarmonyTools, format_calls, forced_prefix)
+TOOLS = ToolFactory("openai", BoundHarmonyTools, format_calls, forced_prefix, format_content)

@@ -18,7 +18,10 @@ from engine.derender.chat import ChatDerender, ChatOptions
 from engine.derender.vocab import TokenVocab
 from engine.openai_schema import ChatCompletion
 from engine.protocol import SamplingParams
+from engine.qwen3.fixtures import cache_dir
 from engine.qwen3.vocab import ENDOFTEXT_ID, IM_END_ID, IM_START_ID
+from tests.support.families import FAMILIES, family
+from tests.support.family_tokenizers import build_family_tokenizer
 
 Make = Callable[..., SimBackend]
 Batches = list[list[BackendOutput]]
@@ -153,7 +156,9 @@ def test_config_decodes_with_defaults() -> None:
 
 
 @pytest.mark.parametrize(
-    "extra", ['"itl": 5', '"itl_ms": -1', '"mode": "script"'], ids=["unknown", "negative", "no-script"]
+    "extra",
+    ['"itl": 5', '"itl_ms": -1', '"mode": "script"', '"mode": "agent"'],
+    ids=["unknown", "negative", "no-script", "no-agent-calls"],
 )
 def test_config_is_strict(extra: str) -> None:
     with pytest.raises(msgspec.ValidationError):
@@ -262,6 +267,93 @@ async def test_script_cycles_and_its_markers_parse(
     assert texts == [thought + "<|im_end|>", call + "<|im_end|>", thought + "<|im_end|>"]
     choice = derendered(qwen3_vocab, prompt, await collect(backend, request(prompt))).choices[0]
     assert choice.message.tool_calls[0].function.name == "search"
+
+
+# -- agent mode -----------------------------------------------------------------
+
+AGENT_CALLS = {"exec_command": {"cmd": "echo hi"}, "search": {"query": "onehop", "limit": 3}, "get_weather": {}}
+CALLED = [
+    *HELLO,
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": "search", "arguments": {"query": "onehop", "limit": 3}}}],
+    },
+    {"role": "tool", "content": "onehop-agent-OK\n"},
+]
+
+
+async def test_agent_calls_the_first_configured_tool_offered(
+    make: Make, render: Any, qwen3_vocab: TokenVocab
+) -> None:
+    backend = make(mode="agent", agent_calls=AGENT_CALLS)
+    prompt = render(HELLO, tools=TOOLS)  # get_weather comes first in the prompt, search first in agent_calls
+    choice = derendered(qwen3_vocab, prompt, await collect(backend, request(prompt))).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.reasoning  # thinking was left open
+    (call,) = choice.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("search", AGENT_CALLS["search"])
+
+
+async def test_agent_answers_tool_results_with_their_text(make: Make, render: Any, qwen3_vocab: TokenVocab) -> None:
+    backend = make(mode="agent", agent_calls=AGENT_CALLS)
+    prompt = render(CALLED, tools=TOOLS)
+    choice = derendered(qwen3_vocab, prompt, await collect(backend, request(prompt))).choices[0]
+    assert choice.finish_reason == "stop" and not choice.message.tool_calls
+    assert choice.message.reasoning
+    assert choice.message.content.strip() == "The command printed: onehop-agent-OK"  # after the blank line that closes </think>
+    closed = render(CALLED, tools=TOOLS, thinking=False)
+    plain = derendered(qwen3_vocab, closed, await collect(backend, request(closed)), thinking=False).choices[0]
+    assert plain.message.reasoning is None and plain.message.content == "The command printed: onehop-agent-OK"
+
+
+async def test_agent_without_a_configured_tool_writes_content(
+    make: Make, render: Any, qwen3_vocab: TokenVocab
+) -> None:
+    backend = make(mode="agent", agent_calls={"exec_command": {"cmd": "echo hi"}})
+    for tools in (TOOLS, None):
+        prompt = render(HELLO, tools=tools)
+        choice = derendered(qwen3_vocab, prompt, await collect(backend, request(prompt))).choices[0]
+        assert choice.finish_reason == "stop" and not choice.message.tool_calls
+        assert choice.message.content and not choice.message.content.startswith("The command printed")
+
+
+@pytest.mark.parametrize("results", [True, False], ids=["answer", "call"])
+async def test_agent_on_gpt_oss_answers_on_the_final_channel(qwen3_tokenizer_dir: Path, results: bool) -> None:
+    """Harmony content is a `final` message: plain text after the analysis would be dropped."""
+    harmony = family("openai", qwen3_tokenizer_dir)
+    folder = build_family_tokenizer(cache_dir(), "e2e-openai", list(FAMILIES["openai"][1]))
+    backend = SimBackend(
+        SimBackendConfig(
+            tokenizer=str(folder),
+            mode="agent",
+            agent_calls=AGENT_CALLS,
+            tool_format="openai",
+            reasoning_format="openai_gptoss",
+        )
+    )
+    messages = CALLED if results else HELLO
+    rendered = harmony.tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=True)
+    prompt = list(rendered["input_ids"])
+    derender = ChatDerender(harmony.vocab, harmony.options(TOOLS), model="sim", prompt_token_ids=prompt)
+    for batch in await collect(backend, request(prompt)):
+        for out in batch:
+            derender.step(
+                out.index, out.token_ids, out.logprobs, finish_reason=out.finish_reason, stop_reason=out.stop_reason
+            )
+    message = derender.response().choices[0].message
+    assert message.reasoning
+    if results:
+        assert message.content == "The command printed: onehop-agent-OK" and not message.tool_calls
+    else:
+        (call,) = message.tool_calls
+        assert (call.function.name, json.loads(call.function.arguments)) == ("search", AGENT_CALLS["search"])
+
+
+async def test_agent_writes_calls_in_the_tool_format(make: Make, render: Any, qwen3_tokenizer: Any) -> None:
+    backend = make(mode="agent", agent_calls=AGENT_CALLS, tool_format="qwen3_coder")
+    text = qwen3_tokenizer.decode(ids_of(await collect(backend, request(render(HELLO, tools=TOOLS, thinking=False)))))
+    assert "<function=search>" in text and "<parameter=query>\nonehop\n</parameter>" in text
 
 
 # -- token rules ----------------------------------------------------------------
