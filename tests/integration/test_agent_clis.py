@@ -51,9 +51,8 @@ AGENT_CALLS = {
 KEY = "onehop-agent-test-key"
 KEYS_ENV = "ONEHOP_AGENT_TEST_KEYS"
 CODEX_MODEL = "onehop-agent"
-# The names Claude Code 2.1.197 sends by default. TODO: one `claude-*` glob alias once
-# aliases take patterns (issue 28, item 3).
-CLAUDE_MODELS = ["claude-opus-4-8", "claude-sonnet-5", "claude-haiku-4-5-20251001"]
+CLAUDE_MODELS = ["claude-*"]
+"""Claude Code's names (`claude-opus-4-8`, ... new ones every release) as one glob alias."""
 
 # tool parser -> (reasoning parser, marker tokens added to the Qwen3 tokenizer). The chat
 # template stays Qwen3's, so the sim reads every prompt the same way; the output format differs.
