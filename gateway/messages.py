@@ -234,8 +234,9 @@ def _invalid(text: str) -> InvalidRequest:
     at = _AT.search(text)
     path = at.group(1) if at else ""
     unknown, missing = _UNKNOWN.match(text), _MISSING.match(text)
-    if unknown is not None and not path:  # nested objects ignore unknown fields: only the top level
-        return InvalidRequest(f"{unknown.group(1)}: Extra inputs are not permitted", param=unknown.group(1))
+    if unknown is not None:  # the top level, or a strict config object (`context_management`)
+        name = f"{path}.{unknown.group(1)}" if path else unknown.group(1)
+        return InvalidRequest(f"{name}: Extra inputs are not permitted", param=name)
     if missing is not None:
         name = f"{path}.{missing.group(1)}" if path else missing.group(1)
         return InvalidRequest(f"{name}: Field required", param=name)
@@ -658,10 +659,10 @@ def too_long(message: str) -> str:
     if maximum is None:
         return f"prompt is too long: {message}"
     most = int(maximum.group(1))
-    if (prompt := _PROMPT.search(message)) is not None:
-        tokens = int(next(group for group in prompt.groups() if group is not None))
-    elif (chars := _CHARS.search(message)) is not None:
+    if (chars := _CHARS.search(message)) is not None:
         tokens = math.ceil(int(chars.group(1)) * most / int(chars.group(2)))
+    elif (prompt := _PROMPT.search(message)) is not None:
+        tokens = int(next(group for group in prompt.groups() if group is not None))
     else:
         return f"prompt is too long: {message}"
     return f"prompt is too long: {tokens} tokens > {most} maximum"
