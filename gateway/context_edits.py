@@ -74,6 +74,10 @@ class AllTurns(_Strict, tag="all"):
 class ClearThinking(_Strict, tag="clear_thinking_20251015", kw_only=True):
     keep: ThinkingTurns | AllTurns | Literal["all"] = ThinkingTurns(1)
 
+    @property
+    def keeps_all(self) -> bool:
+        return self.keep == "all" or isinstance(self.keep, AllTurns)
+
 
 class ClearToolUses(_Strict, tag="clear_tool_uses_20250919", kw_only=True):
     trigger: InputTokens | ToolUses = InputTokens(100_000)
@@ -110,7 +114,9 @@ class EditError(ValueError):
 
 
 def decode_edits(config: ContextManagement) -> tuple[list[Edit], list[str]]:
-    """The edits this gateway serves, in order, and the types of those it ignores."""
+    """The edits this gateway serves that change something, in order, and the types of those
+    it ignores. Claude Code's (`clear_thinking_20251015` keeping all) changes nothing: left out,
+    so its every request costs no edit pass."""
     edits: list[Edit] = []
     ignored: list[str] = []
     for i, raw in enumerate(config.edits):
@@ -122,7 +128,7 @@ def decode_edits(config: ContextManagement) -> tuple[list[Edit], list[str]]:
             ignored.append(kind)
             continue
         try:
-            edits.append(msgspec.convert(raw, _KINDS[kind]))
+            edit = msgspec.convert(raw, _KINDS[kind])
         except msgspec.ValidationError as exc:
             text, _, at = str(exc).partition(" - at `$")
             path = where + at.rstrip("`")
@@ -130,6 +136,8 @@ def decode_edits(config: ContextManagement) -> tuple[list[Edit], list[str]]:
             if named is not None:
                 path, text = f"{path}.{named.group(2)}", _WORDS[named.group(1)]
             raise EditError(f"{path}: {text}", path) from exc
+        if not (isinstance(edit, ClearThinking) and edit.keeps_all):
+            edits.append(edit)
     return edits, ignored
 
 
@@ -172,7 +180,7 @@ def tokens(chars: int) -> int:
 
 def _clear_thinking(edit: ClearThinking, turns: list[tuple[str, list[Plain]]], result: Plan) -> None:
     keep = edit.keep
-    if keep == "all" or isinstance(keep, AllTurns):
+    if isinstance(keep, str | AllTurns):  # every turn's kept
         return
     assistant = [i for i, (role, _) in enumerate(turns) if role == "assistant"]
     older = assistant[: max(len(assistant) - keep.value, 0)]

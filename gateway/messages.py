@@ -266,6 +266,8 @@ class ContextManagementResponse(Struct):
 
 @dataclass(frozen=True, slots=True)
 class Translated:
+    """A Messages request as the chat request it runs as, and what the translation left out."""
+
     chat: ChatCompletionRequest
     applied: ContextManagementResponse | None
     """The edits `context_management` made (None: the request sent none), for the answer."""
@@ -302,14 +304,16 @@ def translate(request: MessagesRequest, agents: Agents = _AGENTS) -> Translated:
     return Translated(chat, *notes)
 
 
-def _prompt(
-    request: CountTokensRequest, agents: Agents
-) -> tuple[dict[str, Any], tuple[ContextManagementResponse | None, tuple[str, ...], tuple[str, ...]]]:
+_Notes = tuple[ContextManagementResponse | None, tuple[str, ...], tuple[str, ...]]
+"""`Translated`'s fields after `chat`."""
+
+
+def _prompt(request: CountTokensRequest, agents: Agents) -> tuple[dict[str, Any], _Notes]:
     """The chat fields that shape the prompt (all a token count needs), and what was left out."""
     tools, dropped = _tools(request.tools or [], agents.hosted_tools)
     system = _system(_strip_attribution(request.system) if agents.strip_attribution else request.system)
     edits, ignored = _edits(request.context_management)
-    outside = sum(len(m.content) for m in system if isinstance(m.content, str)) + len(_encode(tools or []))
+    outside = _chars(system, tools) if edits else 0
     conversation, applied = _messages(request.messages, edits, outside)
     messages = system + conversation
     choice = request.tool_choice
@@ -334,6 +338,11 @@ def _prompt(
         fields.update(continue_final_message=True, add_generation_prompt=False)
     response = None if request.context_management is None else ContextManagementResponse(applied)
     return fields, (response, tuple(ignored), tuple(dropped))
+
+
+def _chars(system: list[ChatMessageParam], tools: list[ChatTool] | None) -> int:
+    """The text outside the conversation that the prompt holds too."""
+    return sum(len(m.content) for m in system if isinstance(m.content, str)) + len(_encode(tools or []))
 
 
 def _strip_attribution(system: str | list[TextBlock] | None) -> str | list[TextBlock] | None:
