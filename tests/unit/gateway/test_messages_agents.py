@@ -15,10 +15,13 @@ from engine.openai_schema import ChatCompletion, ChatCompletionChoice, ChatCompl
 from gateway.config import Agents
 from gateway.context_edits import CLEARED
 from gateway.errors import InvalidRequest
+from gateway.chat_template import ChatTemplate
 from gateway.messages import (
     ContextManagementResponse,
     MessagesPresenter,
     Translated,
+    count_tokens_to_chat,
+    decode_count_tokens_request,
     decode_request,
     error_body,
     translate,
@@ -263,6 +266,25 @@ def test_effort_and_adaptive_thinking_reach_the_template() -> None:
     result = translated(messages=[{"role": "user", "content": "hi"}], thinking={"type": "adaptive"}, output_config={"effort": "high"})
     assert result.chat.reasoning_effort == "high"
     assert result.chat.chat_template_kwargs == {"enable_thinking": True, "reasoning_effort": "high"}
+
+
+def test_effort_reaches_a_template_that_reads_it() -> None:
+    """gpt-oss's template writes `Reasoning: {{ reasoning_effort }}` into its system message."""
+    template = ChatTemplate("Reasoning: {{ reasoning_effort | default('medium') }}{% for m in messages %}|{{ m.content }}{% endfor %}")
+    chat = translated(messages=[{"role": "user", "content": "hi"}], output_config={"effort": "low"}).chat
+    assert template.render(msgspec.to_builtins(chat.messages), kwargs=chat.chat_template_kwargs) == "Reasoning: low|hi"
+
+
+def test_count_tokens_sees_the_prompt_a_message_would() -> None:
+    body: dict[str, Any] = {
+        **session(CAPTURE_BILLING),
+        "model": "m",
+        "tools": [{"type": "bash_20250124", "name": "bash"}, {"type": "web_search_20250305", "name": "web_search"}],
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+    }
+    counted = count_tokens_to_chat(decode_count_tokens_request(_encode(body)).request)
+    full = translated(**body).chat
+    assert counted.messages == full.messages and counted.tools == full.tools and len(counted.tools or ()) == 1
 
 
 def test_sampling_extras_pass_to_the_chat_request() -> None:
