@@ -193,7 +193,8 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     state = request.app[GATEWAY]
     auth = state.config.auth
     if auth.enabled and needs_key(request, auth.protect_metrics):
-        caller = check_key(request.headers.get("Authorization"), state.api_keys())
+        headers = request.headers
+        caller = check_key(headers.get("Authorization"), state.api_keys(), headers.get("x-api-key"))
         if caller.tenant is not None:
             request[TENANT_KEY] = caller.tenant
         request[OWNER_KEY] = caller.owner
@@ -362,6 +363,7 @@ def create_app(config: GatewayConfig) -> web.Application:
         app.router.add_post(path, handle_not_served)
     app.router.add_get("/health", handle_health)
     app.router.add_get("/metrics", handle_metrics)
+    app.router.add_get("/", handle_root)  # HEAD too: Claude Code probes `HEAD /` before its first request
     return app
 
 
@@ -400,6 +402,14 @@ async def handle_not_served(http: web.Request) -> web.Response:
     raise RouteNotFound(
         f"{http.path} is not served by this gateway: its models are served for chat and completions, not {what}"
     )
+
+
+async def handle_root(http: web.Request) -> web.Response:
+    """What this is and where its APIs are, without a key: a client's reachability probe
+    (Claude Code sends `HEAD /`) and a person opening the URL both get a 200."""
+    origin = str(http.url.origin())
+    body = {"service": "onehop", "openai_base_url": f"{origin}/v1", "anthropic_base_url": origin}
+    return web.Response(body=_encode(body), content_type="application/json")
 
 
 async def handle_health(http: web.Request) -> web.Response:

@@ -1,4 +1,6 @@
-"""API keys: `Authorization: Bearer <key>` on the OpenAI routes (and optionally /metrics).
+"""API keys: `Authorization: Bearer <key>` or `x-api-key: <key>` on every `/v1/` route (and
+optionally /metrics). OpenAI's clients send the first, Anthropic's (Claude Code with its usual
+`ANTHROPIC_API_KEY`) the second; either works on every route.
 
 Keys come from a file (one per line, `KEY` or `TENANT KEY`; blank lines and
 `#` comments skipped; hot-reloaded like the policy) and/or an environment
@@ -77,12 +79,17 @@ def _owner(digest: bytes, tenant: str | None) -> str:
     return "key:" + hashlib.sha256(b"onehop response owner\0" + digest).hexdigest()[:32]
 
 
-def check_key(header: str | None, known: Keys) -> Caller:
-    """Who is calling; Unauthorized unless the header carries one of the known keys."""
-    scheme, _, credentials = (header or "").strip().partition(" ")
-    if scheme.lower() != "bearer" or not credentials.strip():  # the scheme is case-insensitive (RFC 9110)
-        raise Unauthorized("missing API key: send `Authorization: Bearer <key>`")
-    given = _digest(credentials.strip())
+def check_key(authorization: str | None, known: Keys, api_key: str | None = None) -> Caller:
+    """Who is calling; Unauthorized unless `Authorization: Bearer` or, without one, `x-api-key`
+    carries one of the known keys."""
+    scheme, _, credentials = (authorization or "").strip().partition(" ")
+    if scheme.lower() == "bearer" and credentials.strip():  # the scheme is case-insensitive (RFC 9110)
+        presented = credentials.strip()
+    elif api_key is not None and api_key.strip():
+        presented = api_key.strip()
+    else:
+        raise Unauthorized("missing API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`")
+    given = _digest(presented)
     matched = False
     tenant = None
     for key, owner in known.items():  # every key is compared: no early exit

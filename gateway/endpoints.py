@@ -37,14 +37,14 @@ from gateway.engine_request import chat_sampling, completion_sampling, constrain
 from gateway.errors import InvalidRequest
 from gateway.policy import RequestFeatures
 from gateway.relay import remote_error
-from gateway.messages import MessagesPresenter, MessagesRequest
+from gateway.messages import ContextManagementResponse, MessagesPresenter, MessagesRequest
 from gateway.messages import decode_request as decode_messages_request
-from gateway.messages import to_chat as messages_to_chat
+from gateway.messages import translate as translate_messages
 from gateway.responses import ResponsesPresenter, ResponsesRequest
 from gateway.responses import decode_request as decode_responses_request
 from gateway.responses import to_chat as responses_to_chat
 from gateway.runtime import ModelRuntime
-from gateway.state import GATEWAY
+from gateway.state import GATEWAY, GatewayState
 from gateway.translate import Presenter, Turn, turn
 from gateway.unknown_fields import Decoded
 from gateway.validate import (
@@ -471,10 +471,27 @@ class Messages(TranslatedChat[MessagesRequest]):
 
     def decode(self, body: bytes, http: web.Request) -> Turn[MessagesRequest]:
         request = tolerated(decode_messages_request, self.name, body, http)
-        return turn(request, messages_to_chat(request))
+        state = http.app[GATEWAY]
+        translated = translate_messages(request, state.config.agents)
+        count_left_out(state, self.name, translated.dropped_tools, translated.ignored_edits)
+        if translated.applied is not None:
+            http[CONTEXT_EDITS_KEY] = translated.applied
+        return turn(request, translated.chat)
 
     def presenter(self, http: web.Request, request: Turn[MessagesRequest]) -> MessagesPresenter:
-        return MessagesPresenter()
+        return MessagesPresenter(http.get(CONTEXT_EDITS_KEY))
+
+
+CONTEXT_EDITS_KEY = web.RequestKey("onehop_context_edits", ContextManagementResponse)
+"""What a Messages request's `context_management` edits did, for its answer."""
+
+
+def count_left_out(state: GatewayState, endpoint: str, dropped_tools: tuple[str, ...], ignored_edits: tuple[str, ...]) -> None:
+    """Server tools left out of a Messages prompt and context edits ignored, counted."""
+    for kind in dropped_tools:
+        state.metrics.dropped_tools.labels(endpoint, kind).inc()
+    for kind in ignored_edits:
+        state.metrics.context_edits_ignored.labels(state.ignored_edits.label(kind)).inc()
 
 
 def tolerated(decode: Callable[..., Decoded[R]], endpoint: str, body: bytes, http: web.Request) -> R:

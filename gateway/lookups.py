@@ -55,7 +55,7 @@ async def handle_delete_response(http: web.Request) -> web.Response:
 async def handle_count_tokens(http: web.Request) -> web.Response:
     state = http.app[GATEWAY]
     body = await read_body(http, state.config.timeouts.client_body_s)
-    chat = count_tokens_to_chat(tolerated(decode_count_tokens_request, "messages", body, http))
+    chat = count_tokens_to_chat(tolerated(decode_count_tokens_request, "messages", body, http), state.config.agents)
     model = state.model(chat.model)
     check_text_size(CHAT.text_chars(chat), model.engines.max_model_len(), model.max_chars_per_token)
     async with state.admitted():  # a render is work like any other

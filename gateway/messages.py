@@ -11,16 +11,20 @@ turns the chat answer back into a `Message`, or the chat chunks into Anthropic's
     message_stop
 
 Names follow the `anthropic` SDK's types. An unknown top-level request field is ignored or
-refused by name, as `agents.unknown_fields` says (`gateway.unknown_fields`); blocks, tools and the small config objects are not, because clients
-send back the blocks of earlier answers with fields Anthropic keeps adding (`citations`,
-`caller`, `cache_control`), none of which changes what a self-hosted model is asked.
+refused by name, as `agents.unknown_fields` says (`gateway.unknown_fields`); blocks, tools and
+the small config objects are not, because clients send back the blocks of earlier answers
+with fields Anthropic keeps adding (`citations`, `caller`, `cache_control`), none of which
+changes what a self-hosted model is asked. `context_management` edits the conversation first
+(`gateway.context_edits`); tools with a `type` are Anthropic's (`gateway.anthropic_tools`).
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -43,7 +47,10 @@ from engine.openai_schema import (
     Usage,
     random_uuid,
 )
-from gateway.errors import GatewayError, InvalidRequest
+from gateway.anthropic_tools import CLIENT_TOOLS, hosted_label, is_computer
+from gateway.config import Agents
+from gateway.context_edits import CLEARED, AppliedEdit, ContextManagement, Edit, EditError, Plain, decode_edits, plan
+from gateway.errors import CONTEXT_LENGTH_EXCEEDED, GatewayError, InvalidRequest
 from gateway.translate import Presented, Turn
 from gateway.unknown_fields import Decoded, TolerantDecoder
 
@@ -110,7 +117,7 @@ class Tool(Struct, kw_only=True):
     name: str
     description: str | None = None
     input_schema: dict[str, Any] | None = None
-    type: str | None = None  # "custom" or absent; anything else is a server tool, refused
+    type: str | None = None  # "custom" or absent; else one of Anthropic's (`gateway.anthropic_tools`)
     strict: bool | UnsetType = UNSET
 
 
@@ -147,6 +154,7 @@ class CountTokensRequest(Struct, kw_only=True, omit_defaults=True, forbid_unknow
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
     output_config: OutputConfig | None = None
+    context_management: ContextManagement | None = None
     # Accepted, not acted on: the engine caches prefixes by itself; speed is a deployment's.
     cache_control: dict[str, Any] | None = None
     speed: str | None = None
@@ -160,7 +168,22 @@ class MessagesRequest(CountTokensRequest, kw_only=True, omit_defaults=True, forb
     temperature: Annotated[float, Meta(ge=0, le=1)] | None = None
     top_p: float | None = None
     top_k: Annotated[int, Meta(ge=0)] | None = None
-    # Accepted, not acted on.
+    # OpenAI's and vLLM's sampling fields, as on chat (`SAMPLING_EXTRAS`; checked there).
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    seed: int | None = None
+    logit_bias: dict[str, float] | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    # Accepted, not acted on (Claude Code's `user_id` is a JSON string naming its session).
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
     inference_geo: str | None = None
@@ -211,8 +234,9 @@ def _invalid(text: str) -> InvalidRequest:
     at = _AT.search(text)
     path = at.group(1) if at else ""
     unknown, missing = _UNKNOWN.match(text), _MISSING.match(text)
-    if unknown is not None and not path:  # nested objects ignore unknown fields: only the top level
-        return InvalidRequest(f"{unknown.group(1)}: Extra inputs are not permitted", param=unknown.group(1))
+    if unknown is not None:  # the top level, or a strict config object (`context_management`)
+        name = f"{path}.{unknown.group(1)}" if path else unknown.group(1)
+        return InvalidRequest(f"{name}: Extra inputs are not permitted", param=name)
     if missing is not None:
         name = f"{path}.{missing.group(1)}" if path else missing.group(1)
         return InvalidRequest(f"{name}: Field required", param=name)
@@ -224,16 +248,52 @@ def _invalid(text: str) -> InvalidRequest:
 # ------------------------------------------------------------ request → chat request
 
 
-def count_tokens_to_chat(request: CountTokensRequest) -> ChatCompletionRequest:
-    return ChatCompletionRequest(**_prompt_fields(request))
+SAMPLING_EXTRAS = (
+    "frequency_penalty", "presence_penalty", "seed", "logit_bias", "min_p", "repetition_penalty", "min_tokens",
+    "ignore_eos", "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens",
+    "spaces_between_special_tokens", "bad_words", "allowed_token_ids",
+)
+"""Chat's sampling fields beyond Anthropic's own, passed on when set (benchmarks send `ignore_eos`)."""
+ATTRIBUTION = "x-anthropic-billing-header:"
+"""How Claude Code's attribution line starts: it names the release and conversation, so it differs
+between conversations and, first in the system prompt, would leave them no shared prefix."""
+_AGENTS = Agents()
 
 
-def to_chat(request: MessagesRequest) -> ChatCompletionRequest:
+class ContextManagementResponse(Struct):
+    applied_edits: list[AppliedEdit]
+
+
+@dataclass(frozen=True, slots=True)
+class Translated:
+    """A Messages request as the chat request it runs as, and what the translation left out."""
+
+    chat: ChatCompletionRequest
+    applied: ContextManagementResponse | None
+    """The edits `context_management` made (None: the request sent none), for the answer."""
+    ignored_edits: tuple[str, ...] = ()
+    """Edit types not served, ignored."""
+    dropped_tools: tuple[str, ...] = ()
+    """Server tools left out of the prompt, by type."""
+
+
+def count_tokens_to_chat(request: CountTokensRequest, agents: Agents = _AGENTS) -> ChatCompletionRequest:
+    return ChatCompletionRequest(**_prompt(request, agents)[0])
+
+
+def to_chat(request: MessagesRequest, agents: Agents = _AGENTS) -> ChatCompletionRequest:
+    return translate(request, agents).chat
+
+
+def translate(request: MessagesRequest, agents: Agents = _AGENTS) -> Translated:
     for name in ("container", "mcp_servers"):
         if getattr(request, name) is not None:
             raise InvalidRequest(f"{name}: not served by this gateway", param=name)
-    return ChatCompletionRequest(
-        **_prompt_fields(request),
+    fields, notes = _prompt(request, agents)
+    extras = {name: value for name in SAMPLING_EXTRAS if (value := getattr(request, name)) is not None}
+    chat = ChatCompletionRequest(
+        **fields,
+        **extras,
         max_completion_tokens=request.max_tokens,
         stop=request.stop_sequences or [],
         stream=bool(request.stream),
@@ -241,27 +301,65 @@ def to_chat(request: MessagesRequest) -> ChatCompletionRequest:
         top_p=request.top_p,
         top_k=request.top_k,
     )
+    return Translated(chat, *notes)
 
 
-def _prompt_fields(request: CountTokensRequest) -> dict[str, Any]:
-    """The chat fields that shape the prompt (all a token count needs)."""
-    messages = _system(request.system) + _messages(request.messages)
+_Notes = tuple[ContextManagementResponse | None, tuple[str, ...], tuple[str, ...]]
+"""`Translated`'s fields after `chat`."""
+
+
+def _prompt(request: CountTokensRequest, agents: Agents) -> tuple[dict[str, Any], _Notes]:
+    """The chat fields that shape the prompt (all a token count needs), and what was left out."""
+    tools, dropped = _tools(request.tools or [], agents.hosted_tools)
+    system = _system(_strip_attribution(request.system) if agents.strip_attribution else request.system)
+    edits, ignored = _edits(request.context_management)
+    outside = _chars(system, tools) if edits else 0
+    conversation, applied = _messages(request.messages, edits, outside)
+    messages = system + conversation
     choice = request.tool_choice
     fields: dict[str, Any] = {
         "model": request.model,
         "messages": messages,
-        "tools": [_tool(i, tool) for i, tool in enumerate(request.tools)] if request.tools else None,
+        "tools": tools,
         "tool_choice": _tool_choice(choice),
         "parallel_tool_calls": not (choice is not None and choice.disable_parallel_tool_use),
     }
-    if request.thinking is not None:  # absent: the model's own default
-        fields["chat_template_kwargs"] = {"enable_thinking": request.thinking.type != "disabled"}
+    kwargs: dict[str, Any] = {}
+    if request.thinking is not None:  # absent: the model's own default; "adaptive" is on
+        kwargs["enable_thinking"] = request.thinking.type != "disabled"
         fields["include_reasoning"] = request.thinking.display != "omitted"
     if request.output_config is not None:
         fields.update(_output_config(request.output_config))
+    if "reasoning_effort" in fields:  # what gpt-oss's template reads, as vLLM passes it
+        kwargs["reasoning_effort"] = fields["reasoning_effort"]
+    if kwargs:
+        fields["chat_template_kwargs"] = kwargs
     if messages and messages[-1].role == "assistant":  # a prefill: the answer continues it
         fields.update(continue_final_message=True, add_generation_prompt=False)
-    return fields
+    response = None if request.context_management is None else ContextManagementResponse(applied)
+    return fields, (response, tuple(ignored), tuple(dropped))
+
+
+def _chars(system: list[ChatMessageParam], tools: list[ChatTool] | None) -> int:
+    """The text outside the conversation that the prompt holds too."""
+    return sum(len(m.content) for m in system if isinstance(m.content, str)) + len(_encode(tools or []))
+
+
+def _strip_attribution(system: str | list[TextBlock] | None) -> str | list[TextBlock] | None:
+    """Claude Code's attribution line left out: the first system block that starts with it
+    goes, or only that line when the block holds more."""
+    if isinstance(system, str):
+        return _without_first_line(system) if system.startswith(ATTRIBUTION) else system
+    for i, block in enumerate(system or ()):
+        if block.text.startswith(ATTRIBUTION):
+            rest = _without_first_line(block.text)
+            kept = [TextBlock(rest)] if rest.strip() else []
+            return [*system[:i], *kept, *system[i + 1 :]]  # type: ignore[index]
+    return system
+
+
+def _without_first_line(text: str) -> str:
+    return text.partition("\n")[2]
 
 
 def _system(system: str | list[TextBlock] | None) -> list[ChatMessageParam]:
@@ -269,17 +367,63 @@ def _system(system: str | list[TextBlock] | None) -> list[ChatMessageParam]:
     return [ChatMessageParam(role="system", content=text)] if text else []
 
 
-def _messages(messages: list[MessageParam]) -> list[ChatMessageParam]:
+def _edits(config: ContextManagement | None) -> tuple[list[Edit], list[str]]:
+    if config is None:
+        return [], []
+    try:
+        return decode_edits(config)
+    except EditError as exc:
+        raise InvalidRequest(str(exc), param=exc.param) from exc
+
+
+def _messages(
+    messages: list[MessageParam], edits: list[Edit], outside: int
+) -> tuple[list[ChatMessageParam], list[AppliedEdit]]:
+    """The conversation as chat messages, edited as `edits` say (`outside`: the characters of
+    the system prompt and tools, which the token trigger counts too)."""
     _check_blocks(messages)
+    turns = _turns(messages)
+    applied: list[AppliedEdit] = []
+    if edits:
+        turns, applied = _edited(turns, edits, outside)
     out: list[ChatMessageParam] = []
-    for role, blocks in _turns(messages):
+    for role, blocks in turns:
         if role == "user":
             out += _user(blocks)
         elif role == "assistant":
             out.append(_assistant(blocks))
-        else:
+        else:  # a system message mid-conversation, rendered where it is
             out.append(ChatMessageParam(role="system", content="\n".join(_texts(blocks))))
-    return out
+    return out, applied
+
+
+def _edited(
+    turns: list[tuple[str, list[Block]]], edits: list[Edit], outside: int
+) -> tuple[list[tuple[str, list[Block]]], list[AppliedEdit]]:
+    changes = plan(edits, [(role, [_plain(block) for block in blocks]) for role, blocks in turns], outside)
+    edited: list[tuple[str, list[Block]]] = []
+    for i, (role, blocks) in enumerate(turns):
+        kept: list[Block] = []
+        for block in blocks:
+            if isinstance(block, ThinkingBlock | RedactedThinkingBlock) and i in changes.thinking_turns:
+                continue
+            if isinstance(block, ToolResultBlock) and block.tool_use_id in changes.cleared_results:
+                block = msgspec.structs.replace(block, content=CLEARED)
+            elif isinstance(block, ToolUseBlock) and block.id in changes.cleared_inputs:
+                block = msgspec.structs.replace(block, input={})
+            kept.append(block)
+        edited.append((role, kept))
+    return edited, changes.applied
+
+
+def _plain(block: Block) -> Plain:
+    if isinstance(block, ThinkingBlock):
+        return Plain("thinking", len(block.thinking))
+    if isinstance(block, ToolUseBlock):
+        return Plain("tool_use", len(_encode(block.input)), block.id, block.name)
+    if isinstance(block, ToolResultBlock):
+        return Plain("tool_result", len(_result_text(block.content)), block.tool_use_id)
+    return Plain("other", len(block.text) if isinstance(block, TextBlock) else 0)
 
 
 def _check_blocks(messages: list[MessageParam]) -> None:
@@ -351,12 +495,34 @@ def _assistant(blocks: list[Block]) -> ChatMessageParam:
     )
 
 
-def _tool(index: int, tool: Tool) -> ChatTool:
-    if tool.type not in (None, "custom"):
-        raise InvalidRequest(
-            f"tools[{index}]: the server tool {tool.type!r} ({tool.name}) is not served: only custom tools are",
-            param=f"tools[{index}].type",
-        )
+def _tools(tools: list[Tool], hosted: str) -> tuple[list[ChatTool] | None, list[str]]:
+    """The function tools the model sees, and the types of the server tools left out."""
+    out: list[ChatTool] = []
+    dropped: list[str] = []
+    for index, tool in enumerate(tools):
+        kind = tool.type
+        if kind is None or kind == "custom":
+            out.append(_custom_tool(index, tool))
+        elif kind in CLIENT_TOOLS:  # run by the client: a function tool with Anthropic's schema
+            description, schema = CLIENT_TOOLS[kind]
+            out.append(ChatTool(function=FunctionDefinition(name=tool.name, description=tool.description or description, parameters=schema)))
+        elif is_computer(kind):
+            raise InvalidRequest(
+                f"tools[{index}].type: {kind!r} is not served: computer use works from screenshots, and media is not served",
+                param=f"tools[{index}].type",
+            )
+        elif hosted == "refuse":
+            raise InvalidRequest(
+                f"tools[{index}].type: the server tool {kind!r} ({tool.name}) runs on Anthropic's servers and is not "
+                "served here (agents.hosted_tools: refuse)",
+                param=f"tools[{index}].type",
+            )
+        else:
+            dropped.append(hosted_label(kind))
+    return out or None, dropped
+
+
+def _custom_tool(index: int, tool: Tool) -> ChatTool:
     if tool.input_schema is None:
         raise InvalidRequest(f"tools[{index}].input_schema: Field required", param=f"tools[{index}].input_schema")
     return ChatTool(
@@ -408,6 +574,7 @@ class Message(_Typed, tag="message", kw_only=True):
     stop_reason: str | None = None
     stop_sequence: str | None = None
     usage: MessagesUsage
+    context_management: ContextManagementResponse | UnsetType = UNSET  # only when the request sent some
 
 
 class TextDelta(_Typed, tag="text_delta"):
@@ -452,6 +619,7 @@ class StopInfo(Struct):
 class MessageDelta(_Typed, tag="message_delta"):
     delta: StopInfo
     usage: MessagesUsage
+    context_management: ContextManagementResponse | UnsetType = UNSET
 
 
 class MessageStop(_Typed, tag="message_stop"):
@@ -481,7 +649,32 @@ _ERROR_TYPES = {
 
 def error_body(error: GatewayError) -> bytes:
     fallback = "invalid_request_error" if error.status < 500 else "api_error"
-    return _encode(ErrorResponse(ErrorObject(_ERROR_TYPES.get(error.status, fallback), error.message)))
+    message = too_long(error.message) if error.code == CONTEXT_LENGTH_EXCEEDED else error.message
+    return _encode(ErrorResponse(ErrorObject(_ERROR_TYPES.get(error.status, fallback), message)))
+
+
+_MAXIMUM = re.compile(r"maximum context length is (\d+) tokens")
+_PROMPT = re.compile(r"(\d+) input tokens|request has (\d+) tokens|\((\d+) in the messages")
+_CHARS = re.compile(r"contains (\d+) characters \(more than (\d+) characters")
+
+
+def too_long(message: str) -> str:
+    """A prompt over the context in Anthropic's words, `prompt is too long: N tokens > M maximum`,
+    which Anthropic's clients look for (Claude Code compacts its conversation on it). The
+    gateway's and vLLM's messages give both numbers; a prompt refused by its length in
+    characters before render gives the fewest tokens it can hold (its characters over the
+    vocabulary's longest token)."""
+    maximum = _MAXIMUM.search(message)
+    if maximum is None:
+        return f"prompt is too long: {message}"
+    most = int(maximum.group(1))
+    if (chars := _CHARS.search(message)) is not None:
+        tokens = math.ceil(int(chars.group(1)) * most / int(chars.group(2)))
+    elif (prompt := _PROMPT.search(message)) is not None:
+        tokens = int(next(group for group in prompt.groups() if group is not None))
+    else:
+        return f"prompt is too long: {message}"
+    return f"prompt is too long: {tokens} tokens > {most} maximum"
 
 
 def _frame(event: Event) -> bytes:
@@ -596,7 +789,11 @@ class _Blocks:
 
 
 class MessagesPresenter:
-    """Chat answers as Anthropic's (`gateway.translate.Presenter`)."""
+    """Chat answers as Anthropic's (`gateway.translate.Presenter`); `context` is what the
+    request's `context_management` did (None when it sent none), reported as Anthropic does."""
+
+    def __init__(self, context: ContextManagementResponse | None = None) -> None:
+        self.context: ContextManagementResponse | UnsetType = UNSET if context is None else context
 
     def whole(self, turn: Turn[MessagesRequest], meta: Presented, completion: ChatCompletion) -> Message:
         choice = completion.choices[0]
@@ -610,6 +807,7 @@ class MessagesPresenter:
             stop_reason=stop.stop_reason,
             stop_sequence=stop.stop_sequence,
             usage=_usage(completion.usage, meta.prompt_tokens),
+            context_management=self.context,
         )
 
     async def stream(
@@ -627,7 +825,7 @@ class MessagesPresenter:
         out = [] if started else [self._start(meta)]
         blocks.close(out)
         stop = _stop(blocks.finish, blocks.matched, turn.original.stop_sequences, bool(blocks.tools))
-        out.append(_frame(MessageDelta(stop, _usage(blocks.usage, meta.prompt_tokens))))
+        out.append(_frame(MessageDelta(stop, _usage(blocks.usage, meta.prompt_tokens), self.context)))
         out.append(_frame(MessageStop()))
         yield b"".join(out)
 

@@ -106,6 +106,12 @@ class GatewayMetrics:
             "Hosted tools (web_search, ...) left out of the prompt (agents.hosted_tools: drop), by endpoint and tool type.",
             ["endpoint", "type"], registry=r,
         )
+        self.context_edits_ignored = Counter(
+            "onehop_gateway_context_edits_ignored",
+            "Anthropic context_management edits of a type not served, ignored (the request is served unedited by "
+            "them), by type (after 16 distinct types, `_other`).",
+            ["type"], registry=r,
+        )
         self.circuit_open = Gauge(
             "onehop_gateway_engine_circuit_open", "1 while an engine's circuit breaker is open, else 0.", ["engine"],
             registry=r, multiprocess_mode="livemax",

@@ -13,6 +13,7 @@ from engine.telemetry import Tracing, TracingConfig
 from gateway.admission import Gate
 from gateway.auth import Keys
 from gateway.config import GatewayConfig
+from gateway.context_edits import IgnoredEdits
 from gateway.engine_client import EngineClient
 from gateway.errors import ModelNotFound
 from gateway.feedback import EngineFeedback
@@ -49,6 +50,8 @@ class GatewayState:
     this replica's (its workers share them), each caller's own, bounded, lost on restart."""
     ignored_fields: IgnoredFields = field(default_factory=IgnoredFields)
     """Unknown request fields ignored so far (`gateway.unknown_fields`): each logged once."""
+    ignored_edits: IgnoredEdits = field(default_factory=IgnoredEdits)
+    """Context edit types ignored so far, for their bounded metric labels."""
 
     def policy(self, model: ModelRuntime) -> Policy:
         """The policy file's, as last loaded; without one, the model's fixed route."""

@@ -42,3 +42,17 @@ def test_bad_key_files_name_the_line_but_not_the_key(tmp_path: Path) -> None:
         load_key_file(path)
     with pytest.raises(KeyFileError, match="cannot read"):
         load_key_file(tmp_path / "missing")
+
+
+def test_x_api_key_is_a_key_too(tmp_path: Path) -> None:
+    """Anthropic's clients send `x-api-key`; a Bearer key, when sent, is the one checked."""
+    path = tmp_path / "keys"
+    path.write_text("team team-key\n")
+    keys = load_key_file(path)
+    assert check_key(None, keys, "team-key").tenant == "team"
+    assert check_key(None, keys, " team-key ") == check_key("Bearer team-key", keys)
+    assert check_key("Bearer team-key", keys, "wrong").tenant == "team"
+    for authorization, api_key in ((None, "wrong"), (None, ""), ("Bearer wrong", "team-key"), (None, None)):
+        with pytest.raises(Unauthorized) as caught:
+            check_key(authorization, keys, api_key)
+    assert "`x-api-key: <key>`" in caught.value.message and "`Authorization: Bearer <key>`" in caught.value.message
