@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -118,6 +119,14 @@ def _tail(done: subprocess.CompletedProcess[str]) -> str:
     return (done.stdout + done.stderr)[-4000:]
 
 
+def _ignored_fields(serve: str) -> list[str]:
+    """The gateway's count of top-level fields it ignored as unknown: a tool's field must be
+    served, not dropped (answers would still be 200s)."""
+    with urllib.request.urlopen(serve + "/metrics", timeout=30) as answer:
+        text = answer.read().decode()
+    return [line for line in text.splitlines() if line.startswith("onehop_gateway_ignored_fields_total{")]
+
+
 def test_guidellm_responses_mode_with_ignore_eos(
     tools: Path, tool_env: dict[str, str], serve: str, qwen3_tokenizer_dir: Path, tmp_path: Path
 ) -> None:
@@ -144,6 +153,7 @@ def test_guidellm_responses_mode_with_ignore_eos(
     assert bodies and all(b["ignore_eos"] is True and b["max_output_tokens"] == OUTPUT_TOKENS for b in bodies), bodies
     lengths = {request["output_tokens"] for request in benchmark["requests"]["successful"]}
     assert lengths == {OUTPUT_TOKENS}, lengths
+    assert _ignored_fields(serve) == []
 
 
 @pytest.mark.parametrize("endpoint", ["responses", "messages"])
@@ -179,3 +189,4 @@ def test_aiperf_with_ignore_eos(
     # of 256): its --use-server-token-count reads usage only from `response.completed`, and an
     # answer cut at max_output_tokens ends with `response.incomplete`, as OpenAI's do.
     assert lengths["count"] == REQUESTS and lengths["min"] >= 0.9 * OUTPUT_TOKENS, lengths
+    assert _ignored_fields(serve) == []
