@@ -1,7 +1,7 @@
 """guidellm and aiperf, the load generators pointed at vLLM servers, against `onehop serve` on
 the simulator: guidellm's responses mode and aiperf's responses and messages modes, each
-sending vLLM's `ignore_eos` (every answer runs to its token budget, as benchmarks want), end
-with 0 failed requests by each tool's own JSON report, and every answer runs to its budget.
+sending vLLM's `ignore_eos` (answers run to their token budget, as benchmarks want), end with
+0 failed requests by each tool's own JSON report, and every answer reaches its budget.
 
 The tools live in a venv of their own (scripts/setup_loadtools.sh; their pins clash with
 onehop's), run as subprocesses, offline: the synthetic prompts are tokenized with the Qwen3
@@ -22,14 +22,14 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow  # a server and three tool runs of ~10 s each: CI's second stage
+pytestmark = pytest.mark.slow  # a server and three tool runs of 12-16 s each: CI's second stage
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV = Path(os.environ.get("ONEHOP_LOADTOOLS_VENV", Path.home() / ".cache" / "onehop" / "loadtools-venv"))
 START_S = 120
 """Bound on `onehop serve` listening (the simulator loads only a tokenizer: a few seconds)."""
 RUN_S = 120
-"""Bound on one tool run (measured 7-12 s, most of it the tool's own start)."""
+"""Bound on one tool run (measured 12-16 s, most of it the tool's own start)."""
 REQUESTS = 10
 CONCURRENCY = 2
 PROMPT_TOKENS = 16
