@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 from aiohttp import web
 
 from engine.app import create_app as create_engine_app
@@ -43,6 +44,9 @@ async def embedded(
     engine: EngineConfig, *, host: str, port: int, route: Route, aliases: Sequence[str] = ()
 ) -> AsyncIterator[Embedded]:
     """Start engine then gateway; yield both apps and the gateway's base URL."""
+    # The engine is told the gateway's model name: left to itself the simulator answers as
+    # `sim` and vLLM as the hub name, and the gateway refuses an engine serving another model.
+    engine = msgspec.structs.replace(engine, served_model_name=served_name(engine))
     engine_runner = Runner(create_engine_app(engine), handler_cancellation=True, access_log=None)
     await engine_runner.setup()
     engine_site = web.TCPSite(engine_runner, "127.0.0.1", 0)
