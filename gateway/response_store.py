@@ -40,9 +40,9 @@ def _exact(data: bytes) -> bytes:
     return bytes(memoryview(data))
 
 
-def entry_size(body: bytes, conversation: bytes) -> int:
+def entry_size(body: bytes, conversation: bytes, session: str | None = None) -> int:
     """What one entry counts against the bounds."""
-    return len(body) + len(conversation) + ENTRY_OVERHEAD
+    return len(body) + len(conversation) + len(session or "") + ENTRY_OVERHEAD
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,12 +51,16 @@ class StoredResponse:
     """What `GET /v1/responses/{id}` answers: the response's JSON."""
     conversation: list[ChatMessageParam]
     """The chat messages the response ended, its answer last: a later turn's history."""
+    session: str | None = None
+    """The conversation's session key (`gateway.session`), which a continuation keeps."""
 
 
 class ResponseStorage(Protocol):
     """Where finished responses are kept: `ResponseStore`, or the one workers share."""
 
-    def put(self, owner: str, response_id: str, response: bytes, conversation: list[ChatMessageParam]) -> bool:
+    def put(
+        self, owner: str, response_id: str, response: bytes, conversation: list[ChatMessageParam], session: str | None = None
+    ) -> bool:
         """`response`: the encoded Response. False when the entry alone is over the owner's
         share: it is not kept."""
         ...
@@ -74,6 +78,7 @@ class _Entry:
     body: bytes
     conversation: bytes
     size: int
+    session: str | None
 
 
 @dataclass(slots=True)
@@ -101,13 +106,15 @@ class ResponseStore:
         share = self._shares.get(owner)
         return share.bytes if share is not None else 0
 
-    def put(self, owner: str, response_id: str, response: bytes, conversation: list[ChatMessageParam]) -> bool:
+    def put(
+        self, owner: str, response_id: str, response: bytes, conversation: list[ChatMessageParam], session: str | None = None
+    ) -> bool:
         history = _encode(conversation)
-        size = entry_size(response, history)
+        size = entry_size(response, history, session)
         self._drop(response_id)
         if size > self.bounds.max_tenant_bytes:
             return False
-        self._entries[response_id] = _Entry(owner, _exact(response), _exact(history), size)
+        self._entries[response_id] = _Entry(owner, _exact(response), _exact(history), size, session)
         share = self._shares.get(owner)
         if share is None:
             share = self._shares[owner] = _Share()
@@ -127,7 +134,7 @@ class ResponseStore:
             return None  # another owner's entry is not touched: its place in the order stays
         self._entries.move_to_end(response_id)
         self._shares[owner].ids.move_to_end(response_id)
-        return StoredResponse(msgspec.Raw(entry.body), _CONVERSATION.decode(entry.conversation))
+        return StoredResponse(msgspec.Raw(entry.body), _CONVERSATION.decode(entry.conversation), entry.session)
 
     def delete(self, owner: str, response_id: str) -> bool:
         entry = self._entries.get(response_id)

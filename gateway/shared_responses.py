@@ -30,7 +30,8 @@ CREATE TABLE IF NOT EXISTS responses (
     body BLOB NOT NULL,
     conversation BLOB NOT NULL,
     size INTEGER NOT NULL,
-    used INTEGER NOT NULL
+    used INTEGER NOT NULL,
+    session TEXT
 );
 CREATE INDEX IF NOT EXISTS responses_used ON responses (used);
 CREATE INDEX IF NOT EXISTS responses_owner_used ON responses (owner, used);
@@ -52,16 +53,18 @@ class SharedResponseStore:
     def __len__(self) -> int:
         return int(self._db.execute("SELECT COUNT(*) FROM responses").fetchone()[0])
 
-    def put(self, owner: str, response_id: str, response: bytes, conversation: list[ChatMessageParam]) -> bool:
+    def put(
+        self, owner: str, response_id: str, response: bytes, conversation: list[ChatMessageParam], session: str | None = None
+    ) -> bool:
         history = _encode(conversation)
-        size = entry_size(response, history)
+        size = entry_size(response, history, session)
         with self._transaction():
             self._db.execute("DELETE FROM responses WHERE id = ?", (response_id,))
             if size > self.bounds.max_tenant_bytes:
                 return False
             self._db.execute(
-                "INSERT INTO responses VALUES (?, ?, ?, ?, ?, (SELECT COALESCE(MAX(used), 0) + 1 FROM responses))",
-                (response_id, owner, response, history, size),
+                "INSERT INTO responses VALUES (?, ?, ?, ?, ?, (SELECT COALESCE(MAX(used), 0) + 1 FROM responses), ?)",
+                (response_id, owner, response, history, size, session),
             )
             self._evict(owner)
         return True
@@ -69,15 +72,15 @@ class SharedResponseStore:
     def get(self, owner: str, response_id: str) -> StoredResponse | None:
         with self._transaction():
             row = self._db.execute(
-                "SELECT body, conversation FROM responses WHERE id = ? AND owner = ?", (response_id, owner)
+                "SELECT body, conversation, session FROM responses WHERE id = ? AND owner = ?", (response_id, owner)
             ).fetchone()
             if row is None:
                 return None
             self._db.execute(
                 "UPDATE responses SET used = (SELECT MAX(used) + 1 FROM responses) WHERE id = ?", (response_id,)
             )
-        body, history = row
-        return StoredResponse(msgspec.Raw(body), _CONVERSATION.decode(history))
+        body, history, session = row
+        return StoredResponse(msgspec.Raw(body), _CONVERSATION.decode(history), session)
 
     def delete(self, owner: str, response_id: str) -> bool:
         deleted = self._db.execute("DELETE FROM responses WHERE id = ? AND owner = ?", (response_id, owner))

@@ -70,3 +70,14 @@ def test_an_owner_past_its_share_evicts_its_own_oldest_in_every_worker(tmp_path:
     for index in range(30):  # small ones: the count share binds first
         second.put(B, f"s{index}", b"{}", [])
     assert first.get(A, "a") is not None and len(first) == 5
+
+
+def test_a_stored_session_is_read_back_in_every_worker(tmp_path: Path) -> None:
+    from gateway.response_store import ResponseStore
+
+    one, other = SharedResponseStore(tmp_path / "r.sqlite"), SharedResponseStore(tmp_path / "r.sqlite")
+    for writer, reader in ((one, other), (ResponseStore(), None)):
+        writer.put(A, "resp_s", b"{}", [], session="conv-1")
+        writer.put(A, "resp_n", b"{}", [])
+        source = reader or writer
+        assert [source.get(A, r).session for r in ("resp_s", "resp_n")] == ["conv-1", None]  # type: ignore[union-attr]
