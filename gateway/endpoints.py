@@ -40,6 +40,7 @@ from gateway.relay import remote_error
 from gateway.messages import MessagesPresenter, MessagesRequest
 from gateway.messages import decode_request as decode_messages_request
 from gateway.messages import to_chat as messages_to_chat
+from gateway.agent_tools import ToolPolicy, hosted_types
 from gateway.responses import ResponsesPresenter, ResponsesRequest
 from gateway.responses import decode_request as decode_responses_request
 from gateway.responses import to_chat as responses_to_chat
@@ -457,7 +458,12 @@ class Responses(TranslatedChat[ResponsesRequest]):
                     code="previous_response_not_found",
                 )
             history = stored.conversation
-        return turn(request, responses_to_chat(request, history))
+        state = http.app[GATEWAY]
+        policy = ToolPolicy(state.config.agents.hosted_tools, state.config.limits.grammar)
+        chat = responses_to_chat(request, history, policy)
+        for kind in hosted_types(request.tools):  # left out: `refuse` raised above
+            state.metrics.dropped_tools.labels(self.name, kind).inc()
+        return turn(request, chat)
 
     def presenter(self, http: web.Request, request: Turn[ResponsesRequest]) -> ResponsesPresenter:
         return ResponsesPresenter(http.app[GATEWAY].responses, owner(http))

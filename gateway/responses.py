@@ -43,10 +43,8 @@ from engine.openai_schema import (
     ChatLogprobs,
     ChatLogprobToken,
     ChatMessageParam,
-    ChatTool,
     DeltaToolCall,
     FunctionCall,
-    FunctionDefinition,
     Int64,
     NamedFunction,
     NamedToolChoice,
@@ -55,6 +53,18 @@ from engine.openai_schema import (
     ToolChoice,
     TopLogprob,
     Usage,
+)
+from gateway.agent_tools import (
+    HOSTED_TYPES,
+    AgentTools,
+    Callee,
+    Tool,
+    ToolPolicy,
+    agent_tools,
+    checked_tools,
+    custom_arguments,
+    custom_input,
+    flat_name,
 )
 from gateway.errors import GatewayError, InvalidRequest
 from gateway.response_store import ResponseStorage
@@ -89,7 +99,9 @@ class ContentPart(Struct, omit_defaults=True):
 _ITEM_FIELDS: dict[str, tuple[str, ...]] = {
     "message": ("role", "content"),
     "function_call": ("call_id", "name", "arguments"),
-    "function_call_output": ("call_id", "output"),
+    "function_call_output": ("output",),  # its call_id may be left out: see _Conversation
+    "custom_tool_call": ("call_id", "name", "input"),
+    "custom_tool_call_output": ("call_id", "output"),
     "reasoning": (),
 }
 """The input item kinds served, and the fields each must have."""
@@ -106,7 +118,9 @@ class InputItem(Struct, kw_only=True, omit_defaults=True):
     content: str | list[ContentPart] | None = None  # a message's; a reasoning item's reasoning_text
     call_id: str | None = None
     name: str | None = None
+    namespace: str | None = None  # a call of a namespace's tool, and (Codex) its output
     arguments: str | None = None
+    input: str | None = None  # a custom tool call's
     output: str | list[ContentPart] | None = None
     summary: list[ContentPart] | None = None
     encrypted_content: str | None = None  # OpenAI's models' reasoning, unreadable here: ignored
@@ -120,32 +134,22 @@ class InputItem(Struct, kw_only=True, omit_defaults=True):
                 raise ValueError(f"a {self.type} item needs `{name}`")
 
 
-class FunctionTool(Struct, kw_only=True, omit_defaults=True):
+class NamedChoice(Struct, kw_only=True, omit_defaults=True):
+    """A forced call: of a function or custom tool by `name` (`namespace` for one inside a
+    namespace), or of a built-in tool by its type alone."""
+
     type: str
     name: str | None = None
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    namespace: str | None = None
 
     def __post_init__(self) -> None:
-        if self.type != "function":
-            raise ValueError(f"tools of type '{self.type}' are not supported: only function tools are")
-        if self.name is None:
-            raise ValueError("a function tool needs `name`")
-
-
-class FunctionChoice(Struct, kw_only=True):
-    type: str
-    name: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.type != "function":
+        if self.type not in ("function", "custom") and self.type not in HOSTED_TYPES:
             raise ValueError(f"tool_choice of type '{self.type}' is not supported")
-        if self.name is None:
-            raise ValueError("a function tool_choice needs `name`")
+        if self.type in ("function", "custom") and self.name is None:
+            raise ValueError(f"a {self.type} tool_choice needs `name`")
 
 
-ResponsesToolChoice = Literal["none", "auto", "required"] | FunctionChoice
+ResponsesToolChoice = Literal["none", "auto", "required"] | NamedChoice
 
 
 class TextFormat(Struct, kw_only=True, omit_defaults=True):
@@ -167,7 +171,7 @@ class TextConfig(Struct, omit_defaults=True):
 
 class ReasoningConfig(Struct, omit_defaults=True):
     effort: ReasoningEffort | None = None
-    summary: Literal["auto", "concise", "detailed"] | None = None  # no summaries are written
+    summary: Literal["auto", "concise", "detailed", "none"] | None = None  # no summaries are written
     generate_summary: Literal["auto", "concise", "detailed"] | None = None  # the deprecated spelling
 
 
@@ -175,8 +179,9 @@ class ResponsesRequest(Struct, kw_only=True, omit_defaults=True, forbid_unknown_
     """OpenAI's Responses request; any other field is refused by name."""
 
     background: bool | None = None  # refused when true
+    client_metadata: dict[str, Any] | None = None  # Codex's turn metadata: accepted, not acted on
     conversation: str | dict[str, Any] | None = None  # refused when set
-    include: list[str] | None = None
+    include: list[str] | None = None  # any value; only message.output_text.logprobs changes the answer
     input: str | list[InputItem] = []
     instructions: str | None = None
     max_output_tokens: Annotated[int, Meta(ge=1)] | None = None
@@ -197,17 +202,40 @@ class ResponsesRequest(Struct, kw_only=True, omit_defaults=True, forbid_unknown_
     temperature: float | None = None
     text: TextConfig | None = None
     tool_choice: ResponsesToolChoice | None = None
-    tools: list[FunctionTool] | None = None
+    tools: list[Tool] | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     top_p: float | None = None
     truncation: Literal["auto", "disabled"] | None = None  # `auto` accepted; nothing is cut
     user: str | None = None
 
-    # vLLM extensions
+    # vLLM extensions: sampling, passed to the chat request as they are (see SAMPLING_EXTRAS)
     top_k: int | None = None
     seed: Int64 | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    min_tokens: Annotated[int, Meta(ge=0)] | None = None
+    ignore_eos: bool | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    logit_bias: dict[str, float] | None = None
     structured_outputs: dict[str, Any] | None = None
     """vLLM's constraint options (`disable_any_whitespace`, ...), kept beside `text.format` as chat keeps them."""
+
+
+SAMPLING_EXTRAS = (
+    "top_k", "seed", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_tokens", "ignore_eos",
+    "stop", "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+    "bad_words", "allowed_token_ids", "logit_bias",
+)
+"""vLLM's sampling fields a chat request takes beyond OpenAI's Responses ones (load generators
+such as guidellm and aiperf send `ignore_eos`, `min_tokens`, ...); unset ones keep chat's defaults."""
 
 
 class _LenientResponsesRequest(ResponsesRequest, kw_only=True, omit_defaults=True, forbid_unknown_fields=False):
@@ -254,16 +282,25 @@ def _invalid(text: str) -> InvalidRequest:
 
 # ------------------------------------------------------------ request → chat request
 
+_DEFAULT_POLICY = ToolPolicy()
 
-def to_chat(request: ResponsesRequest, history: list[ChatMessageParam]) -> ChatCompletionRequest:
+
+def to_chat(
+    request: ResponsesRequest, history: list[ChatMessageParam], policy: ToolPolicy = _DEFAULT_POLICY
+) -> ChatCompletionRequest:
     """`history`: the conversation stored for `previous_response_id`. Its instructions were not
     stored (OpenAI's rule): only this request's come first."""
-    messages = [ChatMessageParam(role="system", content=request.instructions)] if request.instructions else []
+    tools = checked_tools(request.tools, policy)
     items = [InputItem(role="user", content=request.input)] if isinstance(request.input, str) else request.input
-    messages = _Conversation([*messages, *history]).add(items)
-    if not messages:
+    conversation = _Conversation([*history]).add(items)
+    if not conversation:
         raise InvalidRequest("input must not be empty", param="input")
+    messages = with_instructions(request.instructions, _one_system_turn(conversation))
+    choice = _chat_tool_choice(request.tool_choice, tools, policy)
+    forced = bool(tools.chat) and (choice == "required" or isinstance(choice, NamedToolChoice))
     logprobs = bool(request.top_logprobs) or "message.output_text.logprobs" in (request.include or ())
+    effort = request.reasoning.effort if request.reasoning is not None else None
+    extras = {name: value for name in SAMPLING_EXTRAS if (value := getattr(request, name)) is not None}
     return ChatCompletionRequest(
         messages=messages,
         model=request.model,
@@ -271,36 +308,48 @@ def to_chat(request: ResponsesRequest, history: list[ChatMessageParam]) -> ChatC
         top_logprobs=request.top_logprobs or 0,
         max_completion_tokens=request.max_output_tokens,
         n=1,
-        response_format=_response_format(request.text),
-        seed=request.seed,
+        # A forced call's turn answers with the call, not text: the format waits for the turn
+        # that answers in text (OpenAI takes both; instructor's RESPONSES_TOOLS mode sends both).
+        response_format=None if forced else _response_format(request.text),
         stream=bool(request.stream),
         temperature=request.temperature,
         top_p=request.top_p,
-        tools=[_chat_tool(tool) for tool in request.tools] if request.tools else None,
-        tool_choice=_chat_tool_choice(request.tool_choice),
+        tools=tools.chat or None,
+        tool_choice=choice if tools.chat else UNSET,
         parallel_tool_calls=request.parallel_tool_calls is not False,
         user=request.user,
-        top_k=request.top_k,
-        chat_template_kwargs=_template_kwargs(request.reasoning),
-        structured_outputs=request.structured_outputs,
+        reasoning_effort=effort,
+        chat_template_kwargs=_template_kwargs(effort),
+        structured_outputs=None if forced else request.structured_outputs,
+        **extras,
     )
 
 
 class _Conversation:
     """Input items as chat messages: function calls join the assistant message right before
-    them, and a reasoning item waits for the assistant turn it precedes."""
+    them, and a reasoning item waits for the assistant turn it precedes.
+
+    A namespace's or custom tool's call is the chat call the model made: its flattened name,
+    a custom tool's input as the `input` argument. A `function_call_output` without `call_id`
+    (Codex sends one, with `name` and `namespace`, after its goal tools) answers the latest
+    call of that tool that has no output yet; one that matches none still reaches the model,
+    as a tool turn carrying the tool's name."""
 
     def __init__(self, messages: list[ChatMessageParam]) -> None:
         self.messages = messages
         self._reasoning: str | None = None
+        self._unanswered: list[ToolCall] = [
+            call for message in messages if message.role == "assistant" for call in message.tool_calls or ()
+        ]
 
     def add(self, items: list[InputItem]) -> list[ChatMessageParam]:
-        for item in items:
+        for index, item in enumerate(items):
             if item.type == "reasoning":
                 self._reasoning = _reasoning_text(item)
-            elif item.type == "function_call":
-                function = FunctionCall(item.name or "", item.arguments or "")
-                self._call(ToolCall(id=item.call_id or "", function=function))
+            elif item.type in ("function_call", "custom_tool_call"):
+                self._call(_tool_call(item))
+            elif item.type in ("function_call_output", "custom_tool_call_output"):
+                self._append(self._output(item, index))
             else:
                 self._append(_item_message(item))
         return self.messages  # reasoning that no assistant turn follows is dropped
@@ -312,6 +361,7 @@ class _Conversation:
         self.messages.append(message)
 
     def _call(self, call: ToolCall) -> None:
+        self._unanswered.append(call)
         last = self.messages[-1] if self.messages else None
         if last is None or last.role != "assistant":
             self._append(ChatMessageParam(role="assistant", content="", tool_calls=[call]))
@@ -322,12 +372,69 @@ class _Conversation:
         self.messages[-1] = msgspec.structs.replace(last, tool_calls=calls, reasoning=reasoning)
         self._reasoning = None
 
+    def _output(self, item: InputItem, index: int) -> ChatMessageParam:
+        content = _text(item.output)
+        if item.call_id is not None:
+            self._unanswered = [call for call in self._unanswered if call.id != item.call_id]
+            return ChatMessageParam(role="tool", tool_call_id=item.call_id, content=content)
+        if item.name is None:
+            raise InvalidRequest(
+                "a function_call_output needs `call_id` (or the `name` of the call it answers)",
+                param=f"input[{index}].call_id",
+            )
+        name = flat_name(item.name, item.namespace)
+        for call in reversed(self._unanswered):
+            if call.function.name == name:
+                self._unanswered.remove(call)
+                return ChatMessageParam(role="tool", tool_call_id=call.id, content=content)
+        return ChatMessageParam(role="tool", name=name, content=content)
+
+
+def _tool_call(item: InputItem) -> ToolCall:
+    name = flat_name(item.name or "", item.namespace)
+    arguments = custom_arguments(item.input or "") if item.type == "custom_tool_call" else item.arguments or ""
+    return ToolCall(id=item.call_id or "", function=FunctionCall(name, arguments))
+
 
 def _item_message(item: InputItem) -> ChatMessageParam:
-    if item.type == "function_call_output":
-        return ChatMessageParam(role="tool", tool_call_id=item.call_id, content=_text(item.output))
     role = "system" if item.role == "developer" else item.role or "user"
     return ChatMessageParam(role=role, content=_text(item.content))
+
+
+_SYSTEM_JOIN = "\n\n"
+
+
+def _one_system_turn(messages: list[ChatMessageParam]) -> list[ChatMessageParam]:
+    """Leading system and developer messages as one system turn, their texts in order with a
+    blank line between: most chat templates take one system message, and only first (Codex
+    starts with two developer messages). Later ones stay where they are."""
+    leading = 0
+    while leading < len(messages) and messages[leading].role == "system":
+        leading += 1
+    if leading < 2:
+        return messages
+    text = _SYSTEM_JOIN.join(str(message.content or "") for message in messages[:leading])
+    return [ChatMessageParam(role="system", content=text), *messages[leading:]]
+
+
+def with_instructions(instructions: str | None, messages: list[ChatMessageParam]) -> list[ChatMessageParam]:
+    """`instructions` first, in the one system turn."""
+    if not instructions:
+        return messages
+    if messages and messages[0].role == "system":
+        return [ChatMessageParam(role="system", content=instructions + _SYSTEM_JOIN + str(messages[0].content or "")), *messages[1:]]
+    return [ChatMessageParam(role="system", content=instructions), *messages]
+
+
+def without_instructions(instructions: str | None, messages: list[ChatMessageParam]) -> list[ChatMessageParam]:
+    """What `with_instructions` was given (a stored conversation carries no instructions)."""
+    if not instructions or not messages or messages[0].role != "system":
+        return messages
+    text = str(messages[0].content or "")
+    if text == instructions:
+        return messages[1:]
+    rest = text.removeprefix(instructions + _SYSTEM_JOIN)
+    return [ChatMessageParam(role="system", content=rest), *messages[1:]]
 
 
 def _text(content: str | list[ContentPart] | None) -> str:
@@ -342,15 +449,18 @@ def _reasoning_text(item: InputItem) -> str | None:
     return _text(item.content) or "\n\n".join(part.value for part in item.summary or ()) or None
 
 
-def _chat_tool(tool: FunctionTool) -> ChatTool:
-    strict = tool.strict if tool.strict is not None else UNSET
-    return ChatTool(function=FunctionDefinition(tool.name or "", tool.description, tool.parameters, strict=strict))
-
-
-def _chat_tool_choice(choice: ResponsesToolChoice | None) -> ToolChoice | UnsetType:
+def _chat_tool_choice(choice: ResponsesToolChoice | None, tools: AgentTools, policy: ToolPolicy) -> ToolChoice | UnsetType:
+    """A forced built-in tool is forced no more when the tool is dropped: the model answers
+    as with `auto` (an agent's run goes on); `agents.hosted_tools: refuse` makes it a 400."""
     if choice is None:
         return UNSET
-    return choice if isinstance(choice, str) else NamedToolChoice(function=NamedFunction(choice.name or ""))
+    if isinstance(choice, str):
+        return choice
+    if choice.type in HOSTED_TYPES:
+        if policy.hosted == "refuse":
+            raise InvalidRequest(f"tool_choice of type '{choice.type}' is not served here", param="tool_choice.type")
+        return UNSET
+    return NamedToolChoice(function=NamedFunction(flat_name(choice.name or "", choice.namespace)))
 
 
 def _response_format(text: TextConfig | None) -> dict[str, Any] | None:
@@ -363,10 +473,12 @@ def _response_format(text: TextConfig | None) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": {k: v for k, v in schema.items() if v is not None}}
 
 
-def _template_kwargs(reasoning: ReasoningConfig | None) -> dict[str, Any] | None:
-    if reasoning is None or reasoning.effort is None:
+def _template_kwargs(effort: ReasoningEffort | None) -> dict[str, Any] | None:
+    """Thinking on or off for templates that switch it (Qwen3's `enable_thinking`), and the
+    effort itself for those that take it (gpt-oss's `reasoning_effort`), as vLLM passes it."""
+    if effort is None:
         return None
-    return {"enable_thinking": reasoning.effort != "none"}
+    return {"enable_thinking": effort != "none", "reasoning_effort": effort}
 
 
 # ------------------------------------------------------------ the answer
@@ -417,9 +529,19 @@ class FunctionCallItem(Struct, kw_only=True, tag_field="type", tag="function_cal
     name: str
     arguments: str
     status: ItemStatus
+    namespace: str | UnsetType = UNSET  # a namespace's tool: `name` is the plain name
 
 
-OutputItem = ReasoningItem | MessageItem | FunctionCallItem
+class CustomToolCallItem(Struct, kw_only=True, tag_field="type", tag="custom_tool_call"):
+    id: str
+    call_id: str
+    name: str
+    input: str
+    namespace: str | UnsetType = UNSET
+    status: ItemStatus | UnsetType = UNSET  # not in OpenAI's item: written only when a limit cut it
+
+
+OutputItem = ReasoningItem | MessageItem | FunctionCallItem | CustomToolCallItem
 
 
 class InputTokensDetails(Struct):
@@ -469,7 +591,8 @@ class Response(Struct, kw_only=True):
     temperature: float | None = None
     text: TextConfig
     tool_choice: ResponsesToolChoice = "auto"
-    tools: list[FunctionTool] = []
+    tools: list[Tool] = []
+    """The tools the model was given (a dropped built-in tool is not among them)."""
     top_logprobs: int = 0
     top_p: float | None = None
     truncation: str = "disabled"
@@ -508,7 +631,7 @@ def _response(
         store=request.store is not False,
         text=request.text or _PLAIN_TEXT,
         tool_choice=request.tool_choice or "auto",
-        tools=request.tools or [],
+        tools=[tool for tool in request.tools or () if tool.type not in HOSTED_TYPES],
         top_logprobs=request.top_logprobs or 0,
         truncation=request.truncation or "disabled",
         metadata=request.metadata or {},
@@ -516,7 +639,7 @@ def _response(
     )
 
 
-def _output(message: ChatCompletionMessage, logprobs: ChatLogprobs | None) -> list[OutputItem]:
+def _output(message: ChatCompletionMessage, logprobs: ChatLogprobs | None, tools: AgentTools) -> list[OutputItem]:
     items: list[OutputItem] = []
     if reasoning := _present(message.reasoning) or _present(message.reasoning_content):
         items.append(ReasoningItem(id=_item_id("rs"), content=[ReasoningText(reasoning)]))
@@ -524,9 +647,19 @@ def _output(message: ChatCompletionMessage, logprobs: ChatLogprobs | None) -> li
         text = OutputText(text=message.content, logprobs=_logprobs(_tokens(logprobs), with_bytes=True))
         items.append(MessageItem(id=_item_id("msg"), status="completed", content=[text]))
     for call in message.tool_calls or ():
-        name, arguments = call.function.name, call.function.arguments
-        items.append(FunctionCallItem(id=_item_id("fc"), call_id=call.id, name=name, arguments=arguments, status="completed"))
+        items.append(_call_item(tools, call.id, call.function.name, call.function.arguments, "completed"))
     return items
+
+
+def _call_item(tools: AgentTools, call_id: str, flat: str, arguments: str, status: ItemStatus) -> OutputItem:
+    """The model's call of a (flattened) chat function as the Responses item of its tool."""
+    callee = tools.callee(flat)
+    namespace = callee.namespace if callee.namespace is not None else UNSET
+    if callee.custom:
+        return CustomToolCallItem(id=_item_id("ctc"), call_id=call_id, name=callee.name, input=custom_input(arguments), namespace=namespace)
+    return FunctionCallItem(
+        id=_item_id("fc"), call_id=call_id, name=callee.name, arguments=arguments, status=status, namespace=namespace
+    )
 
 
 def _usage(usage: Usage | UnsetType | None) -> ResponseUsage | None:
@@ -568,12 +701,15 @@ def _assistant(output: list[OutputItem]) -> ChatMessageParam:
     """The answer as the chat message a later turn continues from."""
     reasoning = "".join(part.text for item in output if isinstance(item, ReasoningItem) for part in item.content)
     content = "".join(part.text for item in output if isinstance(item, MessageItem) for part in item.content)
-    calls = [
-        ToolCall(id=item.call_id, function=FunctionCall(item.name, item.arguments))
-        for item in output
-        if isinstance(item, FunctionCallItem)
-    ]
+    calls = [_chat_call(item) for item in output if isinstance(item, FunctionCallItem | CustomToolCallItem)]
     return ChatMessageParam(role="assistant", content=content, tool_calls=calls or UNSET, reasoning=reasoning or UNSET)
+
+
+def _chat_call(item: FunctionCallItem | CustomToolCallItem) -> ToolCall:
+    namespace = item.namespace if isinstance(item.namespace, str) else None
+    name = flat_name(item.name, namespace)
+    arguments = item.arguments if isinstance(item, FunctionCallItem) else custom_arguments(item.input)
+    return ToolCall(id=item.call_id, function=FunctionCall(name, arguments))
 
 
 # ------------------------------------------------------------ stream events
@@ -616,6 +752,7 @@ class DoneEvent(_Event, kw_only=True):
     logprobs: list[LogprobOut] | UnsetType = UNSET
     name: str | UnsetType = UNSET  # function_call_arguments.done: OpenAI's events carry the name
     arguments: str | UnsetType = UNSET
+    input: str | UnsetType = UNSET  # custom_tool_call_input.done
 
 
 class ErrorEvent(_Event, kw_only=True):
@@ -684,9 +821,10 @@ class _StreamedMessage(_Streamed):
 
 
 class _StreamedCall(_Streamed):
-    def __init__(self, prefix: str, index: int, key: object, call_id: str, name: str) -> None:
+    def __init__(self, prefix: str, index: int, key: object, call_id: str, callee: Callee) -> None:
         super().__init__(prefix, index, key)
-        self.call_id, self.name = call_id, name
+        self.call_id, self.callee = call_id, callee
+        self.namespace = callee.namespace if callee.namespace is not None else UNSET
 
     def opened(self) -> list[_Event]:
         return [self._item_event("added", self._item("", "in_progress"))]
@@ -696,11 +834,40 @@ class _StreamedCall(_Streamed):
 
     def closed(self, status: ItemStatus) -> tuple[OutputItem, list[_Event]]:
         item = self._item("".join(self.pieces), status)
-        done = self._done_event("function_call_arguments", name=self.name, arguments=item.arguments)
+        done = self._done_event("function_call_arguments", name=self.callee.name, arguments=item.arguments)
         return item, [done, self._item_event("done", item)]
 
     def _item(self, arguments: str, status: ItemStatus) -> FunctionCallItem:
-        return FunctionCallItem(id=self.id, call_id=self.call_id, name=self.name, arguments=arguments, status=status)
+        return FunctionCallItem(
+            id=self.id, call_id=self.call_id, name=self.callee.name, arguments=arguments, status=status,
+            namespace=self.namespace,
+        )
+
+
+class _StreamedCustomCall(_StreamedCall):
+    """A custom tool's call. The model writes its input as the JSON object `{"input": ...}`;
+    the object is read whole when the call ends, so its text comes as one input delta."""
+
+    def delta(self, text: str, tokens: list[ChatLogprobToken]) -> _Event | None:
+        self.pieces.append(text)
+        return None
+
+    def closed(self, status: ItemStatus) -> tuple[OutputItem, list[_Event]]:
+        item = self._custom(custom_input("".join(self.pieces)), status)
+        fields = {"item_id": self.id, "output_index": self.index}
+        events: list[_Event] = [DoneEvent(type="response.custom_tool_call_input.done", input=item.input, **fields)]
+        if item.input:
+            events.insert(0, DeltaEvent(type="response.custom_tool_call_input.delta", delta=item.input, **fields))
+        return item, [*events, self._item_event("done", item)]
+
+    def opened(self) -> list[_Event]:
+        return [self._item_event("added", self._custom("", "in_progress"))]
+
+    def _custom(self, text: str, status: ItemStatus) -> CustomToolCallItem:
+        return CustomToolCallItem(
+            id=self.id, call_id=self.call_id, name=self.callee.name, input=text, namespace=self.namespace,
+            status="incomplete" if status == "incomplete" else UNSET,
+        )
 
 
 Streamed = _StreamedReasoning | _StreamedMessage | _StreamedCall
@@ -710,18 +877,19 @@ class _StreamedOutput:
     """The output items of one streamed answer. One is open at a time: a delta of another
     kind (or of another tool call) closes it and opens the next."""
 
-    def __init__(self) -> None:
+    def __init__(self, tools: AgentTools) -> None:
         self.items: list[OutputItem] = []
         self.open: Streamed | None = None
+        self.tools = tools
 
     def feed(self, delta: ChatDelta, logprobs: ChatLogprobs | None) -> list[_Event]:  # hot: once per chunk
         events: list[_Event] = []
         if reasoning := _present(delta.reasoning) or _present(delta.reasoning_content):
             events += self._to("reasoning", lambda index: _StreamedReasoning("rs", index, "reasoning"))
-            events.append(self._delta(reasoning, []))
+            events += self._delta(reasoning, [])
         if content := _present(delta.content):
             events += self._to("message", lambda index: _StreamedMessage("msg", index, "message"))
-            events.append(self._delta(content, _tokens(logprobs)))
+            events += self._delta(content, _tokens(logprobs))
         for call in delta.tool_calls or ():
             events += self._call(call)
         return events
@@ -741,19 +909,21 @@ class _StreamedOutput:
         self.open = make(len(self.items))
         return events + self.open.opened()
 
-    def _delta(self, text: str, tokens: list[ChatLogprobToken]) -> _Event:
+    def _delta(self, text: str, tokens: list[ChatLogprobToken]) -> list[_Event]:
         assert self.open is not None
-        return self.open.delta(text, tokens)
+        event = self.open.delta(text, tokens)
+        return [event] if event is not None else []
 
     def _call(self, call: DeltaToolCall) -> list[_Event]:
         function = call.function or None
         call_id = call.id if isinstance(call.id, str) else _item_id("call")  # a call's first delta has both
-        name = (_present(function.name) if function else None) or ""
+        callee = self.tools.callee((_present(function.name) if function else None) or "")
         key = ("call", call.index)
-        events = self._to(key, lambda index: _StreamedCall("fc", index, key, call_id, name))
+        kind = (_StreamedCustomCall, "ctc") if callee.custom else (_StreamedCall, "fc")
+        events = self._to(key, lambda index: kind[0](kind[1], index, key, call_id, callee))
         arguments = _present(function.arguments) if function else None
         if arguments is not None:
-            events.append(self._delta(arguments, []))
+            events += self._delta(arguments, [])
         return events
 
 
@@ -786,7 +956,7 @@ class ResponsesPresenter:
     def whole(self, turn: Turn[ResponsesRequest], meta: Presented, completion: ChatCompletion) -> Response:
         choice = completion.choices[0]
         finish = choice.finish_reason or "stop"
-        output = _output(choice.message, choice.logprobs)
+        output = _output(choice.message, choice.logprobs, self._tools(turn))
         if output and finish in _INCOMPLETE:
             output[-1].status = "incomplete"  # the item the limit cut, as a stream closes it
         response = _response(turn.original, meta, output, _usage(completion.usage), finish)
@@ -801,7 +971,7 @@ class ResponsesPresenter:
             LifecycleEvent(type="response.created", response=started),
             LifecycleEvent(type="response.in_progress", response=started),
         ]
-        output, finish, usage = _StreamedOutput(), "stop", None
+        output, finish, usage = _StreamedOutput(self._tools(turn)), "stop", None
         async with aclosing(chunks):  # type: ignore[type-var]
             async for chunk in chunks:  # hot loop: one write per chunk
                 events, opening = opening, []
@@ -819,9 +989,13 @@ class ResponsesPresenter:
     def error_frame(self, error: GatewayError) -> bytes:
         return self._frames([ErrorEvent(type="error", code=error.code, message=error.message, param=error.param)])
 
+    def _tools(self, turn: Turn[ResponsesRequest]) -> AgentTools:
+        """The request's tools, to name the model's calls (the request was checked already)."""
+        return agent_tools(turn.original.tools, "drop")
+
     def _keep(self, turn: Turn[ResponsesRequest], response: Response) -> None:
         if self._store is None or turn.original.store is False:
             return
-        messages = turn.chat.messages
-        carried = messages[1:] if turn.original.instructions else messages  # instructions are not carried
+        carried = without_instructions(turn.original.instructions, turn.chat.messages)  # not carried
         self._store.put(self._owner, response.id, _encode(response), [*carried, _assistant(response.output)])
+
