@@ -14,9 +14,12 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
+from engine.qwen3.fixtures import cache_dir
 from gateway.config import Agents as AgentsConfig
 from gateway.state import GatewayState
+from tests.support import harmony_tokenizer
 from tests.support.engine import engine_server
+from tests.support.family_tokenizers import build_family_tokenizer
 from tests.support.gateway import gateway_server
 
 Agents = tuple[openai.AsyncOpenAI, GatewayState]
@@ -291,3 +294,45 @@ async def test_a_forced_call_with_a_json_format_is_answered_with_the_call(client
         text={"format": {"type": "json_schema", "name": "city", "schema": City.model_json_schema()}}, **_route(route))
     assert [item.type for item in answer.output] == ["function_call"] and answer.output[0].name == "get_weather"
     assert answer.text is not None and answer.text.format is not None and answer.text.format.type == "json_schema"
+
+
+@pytest.fixture
+async def harmony(qwen3_tokenizer_dir: Path) -> AsyncIterator[openai.AsyncOpenAI]:
+    """gpt-oss's output (Harmony, the `openai` tool parser and `openai_gptoss` reasoning) from
+    the sim, read by the gateway: the combination vLLM 0.33 refuses every non-function tool on."""
+    folder = build_family_tokenizer(cache_dir(), "e2e-openai", [(text, True) for text in harmony_tokenizer.MARKERS])
+    parsers = {"tool_parser": "openai", "reasoning_parser": "openai_gptoss"}
+    async with (
+        engine_server(folder, backend_options={"seed": 11}, **parsers) as (engine_url, _),
+        gateway_server(folder, engine_url, **parsers) as (base, _),
+        openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0) as sdk,
+    ):
+        yield sdk
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize(
+    ("tool", "kind", "name", "namespace"),
+    [
+        (WEATHER, "function_call", "get_weather", None),
+        (AGENTS, "function_call", "spawn_agent", "multi_agent_v1"),
+        (PATCH, "custom_tool_call", "apply_patch", None),
+        ({**AGENTS, "tools": [PATCH]}, "custom_tool_call", "apply_patch", "multi_agent_v1"),
+    ],
+)
+async def test_harmony_calls_of_every_tool_kind(
+    harmony: openai.AsyncOpenAI, route: str, tool: dict[str, Any], kind: str, name: str, namespace: str | None
+) -> None:
+    body = codex_body([tool], stream=False)
+    whole = await harmony.responses.create(**{k: v for k, v in body.items() if k != "client_metadata"}, **_route(route))  # type: ignore[call-overload]
+    call = whole.output[-1]
+    assert (call.type, call.name, call.namespace) == (kind, name, namespace)
+    assert call.type == "function_call" or not call.input.startswith("{")  # a custom tool's text itself
+    events = await events_of(harmony, codex_body([tool]), route)
+    final = events[-1].response
+    assert events[-1].type == "response.completed"
+    assert final.output[-1].model_dump(exclude={"id", "call_id"}) == call.model_dump(exclude={"id", "call_id"})  # the prompt decides it
+    output = {"type": "function_call_output" if kind == "function_call" else "custom_tool_call_output", "call_id": call.call_id, "output": "ok"}
+    sent_back = call.model_dump(exclude={"id", "status"}, exclude_none=True)
+    again = await harmony.responses.create(model="sim", input=[*body["input"], sent_back, output], tools=[tool], **_route(route))  # type: ignore[arg-type,list-item]
+    assert again.status == "completed"
