@@ -62,6 +62,7 @@ from gateway.agent_tools import (
     ToolPolicy,
     agent_tools,
     checked_tools,
+    CustomInputStream,
     custom_arguments,
     custom_input,
     flat_name,
@@ -845,20 +846,30 @@ class _StreamedCall(_Streamed):
 
 
 class _StreamedCustomCall(_StreamedCall):
-    """A custom tool's call. The model writes its input as the JSON object `{"input": ...}`;
-    the object is read whole when the call ends, so its text comes as one input delta."""
+    """A custom tool's call: the model writes its input as the JSON object `{"input": ...}`,
+    and the input's text is streamed as it is decoded (`CustomInputStream`)."""
+
+    def __init__(self, prefix: str, index: int, key: object, call_id: str, callee: Callee) -> None:
+        super().__init__(prefix, index, key, call_id, callee)
+        self.text = CustomInputStream()
+        self.shown: list[str] = []
 
     def delta(self, text: str, tokens: list[ChatLogprobToken]) -> _Event | None:
         self.pieces.append(text)
-        return None
+        shown = self.text.feed(text)
+        return self._input_delta(shown) if shown else None
 
     def closed(self, status: ItemStatus) -> tuple[OutputItem, list[_Event]]:
         item = self._custom(custom_input("".join(self.pieces)), status)
-        fields = {"item_id": self.id, "output_index": self.index}
-        events: list[_Event] = [DoneEvent(type="response.custom_tool_call_input.done", input=item.input, **fields)]
-        if item.input:
-            events.insert(0, DeltaEvent(type="response.custom_tool_call_input.delta", delta=item.input, **fields))
-        return item, [*events, self._item_event("done", item)]
+        shown = "".join(self.shown)
+        rest = item.input[len(shown):] if item.input.startswith(shown) else ""  # arguments not streamed: all of it
+        events: list[_Event] = [self._input_delta(rest)] if rest else []
+        done = DoneEvent(type="response.custom_tool_call_input.done", item_id=self.id, output_index=self.index, input=item.input)
+        return item, [*events, done, self._item_event("done", item)]
+
+    def _input_delta(self, text: str) -> DeltaEvent:
+        self.shown.append(text)
+        return DeltaEvent(type="response.custom_tool_call_input.delta", item_id=self.id, output_index=self.index, delta=text)
 
     def opened(self) -> list[_Event]:
         return [self._item_event("added", self._custom("", "in_progress"))]

@@ -37,7 +37,7 @@ from engine.openai_schema import (
     Usage,
 )
 from gateway.errors import EngineFailed, EngineUnavailable, InvalidRequest
-from gateway.agent_tools import FREE_TEXT, ToolPolicy, hosted_types
+from gateway.agent_tools import FREE_TEXT, CustomInputStream, ToolPolicy, custom_input, hosted_types
 from gateway.response_store import ResponseStore
 from gateway.responses import ResponsesPresenter, ResponsesRequest, decode_request, to_chat
 from gateway.translate import Presented, Turn, turn
@@ -685,6 +685,7 @@ async def test_namespace_and_custom_calls_stream_their_own_events() -> None:
         chunk(tool_calls=[call(0, '{"task":"x"}')]),
         chunk(tool_calls=[call(1, '{"input": "*** Begin', "call_2", "apply_patch")]),
         chunk(tool_calls=[call(1, json.dumps({"input": PATCH_TEXT})[len('{"input": "*** Begin'):])]),
+        chunk(tool_calls=[call(2, "not an object", "call_3", "multi_agent_v1__note")]),
         chunk("tool_calls"),
         ChatCompletionChunk(model="sim", choices=[], usage=USAGE),
     ]
@@ -693,20 +694,45 @@ async def test_namespace_and_custom_calls_stream_their_own_events() -> None:
     assert kinds[2:-1] == [
         "response.output_item.added", "response.function_call_arguments.delta", "response.function_call_arguments.done",
         "response.output_item.done",
+        "response.output_item.added", "response.custom_tool_call_input.delta", "response.custom_tool_call_input.delta",
+        "response.custom_tool_call_input.done", "response.output_item.done",
         "response.output_item.added", "response.custom_tool_call_input.delta", "response.custom_tool_call_input.done",
         "response.output_item.done",
     ]
     added = [event.item for event in events if event.type == "response.output_item.added"]
     assert [(item.type, item.name, item.namespace) for item in added] == [
-        ("function_call", "spawn_agent", "multi_agent_v1"), ("custom_tool_call", "apply_patch", None)]
+        ("function_call", "spawn_agent", "multi_agent_v1"), ("custom_tool_call", "apply_patch", None),
+        ("custom_tool_call", "note", "multi_agent_v1")]
     arguments_done = next(event for event in events if event.type == "response.function_call_arguments.done")
     assert arguments_done.model_extra == {"name": "spawn_agent"}
-    input_delta, input_done = (event for event in events if event.type.startswith("response.custom_tool_call_input"))
-    assert input_delta.delta == input_done.input == PATCH_TEXT
+    deltas = [(event.item_id, event.delta) for event in events if event.type == "response.custom_tool_call_input.delta"]
+    assert [delta for _, delta in deltas] == ["*** Begin", PATCH_TEXT.removeprefix("*** Begin"), "not an object"]
+    done = [event.input for event in events if event.type == "response.custom_tool_call_input.done"]
     final = events[-1].response
     assert [(item.type, item.name, item.namespace) for item in final.output] == [
-        ("function_call", "spawn_agent", "multi_agent_v1"), ("custom_tool_call", "apply_patch", None)]
-    assert final.output[1].input == PATCH_TEXT
+        ("function_call", "spawn_agent", "multi_agent_v1"), ("custom_tool_call", "apply_patch", None),
+        ("custom_tool_call", "note", "multi_agent_v1")]
+    assert done == [final.output[1].input, final.output[2].input] == [PATCH_TEXT, "not an object"]
     state = ResponseStreamState(input_tools=omit, text_format=omit)
     for event in events:
         state.handle_event(event)
+
+
+@pytest.mark.parametrize(
+    "text", ['*** Begin Patch\n+ "quoted" \\ tab\t é 🫠 𓀀\n*** End Patch', "", "plain"]
+)
+def test_custom_input_streams_whatever_the_deltas_cut(text: str) -> None:
+    spellings = [json.dumps({"input": text}), json.dumps({"input": text}, ensure_ascii=False), '{ "input" :\n "' + json.dumps(text)[1:-1] + '" }']
+    for arguments in spellings:
+        for cut in range(len(arguments) + 1):
+            for end in range(cut, len(arguments) + 1):
+                stream = CustomInputStream()
+                shown = [stream.feed(arguments[:cut]), stream.feed(arguments[cut:end]), stream.feed(arguments[end:])]
+                assert "".join(shown) == text == custom_input(arguments), (arguments, cut, end)
+
+
+def test_custom_input_not_in_its_object_is_not_streamed() -> None:
+    for arguments in ['{"path": "a", "input": "b"}', "free text", '{"input": 3}']:
+        stream = CustomInputStream()
+        assert stream.feed(arguments[:5]) + stream.feed(arguments[5:]) == ""
+    assert custom_input('{"input": "line\nbreak"}') == "line\nbreak"  # a raw line break in the string is taken
