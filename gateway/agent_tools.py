@@ -11,7 +11,8 @@ Coding agents declare more than function tools (Codex CLI 0.171 sends all of the
 - `custom`: a tool whose input is free text (`apply_patch` with a Lark grammar). The model is
   offered a function with one string parameter, `input`; its call comes back as a
   `custom_tool_call` item with that text as `input`. A `grammar` format must compile (llguidance,
-  as the engines use it) and is shown to the model in the description.
+  as the engines use it) and is shown to the model in the description; a forced custom tool's
+  grammar is enforced while decoding where the engines can (`forced_constraint`).
 - Tools only OpenAI's servers run or answer with their own item types (`web_search`,
   `file_search`, `code_interpreter`, `image_generation`, `mcp`, `computer_use_preview`,
   `local_shell`, `shell`, `apply_patch`, ...): a self-hosted model cannot call them. They are
@@ -126,6 +127,9 @@ class ToolPolicy:
 
     hosted: HostedTools = "drop"
     grammar: GrammarLimits = field(default_factory=GrammarLimits)
+    enforced: frozenset[str] = frozenset()
+    """The structured-output kinds (`grammar`, `regex`) the model's engines enforce: a forced
+    custom tool's grammar is then enforced while decoding (`forced_constraint`)."""
 
 
 def checked_tools(tools: list[Tool] | None, policy: ToolPolicy) -> AgentTools:
@@ -314,3 +318,28 @@ def _escape_length(data: str, at: int) -> int:
     if len(high) < 4:
         return 6
     return 12 if high[:2].lower() == "d8" or high[:2].lower() in ("d9", "da", "db") else 6
+
+
+GRAMMAR_KINDS = {"lark": "grammar", "regex": "regex"}
+"""A custom tool's grammar syntax → the structured-output kind that enforces it."""
+
+
+def forced_constraint(tools: list[Tool] | None, name: str, namespace: str | None, enforced: frozenset[str]) -> dict[str, str] | None:
+    """`structured_outputs` that hold a forced custom tool's input to its grammar, when the
+    engines enforce that kind; None for a tool without a grammar, or engines that do not.
+
+    The turn is then decoded as text (the tool's input itself, after any reasoning) under
+    the grammar, with no tool-call markup around it: inside a call the input would be a JSON
+    string, which a Lark grammar cannot describe. The answer's text becomes the call."""
+    form = _custom_format(tools, name, namespace)
+    if form is None or form.type != "grammar" or form.syntax is None or form.definition is None:
+        return None
+    kind = GRAMMAR_KINDS[form.syntax]
+    return {kind: form.definition} if kind in enforced else None
+
+
+def _custom_format(tools: list[Tool] | None, name: str, namespace: str | None) -> CustomFormat | None:
+    scope = tools or []
+    if namespace is not None:
+        scope = next((tool.tools or [] for tool in scope if tool.type == "namespace" and tool.name == namespace), [])
+    return next((tool.format for tool in scope if tool.type == "custom" and tool.name == name), None)

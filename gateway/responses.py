@@ -62,14 +62,15 @@ from gateway.agent_tools import (
     HOSTED_TYPES,
     AgentTools,
     Callee,
+    CustomInputStream,
     Tool,
     ToolPolicy,
     agent_tools,
     checked_tools,
-    CustomInputStream,
     custom_arguments,
     custom_input,
     flat_name,
+    forced_constraint,
 )
 from gateway.errors import GatewayError, InvalidRequest
 from gateway.responses_input import Conversation, InputItem, one_system_turn, with_instructions, without_instructions
@@ -244,6 +245,9 @@ def to_chat(
     messages = with_instructions(request.instructions, one_system_turn(conversation))
     choice = _chat_tool_choice(request.tool_choice, tools, policy)
     forced = bool(tools.chat) and (choice == "required" or isinstance(choice, NamedToolChoice))
+    constraint = request.structured_outputs
+    if (grammar := _forced_grammar(request, policy)) is not None:  # the call is the turn's text
+        choice, forced, constraint = "none", False, grammar
     logprobs = bool(request.top_logprobs) or "message.output_text.logprobs" in (request.include or ())
     effort = request.reasoning.effort if request.reasoning is not None else None
     extras = {name: value for name in SAMPLING_EXTRAS if (value := getattr(request, name)) is not None}
@@ -256,7 +260,7 @@ def to_chat(
         n=1,
         # A forced call's turn answers with the call, not text: the format waits for the turn
         # that answers in text (OpenAI takes both; instructor's RESPONSES_TOOLS mode sends both).
-        response_format=None if forced else _response_format(request.text),
+        response_format=None if forced or grammar else _response_format(request.text),
         stream=bool(request.stream),
         temperature=request.temperature,
         top_p=request.top_p,
@@ -266,7 +270,7 @@ def to_chat(
         user=request.user,
         reasoning_effort=effort,
         chat_template_kwargs=_template_kwargs(effort),
-        structured_outputs=None if forced else request.structured_outputs,
+        structured_outputs=None if forced else constraint,
         **extras,
     )
 
@@ -283,6 +287,19 @@ def _chat_tool_choice(choice: ResponsesToolChoice | None, tools: AgentTools, pol
             raise InvalidRequest(f"tool_choice of type '{choice.type}' is not served here", param="tool_choice.type")
         return UNSET
     return NamedToolChoice(function=NamedFunction(flat_name(choice.name or "", choice.namespace)))
+
+
+def _forced_grammar(request: ResponsesRequest, policy: ToolPolicy) -> dict[str, str] | None:
+    choice = request.tool_choice
+    if not forced_custom(request) or not isinstance(choice, NamedChoice) or choice.name is None:
+        return None
+    return forced_constraint(request.tools, choice.name, choice.namespace, policy.enforced)
+
+
+def forced_custom(request: ResponsesRequest) -> bool:
+    """Whether the request forces a custom tool (whose grammar its engines may enforce)."""
+    choice = request.tool_choice
+    return isinstance(choice, NamedChoice) and choice.type == "custom"
 
 
 def _response_format(text: TextConfig | None) -> dict[str, Any] | None:
@@ -461,10 +478,17 @@ def _response(
     )
 
 
-def _output(message: ChatCompletionMessage, logprobs: ChatLogprobs | None, tools: AgentTools) -> list[OutputItem]:
+def _output(
+    message: ChatCompletionMessage, logprobs: ChatLogprobs | None, tools: AgentTools, text_call: Callee | None
+) -> list[OutputItem]:
     items: list[OutputItem] = []
     if reasoning := _present(message.reasoning) or _present(message.reasoning_content):
         items.append(ReasoningItem(id=_item_id("rs"), content=[ReasoningText(reasoning)]))
+    if text_call is not None:
+        namespace = text_call.namespace if text_call.namespace is not None else UNSET
+        text = message.content or ""
+        call = CustomToolCallItem(id=_item_id("ctc"), call_id=_item_id("call"), name=text_call.name, input=text, namespace=namespace)
+        return [*items, call]
     if message.content:
         text = OutputText(text=message.content, logprobs=_logprobs(_tokens(logprobs), with_bytes=True))
         items.append(MessageItem(id=_item_id("msg"), status="completed", content=[text]))
@@ -702,6 +726,19 @@ class _StreamedCustomCall(_StreamedCall):
         )
 
 
+class _StreamedTextCall(_StreamedCustomCall):
+    """A forced custom tool's call that is the turn's text (see `forced_constraint`)."""
+
+    def delta(self, text: str, tokens: list[ChatLogprobToken]) -> _Event | None:
+        self.pieces.append(text)
+        return self._input_delta(text)
+
+    def closed(self, status: ItemStatus) -> tuple[OutputItem, list[_Event]]:
+        item = self._custom("".join(self.pieces), status)
+        done = DoneEvent(type="response.custom_tool_call_input.done", item_id=self.id, output_index=self.index, input=item.input)
+        return item, [done, self._item_event("done", item)]
+
+
 Streamed = _StreamedReasoning | _StreamedMessage | _StreamedCall
 
 
@@ -709,10 +746,10 @@ class _StreamedOutput:
     """The output items of one streamed answer. One is open at a time: a delta of another
     kind (or of another tool call) closes it and opens the next."""
 
-    def __init__(self, tools: AgentTools) -> None:
+    def __init__(self, tools: AgentTools, text_call: Callee | None) -> None:
         self.items: list[OutputItem] = []
         self.open: Streamed | None = None
-        self.tools = tools
+        self.tools, self.text_call = tools, text_call
 
     def feed(self, delta: ChatDelta, logprobs: ChatLogprobs | None) -> list[_Event]:  # hot: once per chunk
         events: list[_Event] = []
@@ -720,8 +757,7 @@ class _StreamedOutput:
             events += self._to("reasoning", lambda index: _StreamedReasoning("rs", index, "reasoning"))
             events += self._delta(reasoning, [])
         if content := _present(delta.content):
-            events += self._to("message", lambda index: _StreamedMessage("msg", index, "message"))
-            events += self._delta(content, _tokens(logprobs))
+            events += self._message(content, _tokens(logprobs))
         for call in delta.tool_calls or ():
             events += self._call(call)
         return events
@@ -740,6 +776,14 @@ class _StreamedOutput:
         events = self.close("completed")
         self.open = make(len(self.items))
         return events + self.open.opened()
+
+    def _message(self, content: str, tokens: list[ChatLogprobToken]) -> list[_Event]:
+        callee = self.text_call
+        if callee is None:
+            events = self._to("message", lambda index: _StreamedMessage("msg", index, "message"))
+        else:
+            events = self._to("text call", lambda index: _StreamedTextCall("ctc", index, "text call", _item_id("call"), callee))
+        return events + self._delta(content, tokens)
 
     def _delta(self, text: str, tokens: list[ChatLogprobToken]) -> list[_Event]:
         assert self.open is not None
@@ -788,7 +832,7 @@ class ResponsesPresenter:
     def whole(self, turn: Turn[ResponsesRequest], meta: Presented, completion: ChatCompletion) -> Response:
         choice = completion.choices[0]
         finish = choice.finish_reason or "stop"
-        output = _output(choice.message, choice.logprobs, self._tools(turn))
+        output = _output(choice.message, choice.logprobs, self._tools(turn), _text_call(turn))
         if output and finish in _INCOMPLETE:
             output[-1].status = "incomplete"  # the item the limit cut, as a stream closes it
         response = _response(turn.original, meta, output, _usage(completion.usage), finish)
@@ -803,7 +847,7 @@ class ResponsesPresenter:
             LifecycleEvent(type="response.created", response=started),
             LifecycleEvent(type="response.in_progress", response=started),
         ]
-        output, finish, usage = _StreamedOutput(self._tools(turn)), "stop", None
+        output, finish, usage = _StreamedOutput(self._tools(turn), _text_call(turn)), "stop", None
         async with aclosing(chunks):  # type: ignore[type-var]
             async for chunk in chunks:  # hot loop: one write per chunk
                 events, opening = opening, []
@@ -831,3 +875,12 @@ class ResponsesPresenter:
         carried = without_instructions(turn.original.instructions, turn.chat.messages)  # not carried
         self._store.put(self._owner, response.id, _encode(response), [*carried, _assistant(response.output)])
 
+
+
+def _text_call(turn: Turn[ResponsesRequest]) -> Callee | None:
+    """The forced custom tool whose call is this turn's text, when its grammar was enforced
+    (`forced_constraint` turned the chat request's `tool_choice` to `none`)."""
+    choice = turn.original.tool_choice
+    if turn.chat.tool_choice != "none" or not isinstance(choice, NamedChoice) or choice.type != "custom":
+        return None
+    return Callee(choice.name or "", choice.namespace, custom=True)

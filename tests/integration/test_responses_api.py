@@ -260,6 +260,14 @@ async def test_custom_tool_call_round_trip(client: openai.AsyncOpenAI, route: st
     assert followed.usage.input_tokens > whole.usage.input_tokens + whole.usage.output_tokens
 
 
+@pytest.mark.parametrize("route", ROUTES)
+async def test_a_forced_custom_tool_on_an_engine_without_grammars_is_a_forced_call(client: openai.AsyncOpenAI, route: str) -> None:
+    answer = await client.responses.create(
+        model="sim", input="Patch it.", tools=[WEATHER, PATCH], tool_choice={"type": "custom", "name": "apply_patch"},  # type: ignore[list-item]
+        **_route(route))
+    assert [(item.type, item.name) for item in answer.output] == [("custom_tool_call", "apply_patch")]
+
+
 async def test_hosted_tools_refused_when_the_config_says_so(qwen3_tokenizer_dir: Path) -> None:
     async with (
         engine_server(qwen3_tokenizer_dir) as (engine_url, _),

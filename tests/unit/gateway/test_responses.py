@@ -736,3 +736,63 @@ def test_custom_input_not_in_its_object_is_not_streamed() -> None:
         stream = CustomInputStream()
         assert stream.feed(arguments[:5]) + stream.feed(arguments[5:]) == ""
     assert custom_input('{"input": "line\nbreak"}') == "line\nbreak"  # a raw line break in the string is taken
+
+
+# ------------------------------------------------------------ a forced custom tool's grammar
+
+REGEX_TOOL = {"type": "custom", "name": "code", "format": {"type": "grammar", "syntax": "regex", "definition": "[0-9]{3}"}}
+GRAMMARS = ToolPolicy(enforced=frozenset({"grammar", "regex"}))
+FORCE_PATCH = {"type": "custom", "name": "apply_patch"}
+
+
+def test_a_forced_grammar_tool_is_decoded_as_text_under_its_grammar_where_engines_enforce_it() -> None:
+    chat = to_chat(request(input="Go", tools=[WEATHER, PATCH], tool_choice=FORCE_PATCH, text={"format": {"type": "json_object"}}), [], GRAMMARS)
+    assert chat.tool_choice == "none" and [t.function.name for t in chat.tools or ()] == ["get_weather", "apply_patch"]
+    assert chat.structured_outputs == {"grammar": PATCH["format"]["definition"]} and chat.response_format is None  # type: ignore[index]
+    nested = {**AGENTS, "tools": [REGEX_TOOL]}
+    chat = to_chat(request(input="Go", tools=[nested], tool_choice={"type": "custom", "name": "code", "namespace": "multi_agent_v1"}), [], GRAMMARS)
+    assert chat.tool_choice == "none" and chat.structured_outputs == {"regex": "[0-9]{3}"}
+
+
+@pytest.mark.parametrize(
+    ("tools", "choice", "policy"),
+    [
+        ([PATCH], FORCE_PATCH, ToolPolicy()),  # the engines enforce no grammar
+        ([REGEX_TOOL], {"type": "custom", "name": "code"}, ToolPolicy(enforced=frozenset({"grammar"}))),
+        ([AGENTS], {"type": "custom", "name": "note", "namespace": "multi_agent_v1"}, GRAMMARS),  # no grammar
+    ],
+)
+def test_otherwise_a_forced_custom_tool_is_a_forced_call(tools: list[Any], choice: dict[str, Any], policy: ToolPolicy) -> None:
+    chat = to_chat(request(input="Go", tools=tools, tool_choice=choice), [], policy)
+    assert isinstance(chat.tool_choice, NamedToolChoice) and chat.structured_outputs is None
+
+
+def forced_turn(**fields: Any) -> Turn[ResponsesRequest]:
+    original = request(input="Go", tools=[WEATHER, PATCH], tool_choice=FORCE_PATCH, **fields)
+    return turn(original, to_chat(original, [], GRAMMARS))
+
+
+def test_the_text_of_a_grammar_forced_turn_is_the_call() -> None:
+    store = ResponseStore()
+    answer = completion("stop", content=PATCH_TEXT, tool_calls=None)
+    response = sdk_response(ResponsesPresenter(store, OWNER).whole(forced_turn(), META, answer))
+    assert [item.type for item in response.output] == ["reasoning", "custom_tool_call"]
+    call = response.output[1]
+    assert (call.name, call.input, call.namespace) == ("apply_patch", PATCH_TEXT, None) and call.call_id.startswith("call_")
+    stored = store.get(OWNER, META.response_id)
+    assert stored is not None and stored.conversation[-1].tool_calls == [
+        ToolCall(id=call.call_id, function=FunctionCall("apply_patch", json.dumps({"input": PATCH_TEXT})))]
+    assert stored.conversation[-1].content == ""
+
+
+async def test_the_text_of_a_grammar_forced_turn_streams_as_the_calls_input() -> None:
+    chunks = [chunk(role="assistant", content=""), chunk(reasoning="Patch."), chunk(content=PATCH_TEXT[:9]),
+              chunk(content=PATCH_TEXT[9:]), chunk("stop"), ChatCompletionChunk(model="sim", choices=[], usage=USAGE)]
+    events = await streamed(ResponsesPresenter(None, OWNER), forced_turn(stream=True), chunks)
+    kinds = [event.type for event in events]
+    assert kinds[-6:] == ["response.output_item.added", "response.custom_tool_call_input.delta",
+                          "response.custom_tool_call_input.delta", "response.custom_tool_call_input.done",
+                          "response.output_item.done", "response.completed"]
+    deltas = [event.delta for event in events if event.type == "response.custom_tool_call_input.delta"]
+    final = events[-1].response.output[-1]
+    assert deltas == [PATCH_TEXT[:9], PATCH_TEXT[9:]] and (final.type, final.name, final.input) == ("custom_tool_call", "apply_patch", PATCH_TEXT)
