@@ -101,10 +101,6 @@ class AgentTools:
     """The request's tools as the chat request offers them, and the way back."""
 
     chat: list[ChatTool] = field(default_factory=list)
-    served: list[Tool] = field(default_factory=list)
-    """The tools the model was given, as the client sent them (a Response echoes these)."""
-    dropped: list[str] = field(default_factory=list)
-    """Types of the built-in tools left out."""
     callees: dict[str, Callee] = field(default_factory=dict)
     """Flattened names that are not plain function names."""
 
@@ -163,9 +159,7 @@ def agent_tools(tools: list[Tool] | None, hosted: HostedTools) -> AgentTools:
                 raise InvalidRequest(
                     f"tools of type '{tool.type}' run on OpenAI's servers and are not served here", param=f"{where}.type"
                 )
-            result.dropped.append(tool.type)
-            continue
-        result.served.append(tool)
+            continue  # left out; the endpoint counts it (`hosted_types`)
         if tool.type == "namespace":
             _add_namespace(result, tool, where)
         else:
@@ -186,7 +180,7 @@ def _add_namespace(result: AgentTools, namespace: Tool, where: str) -> None:
 def _add(result: AgentTools, tool: Tool, namespace: str | None, about: str | None, where: str) -> None:
     assert tool.name is not None  # Tool checks it
     flat = flat_name(tool.name, namespace)
-    if flat in result.callees or any(chat.function.name == flat for chat in result.chat):
+    if any(chat.function.name == flat for chat in result.chat):
         raise InvalidRequest(f"tool names must be unique: '{flat}' is given twice", param=f"{where}.name")
     custom = tool.type == "custom"
     if custom or namespace:

@@ -73,8 +73,8 @@ from gateway.agent_tools import (
     forced_constraint,
 )
 from gateway.errors import GatewayError, InvalidRequest
-from gateway.responses_input import Conversation, InputItem, one_system_turn, with_instructions, without_instructions
 from gateway.response_store import ResponseStorage
+from gateway.responses_input import Conversation, InputItem, one_system_turn, with_instructions, without_instructions
 from gateway.translate import Presented, Turn
 from gateway.unknown_fields import Decoded, TolerantDecoder
 from gateway.validate import check_metadata
@@ -291,7 +291,7 @@ def _chat_tool_choice(choice: ResponsesToolChoice | None, tools: AgentTools, pol
 
 def _forced_grammar(request: ResponsesRequest, policy: ToolPolicy) -> dict[str, str] | None:
     choice = request.tool_choice
-    if not forced_custom(request) or not isinstance(choice, NamedChoice) or choice.name is None:
+    if not isinstance(choice, NamedChoice) or choice.type != "custom" or choice.name is None:
         return None
     return forced_constraint(request.tools, choice.name, choice.namespace, policy.enforced)
 
@@ -712,12 +712,12 @@ class _StreamedCustomCall(_StreamedCall):
         done = DoneEvent(type="response.custom_tool_call_input.done", item_id=self.id, output_index=self.index, input=item.input)
         return item, [*events, done, self._item_event("done", item)]
 
+    def opened(self) -> list[_Event]:
+        return [self._item_event("added", self._custom("", "in_progress"))]
+
     def _input_delta(self, text: str) -> DeltaEvent:
         self.shown.append(text)
         return DeltaEvent(type="response.custom_tool_call_input.delta", item_id=self.id, output_index=self.index, delta=text)
-
-    def opened(self) -> list[_Event]:
-        return [self._item_event("added", self._custom("", "in_progress"))]
 
     def _custom(self, text: str, status: ItemStatus) -> CustomToolCallItem:
         return CustomToolCallItem(
@@ -795,8 +795,8 @@ class _StreamedOutput:
         call_id = call.id if isinstance(call.id, str) else _item_id("call")  # a call's first delta has both
         callee = self.tools.callee((_present(function.name) if function else None) or "")
         key = ("call", call.index)
-        kind = (_StreamedCustomCall, "ctc") if callee.custom else (_StreamedCall, "fc")
-        events = self._to(key, lambda index: kind[0](kind[1], index, key, call_id, callee))
+        make, prefix = (_StreamedCustomCall, "ctc") if callee.custom else (_StreamedCall, "fc")
+        events = self._to(key, lambda index: make(prefix, index, key, call_id, callee))
         arguments = _present(function.arguments) if function else None
         if arguments is not None:
             events += self._delta(arguments, [])
@@ -874,7 +874,6 @@ class ResponsesPresenter:
             return
         carried = without_instructions(turn.original.instructions, turn.chat.messages)  # not carried
         self._store.put(self._owner, response.id, _encode(response), [*carried, _assistant(response.output)])
-
 
 
 def _text_call(turn: Turn[ResponsesRequest]) -> Callee | None:
