@@ -39,6 +39,25 @@ class ContentPart(Struct, omit_defaults=True):
         return (self.refusal if self.type == "refusal" else self.text) or ""
 
 
+class OutputPart(Struct, omit_defaults=True):
+    """A part of a tool's output. An image or file in it (Codex's `view_image` sends one) is
+    a line saying it was left out: the model reads text only, and refusing the output would
+    end the agent's run."""
+
+    type: str
+    text: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.type not in _MEDIA_PARTS and self.type not in _TEXT_PARTS:
+            raise ValueError(f"unknown content part type '{self.type}'")
+
+    @property
+    def value(self) -> str:
+        if self.type in _MEDIA_PARTS:
+            return f"[{self.type.removeprefix('input_')} left out: this model reads text only]"
+        return self.text or ""
+
+
 _ITEM_FIELDS: dict[str, tuple[str, ...]] = {
     "message": ("role", "content"),
     "function_call": ("call_id", "name", "arguments"),
@@ -64,7 +83,7 @@ class InputItem(Struct, kw_only=True, omit_defaults=True):
     namespace: str | None = None  # a call of a namespace's tool, and (Codex) its output
     arguments: str | None = None
     input: str | None = None  # a custom tool call's
-    output: str | list[ContentPart] | None = None
+    output: str | list[OutputPart] | None = None
     summary: list[ContentPart] | None = None
     encrypted_content: str | None = None  # OpenAI's models' reasoning, unreadable here: ignored
 
@@ -189,7 +208,7 @@ def without_instructions(instructions: str | None, messages: list[ChatMessagePar
     return [ChatMessageParam(role="system", content=rest), *messages[1:]]
 
 
-def text_of(content: str | list[ContentPart] | None) -> str:
+def text_of(content: str | list[ContentPart] | list[OutputPart] | None) -> str:
     """Text parts joined, as vLLM joins them for chat templates that take a string."""
     if content is None or isinstance(content, str):
         return content or ""

@@ -331,6 +331,14 @@ def test_an_output_without_call_id_answers_the_latest_unanswered_call_of_its_too
     assert error.param == "input[1].call_id" and "call_id" in error.message
 
 
+def test_an_image_in_a_tool_output_is_a_line_saying_so() -> None:
+    output = [{"type": "input_text", "text": "Here:"}, {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]
+    chat = to_chat(request(input=[{"role": "user", "content": "Look"}, {"type": "function_call_output", "call_id": "c", "output": output}]), [])
+    assert chat.messages[-1].content == "Here:\n[image left out: this model reads text only]"
+    error = refused(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}])
+    assert error.param == "input[0].content[0]"  # a user's image is still refused: the model cannot see it
+
+
 def test_leading_developer_and_system_messages_are_one_system_turn() -> None:
     items = [
         {"type": "message", "id": "msg_1", "role": "developer", "content": [{"type": "input_text", "text": "You are Codex."}]},
