@@ -37,7 +37,7 @@ from gateway.errors import ERROR_BODIES, ERROR_KEY, REQUEST_ID_KEY, Handler, Rou
 from gateway.feedback import EngineFeedback
 from gateway.observe import GONE_KEY, MODEL_KEY, OPERATIONS, SPAN_KEY, STARTED_KEY
 from gateway.memory import release_freed_memory
-from gateway.lookups import handle_count_tokens, handle_delete_response, handle_get_response
+from gateway.lookups import handle_count_tokens, handle_delete_response, handle_get_response, handle_input_tokens
 from gateway.messages import error_body as messages_error_body
 from gateway.pipeline import handle_chat, handle_completion, handle_messages, handle_responses
 from gateway.routing import REASON_KEY, ROUTE_KEY
@@ -352,6 +352,7 @@ def create_app(config: GatewayConfig) -> web.Application:
     app.router.add_post("/v1/chat/completions", handle_chat)
     app.router.add_post("/v1/completions", handle_completion)
     app.router.add_post("/v1/responses", handle_responses)
+    app.router.add_post("/v1/responses/input_tokens", handle_input_tokens)
     app.router.add_get("/v1/responses/{response_id}", handle_get_response)
     app.router.add_delete("/v1/responses/{response_id}", handle_delete_response)
     app.router.add_post("/v1/messages", handle_messages)

@@ -116,8 +116,8 @@ class Limits(Struct, forbid_unknown_fields=True, kw_only=True):
     large_render_workers: Annotated[int, Meta(ge=1)] = LARGE_RENDER_WORKERS
     """Large renders at once (each may take ~100 bytes of memory a character); more wait."""
     grammar: GrammarLimits = msgspec.field(default_factory=GrammarLimits)
-    """Bounds of a structured-output constraint (`response_format`, Responses `text.format`,
-    Messages `output_config.format`, `structured_outputs`): past them an engine's grammar
+    """Bounds of a structured-output constraint (`response_format`, Responses `text.format`
+    and custom tools' grammars, Messages `output_config.format`, `structured_outputs`): past them an engine's grammar
     library crashes or stalls, so the request never reaches one (issue #27)."""
 
 

@@ -40,7 +40,8 @@ from gateway.relay import remote_error
 from gateway.messages import ContextManagementResponse, MessagesPresenter, MessagesRequest
 from gateway.messages import decode_request as decode_messages_request
 from gateway.messages import translate as translate_messages
-from gateway.responses import ResponsesPresenter, ResponsesRequest
+from gateway.agent_tools import GRAMMAR_KINDS, ToolPolicy, hosted_types
+from gateway.responses import ResponsesPresenter, ResponsesRequest, forced_custom
 from gateway.responses import decode_request as decode_responses_request
 from gateway.responses import to_chat as responses_to_chat
 from gateway.runtime import ModelRuntime
@@ -457,7 +458,12 @@ class Responses(TranslatedChat[ResponsesRequest]):
                     code="previous_response_not_found",
                 )
             history = stored.conversation
-        return turn(request, responses_to_chat(request, history))
+        state = http.app[GATEWAY]
+        policy = ToolPolicy(state.config.agents.hosted_tools, state.config.limits.grammar, _enforced(http, request))
+        chat = responses_to_chat(request, history, policy)
+        for kind in hosted_types(request.tools):  # left out: `refuse` raised above
+            state.metrics.dropped_tools.labels(self.name, kind).inc()
+        return turn(request, chat)
 
     def presenter(self, http: web.Request, request: Turn[ResponsesRequest]) -> ResponsesPresenter:
         return ResponsesPresenter(http.app[GATEWAY].responses, owner(http))
@@ -492,6 +498,14 @@ def count_left_out(state: GatewayState, endpoint: str, dropped_tools: tuple[str,
         state.metrics.dropped_tools.labels(endpoint, kind).inc()
     for kind in ignored_edits:
         state.metrics.context_edits_ignored.labels(state.ignored_edits.label(kind)).inc()
+
+
+def _enforced(http: web.Request, request: ResponsesRequest) -> frozenset[str]:
+    """The grammar kinds the model's engines enforce, asked only when a custom tool is forced."""
+    if not forced_custom(request):
+        return frozenset()
+    engines = http.app[GATEWAY].model(request.model).engines
+    return frozenset(kind for kind in GRAMMAR_KINDS.values() if engines.enforces(kind))
 
 
 def tolerated(decode: Callable[..., Decoded[R]], endpoint: str, body: bytes, http: web.Request) -> R:

@@ -458,6 +458,11 @@ class EngineClient:
         self._routes[url] = frozenset(routes)
         return self._routes[url]
 
+    def enforces(self, constraint: str) -> bool:
+        """Whether an engine read so far (at start, or when first picked) enforces this
+        structured-output kind; no probe is made, so an engine not read yet counts as not."""
+        return any(constraint in kinds for url, kinds in self._constraints.items() if self._routes.get(url))
+
     def derender_form(self, url: str) -> str:
         """How the engine at `url` takes the derender route: `vllm` (stock vLLM ≥ 0.33's
         non-streaming `parse_context` form) or `onehop` (the client's request, streamed or not)."""

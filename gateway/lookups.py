@@ -1,7 +1,7 @@
 """Endpoints answered without an engine: stored responses (`GET`/`DELETE /v1/responses/{id}`,
-from this replica's store; the caller's own only, another's is answered as an unknown id) and
-Anthropic's `POST /v1/messages/count_tokens` (the prompt the model would see, rendered as a
-chat request is)."""
+from this replica's store; the caller's own only, another's is answered as an unknown id),
+OpenAI's `POST /v1/responses/input_tokens` and Anthropic's `POST /v1/messages/count_tokens`
+(the prompt the model would see, rendered as a chat request is)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import msgspec
 from aiohttp import web
 
 from gateway.auth import owner
-from gateway.endpoints import CHAT, tolerated
+from engine.openai_schema import ChatCompletionRequest
+from gateway.endpoints import CHAT, RESPONSES, tolerated
 from gateway.errors import NotFound
 from gateway.messages import count_tokens_to_chat, decode_count_tokens_request
 from gateway.pipeline import read_body
@@ -27,6 +28,11 @@ class DeletedResponse(msgspec.Struct):
 
 class TokenCount(msgspec.Struct):
     input_tokens: int
+
+
+class InputTokens(msgspec.Struct):
+    input_tokens: int
+    object: str = "response.input_tokens"
 
 
 def _json(value: object) -> web.Response:
@@ -56,8 +62,21 @@ async def handle_count_tokens(http: web.Request) -> web.Response:
     state = http.app[GATEWAY]
     body = await read_body(http, state.config.timeouts.client_body_s)
     chat = count_tokens_to_chat(tolerated(decode_count_tokens_request, "messages", body, http), state.config.agents)
+    return _json(TokenCount(input_tokens=await _prompt_tokens(http, chat)))
+
+
+async def handle_input_tokens(http: web.Request) -> web.Response:
+    """A Responses request's prompt (its stored conversation included), as `responses.create`
+    would render it; only the fields that shape the prompt matter."""
+    body = await read_body(http, http.app[GATEWAY].config.timeouts.client_body_s)
+    chat = RESPONSES.decode(body, http).chat
+    return _json(InputTokens(input_tokens=await _prompt_tokens(http, chat)))
+
+
+async def _prompt_tokens(http: web.Request, chat: ChatCompletionRequest) -> int:
+    state = http.app[GATEWAY]
     model = state.model(chat.model)
     check_text_size(CHAT.text_chars(chat), model.engines.max_model_len(), model.max_chars_per_token)
     async with state.admitted():  # a render is work like any other
         prompts = await CHAT.render(model, chat, _encode(chat))
-    return _json(TokenCount(input_tokens=len(prompts[0])))
+    return len(prompts[0])

@@ -9,8 +9,12 @@ into a Response object, or the chat chunks into the Responses events:
       reasoning: content_part.added, reasoning_text.delta*, reasoning_text.done, content_part.done
       message:   content_part.added, output_text.delta*, output_text.done, content_part.done
       call:      function_call_arguments.delta*, function_call_arguments.done
+      custom:    custom_tool_call_input.delta*, custom_tool_call_input.done
      response.output_item.done)*                     one item open at a time, a new one
     response.completed | response.incomplete         whenever the kind of delta changes
+
+Input items become chat messages in `gateway.responses_input`; namespace, custom and built-in
+tools become chat tools, and the model's calls their items again, in `gateway.agent_tools`.
 
 Every event has one `sequence_number` from 0, the error event included. A finished response
 is kept with the chat conversation it ended in this replica's store (`gateway.response_store`),
@@ -43,10 +47,8 @@ from engine.openai_schema import (
     ChatLogprobs,
     ChatLogprobToken,
     ChatMessageParam,
-    ChatTool,
     DeltaToolCall,
     FunctionCall,
-    FunctionDefinition,
     Int64,
     NamedFunction,
     NamedToolChoice,
@@ -56,96 +58,45 @@ from engine.openai_schema import (
     TopLogprob,
     Usage,
 )
+from gateway.agent_tools import (
+    HOSTED_TYPES,
+    AgentTools,
+    Callee,
+    CustomInputStream,
+    Tool,
+    ToolPolicy,
+    agent_tools,
+    checked_tools,
+    custom_arguments,
+    custom_input,
+    flat_name,
+    forced_constraint,
+)
 from gateway.errors import GatewayError, InvalidRequest
 from gateway.response_store import ResponseStorage
+from gateway.responses_input import Conversation, InputItem, one_system_turn, with_instructions, without_instructions
 from gateway.translate import Presented, Turn
 from gateway.unknown_fields import Decoded, TolerantDecoder
 from gateway.validate import check_metadata
 
 # ------------------------------------------------------------ request
 
-_MEDIA_PARTS = frozenset({"input_image", "input_file", "input_audio"})
-_TEXT_PARTS = frozenset({"input_text", "output_text", "refusal", "reasoning_text", "summary_text"})
-
-
-class ContentPart(Struct, omit_defaults=True):
-    """A text part of a message, of a function call's output or of a reasoning item."""
+class NamedChoice(Struct, kw_only=True, omit_defaults=True):
+    """A forced call: of a function or custom tool by `name` (`namespace` for one inside a
+    namespace), or of a built-in tool by its type alone."""
 
     type: str
-    text: str | None = None
-    refusal: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.type in _MEDIA_PARTS:
-            raise ValueError(f"content parts of type '{self.type}' are not supported: only text is")
-        if self.type not in _TEXT_PARTS:
-            raise ValueError(f"unknown content part type '{self.type}'")
-
-    @property
-    def value(self) -> str:
-        return (self.refusal if self.type == "refusal" else self.text) or ""
-
-
-_ITEM_FIELDS: dict[str, tuple[str, ...]] = {
-    "message": ("role", "content"),
-    "function_call": ("call_id", "name", "arguments"),
-    "function_call_output": ("call_id", "output"),
-    "reasoning": (),
-}
-"""The input item kinds served, and the fields each must have."""
-
-
-class InputItem(Struct, kw_only=True, omit_defaults=True):
-    """One `input` item. One flat Struct, not a tagged union: a message may leave out its
-    `type`, and msgspec's tagged unions cannot default a missing tag."""
-
-    type: str = "message"
-    id: str | None = None
-    status: str | None = None
-    role: Literal["user", "assistant", "system", "developer"] | None = None
-    content: str | list[ContentPart] | None = None  # a message's; a reasoning item's reasoning_text
-    call_id: str | None = None
     name: str | None = None
-    arguments: str | None = None
-    output: str | list[ContentPart] | None = None
-    summary: list[ContentPart] | None = None
-    encrypted_content: str | None = None  # OpenAI's models' reasoning, unreadable here: ignored
+    namespace: str | None = None
 
     def __post_init__(self) -> None:
-        required = _ITEM_FIELDS.get(self.type)
-        if required is None:
-            raise ValueError(f"input items of type '{self.type}' are not supported")
-        for name in required:
-            if getattr(self, name) is None:
-                raise ValueError(f"a {self.type} item needs `{name}`")
-
-
-class FunctionTool(Struct, kw_only=True, omit_defaults=True):
-    type: str
-    name: str | None = None
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-    def __post_init__(self) -> None:
-        if self.type != "function":
-            raise ValueError(f"tools of type '{self.type}' are not supported: only function tools are")
-        if self.name is None:
-            raise ValueError("a function tool needs `name`")
-
-
-class FunctionChoice(Struct, kw_only=True):
-    type: str
-    name: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.type != "function":
+        if self.type not in ("function", "custom") and self.type not in HOSTED_TYPES:
             raise ValueError(f"tool_choice of type '{self.type}' is not supported")
-        if self.name is None:
-            raise ValueError("a function tool_choice needs `name`")
+        if self.type in ("function", "custom") and self.name is None:
+            raise ValueError(f"a {self.type} tool_choice needs `name`")
 
 
-ResponsesToolChoice = Literal["none", "auto", "required"] | FunctionChoice
+ResponsesToolChoice = Literal["none", "auto", "required"] | NamedChoice
 
 
 class TextFormat(Struct, kw_only=True, omit_defaults=True):
@@ -167,7 +118,7 @@ class TextConfig(Struct, omit_defaults=True):
 
 class ReasoningConfig(Struct, omit_defaults=True):
     effort: ReasoningEffort | None = None
-    summary: Literal["auto", "concise", "detailed"] | None = None  # no summaries are written
+    summary: Literal["auto", "concise", "detailed", "none"] | None = None  # no summaries are written
     generate_summary: Literal["auto", "concise", "detailed"] | None = None  # the deprecated spelling
 
 
@@ -175,8 +126,9 @@ class ResponsesRequest(Struct, kw_only=True, omit_defaults=True, forbid_unknown_
     """OpenAI's Responses request; any other field is refused by name."""
 
     background: bool | None = None  # refused when true
+    client_metadata: dict[str, Any] | None = None  # Codex's turn metadata: accepted, not acted on
     conversation: str | dict[str, Any] | None = None  # refused when set
-    include: list[str] | None = None
+    include: list[str] | None = None  # any value; only message.output_text.logprobs changes the answer
     input: str | list[InputItem] = []
     instructions: str | None = None
     max_output_tokens: Annotated[int, Meta(ge=1)] | None = None
@@ -197,17 +149,40 @@ class ResponsesRequest(Struct, kw_only=True, omit_defaults=True, forbid_unknown_
     temperature: float | None = None
     text: TextConfig | None = None
     tool_choice: ResponsesToolChoice | None = None
-    tools: list[FunctionTool] | None = None
+    tools: list[Tool] | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     top_p: float | None = None
     truncation: Literal["auto", "disabled"] | None = None  # `auto` accepted; nothing is cut
     user: str | None = None
 
-    # vLLM extensions
+    # vLLM extensions: sampling, passed to the chat request as they are (see SAMPLING_EXTRAS)
     top_k: int | None = None
     seed: Int64 | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    min_tokens: Annotated[int, Meta(ge=0)] | None = None
+    ignore_eos: bool | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    logit_bias: dict[str, float] | None = None
     structured_outputs: dict[str, Any] | None = None
     """vLLM's constraint options (`disable_any_whitespace`, ...), kept beside `text.format` as chat keeps them."""
+
+
+SAMPLING_EXTRAS = (
+    "top_k", "seed", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_tokens", "ignore_eos",
+    "stop", "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+    "bad_words", "allowed_token_ids", "logit_bias",
+)
+"""vLLM's sampling fields a chat request takes beyond OpenAI's Responses ones (load generators
+such as guidellm and aiperf send `ignore_eos`, `min_tokens`, ...); unset ones keep chat's defaults."""
 
 
 class _LenientResponsesRequest(ResponsesRequest, kw_only=True, omit_defaults=True, forbid_unknown_fields=False):
@@ -254,16 +229,28 @@ def _invalid(text: str) -> InvalidRequest:
 
 # ------------------------------------------------------------ request → chat request
 
+_DEFAULT_POLICY = ToolPolicy()
 
-def to_chat(request: ResponsesRequest, history: list[ChatMessageParam]) -> ChatCompletionRequest:
+
+def to_chat(
+    request: ResponsesRequest, history: list[ChatMessageParam], policy: ToolPolicy = _DEFAULT_POLICY
+) -> ChatCompletionRequest:
     """`history`: the conversation stored for `previous_response_id`. Its instructions were not
     stored (OpenAI's rule): only this request's come first."""
-    messages = [ChatMessageParam(role="system", content=request.instructions)] if request.instructions else []
+    tools = checked_tools(request.tools, policy)
     items = [InputItem(role="user", content=request.input)] if isinstance(request.input, str) else request.input
-    messages = _Conversation([*messages, *history]).add(items)
-    if not messages:
+    conversation = Conversation([*history]).add(items)
+    if not conversation:
         raise InvalidRequest("input must not be empty", param="input")
+    messages = with_instructions(request.instructions, one_system_turn(conversation))
+    choice = _chat_tool_choice(request.tool_choice, tools, policy)
+    forced = bool(tools.chat) and (choice == "required" or isinstance(choice, NamedToolChoice))
+    constraint = request.structured_outputs
+    if (grammar := _forced_grammar(request, policy)) is not None:  # the call is the turn's text
+        choice, forced, constraint = "none", False, grammar
     logprobs = bool(request.top_logprobs) or "message.output_text.logprobs" in (request.include or ())
+    effort = request.reasoning.effort if request.reasoning is not None else None
+    extras = {name: value for name in SAMPLING_EXTRAS if (value := getattr(request, name)) is not None}
     return ChatCompletionRequest(
         messages=messages,
         model=request.model,
@@ -271,86 +258,48 @@ def to_chat(request: ResponsesRequest, history: list[ChatMessageParam]) -> ChatC
         top_logprobs=request.top_logprobs or 0,
         max_completion_tokens=request.max_output_tokens,
         n=1,
-        response_format=_response_format(request.text),
-        seed=request.seed,
+        # A forced call's turn answers with the call, not text: the format waits for the turn
+        # that answers in text (OpenAI takes both; instructor's RESPONSES_TOOLS mode sends both).
+        response_format=None if forced or grammar else _response_format(request.text),
         stream=bool(request.stream),
         temperature=request.temperature,
         top_p=request.top_p,
-        tools=[_chat_tool(tool) for tool in request.tools] if request.tools else None,
-        tool_choice=_chat_tool_choice(request.tool_choice),
+        tools=tools.chat or None,
+        tool_choice=choice if tools.chat else UNSET,
         parallel_tool_calls=request.parallel_tool_calls is not False,
         user=request.user,
-        top_k=request.top_k,
-        chat_template_kwargs=_template_kwargs(request.reasoning),
-        structured_outputs=request.structured_outputs,
+        reasoning_effort=effort,
+        chat_template_kwargs=_template_kwargs(effort),
+        structured_outputs=None if forced else constraint,
+        **extras,
     )
 
 
-class _Conversation:
-    """Input items as chat messages: function calls join the assistant message right before
-    them, and a reasoning item waits for the assistant turn it precedes."""
-
-    def __init__(self, messages: list[ChatMessageParam]) -> None:
-        self.messages = messages
-        self._reasoning: str | None = None
-
-    def add(self, items: list[InputItem]) -> list[ChatMessageParam]:
-        for item in items:
-            if item.type == "reasoning":
-                self._reasoning = _reasoning_text(item)
-            elif item.type == "function_call":
-                function = FunctionCall(item.name or "", item.arguments or "")
-                self._call(ToolCall(id=item.call_id or "", function=function))
-            else:
-                self._append(_item_message(item))
-        return self.messages  # reasoning that no assistant turn follows is dropped
-
-    def _append(self, message: ChatMessageParam) -> None:
-        if message.role == "assistant" and self._reasoning is not None:
-            message.reasoning = self._reasoning
-        self._reasoning = None
-        self.messages.append(message)
-
-    def _call(self, call: ToolCall) -> None:
-        last = self.messages[-1] if self.messages else None
-        if last is None or last.role != "assistant":
-            self._append(ChatMessageParam(role="assistant", content="", tool_calls=[call]))
-            return
-        # A copy, not an edit: the last message may belong to a stored conversation.
-        reasoning = last.reasoning if last.reasoning or self._reasoning is None else self._reasoning
-        calls = [*(last.tool_calls or ()), call]
-        self.messages[-1] = msgspec.structs.replace(last, tool_calls=calls, reasoning=reasoning)
-        self._reasoning = None
-
-
-def _item_message(item: InputItem) -> ChatMessageParam:
-    if item.type == "function_call_output":
-        return ChatMessageParam(role="tool", tool_call_id=item.call_id, content=_text(item.output))
-    role = "system" if item.role == "developer" else item.role or "user"
-    return ChatMessageParam(role=role, content=_text(item.content))
-
-
-def _text(content: str | list[ContentPart] | None) -> str:
-    """Text parts joined, as vLLM joins them for chat templates that take a string."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    return "\n".join(part.value for part in content)
-
-
-def _reasoning_text(item: InputItem) -> str | None:
-    """The reasoning's own text, else its summary (all a client of OpenAI's models has)."""
-    return _text(item.content) or "\n\n".join(part.value for part in item.summary or ()) or None
-
-
-def _chat_tool(tool: FunctionTool) -> ChatTool:
-    strict = tool.strict if tool.strict is not None else UNSET
-    return ChatTool(function=FunctionDefinition(tool.name or "", tool.description, tool.parameters, strict=strict))
-
-
-def _chat_tool_choice(choice: ResponsesToolChoice | None) -> ToolChoice | UnsetType:
+def _chat_tool_choice(choice: ResponsesToolChoice | None, tools: AgentTools, policy: ToolPolicy) -> ToolChoice | UnsetType:
+    """A forced built-in tool is forced no more when the tool is dropped: the model answers
+    as with `auto` (an agent's run goes on); `agents.hosted_tools: refuse` makes it a 400."""
     if choice is None:
         return UNSET
-    return choice if isinstance(choice, str) else NamedToolChoice(function=NamedFunction(choice.name or ""))
+    if isinstance(choice, str):
+        return choice
+    if choice.type in HOSTED_TYPES:
+        if policy.hosted == "refuse":
+            raise InvalidRequest(f"tool_choice of type '{choice.type}' is not served here", param="tool_choice.type")
+        return UNSET
+    return NamedToolChoice(function=NamedFunction(flat_name(choice.name or "", choice.namespace)))
+
+
+def _forced_grammar(request: ResponsesRequest, policy: ToolPolicy) -> dict[str, str] | None:
+    choice = request.tool_choice
+    if not isinstance(choice, NamedChoice) or choice.type != "custom" or choice.name is None:
+        return None
+    return forced_constraint(request.tools, choice.name, choice.namespace, policy.enforced)
+
+
+def forced_custom(request: ResponsesRequest) -> bool:
+    """Whether the request forces a custom tool (whose grammar its engines may enforce)."""
+    choice = request.tool_choice
+    return isinstance(choice, NamedChoice) and choice.type == "custom"
 
 
 def _response_format(text: TextConfig | None) -> dict[str, Any] | None:
@@ -363,10 +312,12 @@ def _response_format(text: TextConfig | None) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": {k: v for k, v in schema.items() if v is not None}}
 
 
-def _template_kwargs(reasoning: ReasoningConfig | None) -> dict[str, Any] | None:
-    if reasoning is None or reasoning.effort is None:
+def _template_kwargs(effort: ReasoningEffort | None) -> dict[str, Any] | None:
+    """Thinking on or off for templates that switch it (Qwen3's `enable_thinking`), and the
+    effort itself for those that take it (gpt-oss's `reasoning_effort`), as vLLM passes it."""
+    if effort is None:
         return None
-    return {"enable_thinking": reasoning.effort != "none"}
+    return {"enable_thinking": effort != "none", "reasoning_effort": effort}
 
 
 # ------------------------------------------------------------ the answer
@@ -417,9 +368,19 @@ class FunctionCallItem(Struct, kw_only=True, tag_field="type", tag="function_cal
     name: str
     arguments: str
     status: ItemStatus
+    namespace: str | UnsetType = UNSET  # a namespace's tool: `name` is the plain name
 
 
-OutputItem = ReasoningItem | MessageItem | FunctionCallItem
+class CustomToolCallItem(Struct, kw_only=True, tag_field="type", tag="custom_tool_call"):
+    id: str
+    call_id: str
+    name: str
+    input: str
+    namespace: str | UnsetType = UNSET
+    status: ItemStatus | UnsetType = UNSET  # not in OpenAI's item: written only when a limit cut it
+
+
+OutputItem = ReasoningItem | MessageItem | FunctionCallItem | CustomToolCallItem
 
 
 class InputTokensDetails(Struct):
@@ -469,7 +430,8 @@ class Response(Struct, kw_only=True):
     temperature: float | None = None
     text: TextConfig
     tool_choice: ResponsesToolChoice = "auto"
-    tools: list[FunctionTool] = []
+    tools: list[Tool] = []
+    """The tools the model was given (a dropped built-in tool is not among them)."""
     top_logprobs: int = 0
     top_p: float | None = None
     truncation: str = "disabled"
@@ -508,7 +470,7 @@ def _response(
         store=request.store is not False,
         text=request.text or _PLAIN_TEXT,
         tool_choice=request.tool_choice or "auto",
-        tools=request.tools or [],
+        tools=[tool for tool in request.tools or () if tool.type not in HOSTED_TYPES],
         top_logprobs=request.top_logprobs or 0,
         truncation=request.truncation or "disabled",
         metadata=request.metadata or {},
@@ -516,17 +478,34 @@ def _response(
     )
 
 
-def _output(message: ChatCompletionMessage, logprobs: ChatLogprobs | None) -> list[OutputItem]:
+def _output(
+    message: ChatCompletionMessage, logprobs: ChatLogprobs | None, tools: AgentTools, text_call: Callee | None
+) -> list[OutputItem]:
     items: list[OutputItem] = []
     if reasoning := _present(message.reasoning) or _present(message.reasoning_content):
         items.append(ReasoningItem(id=_item_id("rs"), content=[ReasoningText(reasoning)]))
+    if text_call is not None:
+        namespace = text_call.namespace if text_call.namespace is not None else UNSET
+        text = message.content or ""
+        call = CustomToolCallItem(id=_item_id("ctc"), call_id=_item_id("call"), name=text_call.name, input=text, namespace=namespace)
+        return [*items, call]
     if message.content:
         text = OutputText(text=message.content, logprobs=_logprobs(_tokens(logprobs), with_bytes=True))
         items.append(MessageItem(id=_item_id("msg"), status="completed", content=[text]))
     for call in message.tool_calls or ():
-        name, arguments = call.function.name, call.function.arguments
-        items.append(FunctionCallItem(id=_item_id("fc"), call_id=call.id, name=name, arguments=arguments, status="completed"))
+        items.append(_call_item(tools, call.id, call.function.name, call.function.arguments, "completed"))
     return items
+
+
+def _call_item(tools: AgentTools, call_id: str, flat: str, arguments: str, status: ItemStatus) -> OutputItem:
+    """The model's call of a (flattened) chat function as the Responses item of its tool."""
+    callee = tools.callee(flat)
+    namespace = callee.namespace if callee.namespace is not None else UNSET
+    if callee.custom:
+        return CustomToolCallItem(id=_item_id("ctc"), call_id=call_id, name=callee.name, input=custom_input(arguments), namespace=namespace)
+    return FunctionCallItem(
+        id=_item_id("fc"), call_id=call_id, name=callee.name, arguments=arguments, status=status, namespace=namespace
+    )
 
 
 def _usage(usage: Usage | UnsetType | None) -> ResponseUsage | None:
@@ -568,12 +547,15 @@ def _assistant(output: list[OutputItem]) -> ChatMessageParam:
     """The answer as the chat message a later turn continues from."""
     reasoning = "".join(part.text for item in output if isinstance(item, ReasoningItem) for part in item.content)
     content = "".join(part.text for item in output if isinstance(item, MessageItem) for part in item.content)
-    calls = [
-        ToolCall(id=item.call_id, function=FunctionCall(item.name, item.arguments))
-        for item in output
-        if isinstance(item, FunctionCallItem)
-    ]
+    calls = [_chat_call(item) for item in output if isinstance(item, FunctionCallItem | CustomToolCallItem)]
     return ChatMessageParam(role="assistant", content=content, tool_calls=calls or UNSET, reasoning=reasoning or UNSET)
+
+
+def _chat_call(item: FunctionCallItem | CustomToolCallItem) -> ToolCall:
+    namespace = item.namespace if isinstance(item.namespace, str) else None
+    name = flat_name(item.name, namespace)
+    arguments = item.arguments if isinstance(item, FunctionCallItem) else custom_arguments(item.input)
+    return ToolCall(id=item.call_id, function=FunctionCall(name, arguments))
 
 
 # ------------------------------------------------------------ stream events
@@ -616,6 +598,7 @@ class DoneEvent(_Event, kw_only=True):
     logprobs: list[LogprobOut] | UnsetType = UNSET
     name: str | UnsetType = UNSET  # function_call_arguments.done: OpenAI's events carry the name
     arguments: str | UnsetType = UNSET
+    input: str | UnsetType = UNSET  # custom_tool_call_input.done
 
 
 class ErrorEvent(_Event, kw_only=True):
@@ -684,9 +667,10 @@ class _StreamedMessage(_Streamed):
 
 
 class _StreamedCall(_Streamed):
-    def __init__(self, prefix: str, index: int, key: object, call_id: str, name: str) -> None:
+    def __init__(self, prefix: str, index: int, key: object, call_id: str, callee: Callee) -> None:
         super().__init__(prefix, index, key)
-        self.call_id, self.name = call_id, name
+        self.call_id, self.callee = call_id, callee
+        self.namespace = callee.namespace if callee.namespace is not None else UNSET
 
     def opened(self) -> list[_Event]:
         return [self._item_event("added", self._item("", "in_progress"))]
@@ -696,11 +680,63 @@ class _StreamedCall(_Streamed):
 
     def closed(self, status: ItemStatus) -> tuple[OutputItem, list[_Event]]:
         item = self._item("".join(self.pieces), status)
-        done = self._done_event("function_call_arguments", name=self.name, arguments=item.arguments)
+        done = self._done_event("function_call_arguments", name=self.callee.name, arguments=item.arguments)
         return item, [done, self._item_event("done", item)]
 
     def _item(self, arguments: str, status: ItemStatus) -> FunctionCallItem:
-        return FunctionCallItem(id=self.id, call_id=self.call_id, name=self.name, arguments=arguments, status=status)
+        return FunctionCallItem(
+            id=self.id, call_id=self.call_id, name=self.callee.name, arguments=arguments, status=status,
+            namespace=self.namespace,
+        )
+
+
+class _StreamedCustomCall(_StreamedCall):
+    """A custom tool's call: the model writes its input as the JSON object `{"input": ...}`,
+    and the input's text is streamed as it is decoded (`CustomInputStream`)."""
+
+    def __init__(self, prefix: str, index: int, key: object, call_id: str, callee: Callee) -> None:
+        super().__init__(prefix, index, key, call_id, callee)
+        self.text = CustomInputStream()
+        self.shown: list[str] = []
+
+    def delta(self, text: str, tokens: list[ChatLogprobToken]) -> _Event | None:
+        self.pieces.append(text)
+        shown = self.text.feed(text)
+        return self._input_delta(shown) if shown else None
+
+    def closed(self, status: ItemStatus) -> tuple[OutputItem, list[_Event]]:
+        item = self._custom(custom_input("".join(self.pieces)), status)
+        shown = "".join(self.shown)
+        rest = item.input[len(shown):] if item.input.startswith(shown) else ""  # arguments not streamed: all of it
+        events: list[_Event] = [self._input_delta(rest)] if rest else []
+        done = DoneEvent(type="response.custom_tool_call_input.done", item_id=self.id, output_index=self.index, input=item.input)
+        return item, [*events, done, self._item_event("done", item)]
+
+    def opened(self) -> list[_Event]:
+        return [self._item_event("added", self._custom("", "in_progress"))]
+
+    def _input_delta(self, text: str) -> DeltaEvent:
+        self.shown.append(text)
+        return DeltaEvent(type="response.custom_tool_call_input.delta", item_id=self.id, output_index=self.index, delta=text)
+
+    def _custom(self, text: str, status: ItemStatus) -> CustomToolCallItem:
+        return CustomToolCallItem(
+            id=self.id, call_id=self.call_id, name=self.callee.name, input=text, namespace=self.namespace,
+            status="incomplete" if status == "incomplete" else UNSET,
+        )
+
+
+class _StreamedTextCall(_StreamedCustomCall):
+    """A forced custom tool's call that is the turn's text (see `forced_constraint`)."""
+
+    def delta(self, text: str, tokens: list[ChatLogprobToken]) -> _Event | None:
+        self.pieces.append(text)
+        return self._input_delta(text)
+
+    def closed(self, status: ItemStatus) -> tuple[OutputItem, list[_Event]]:
+        item = self._custom("".join(self.pieces), status)
+        done = DoneEvent(type="response.custom_tool_call_input.done", item_id=self.id, output_index=self.index, input=item.input)
+        return item, [done, self._item_event("done", item)]
 
 
 Streamed = _StreamedReasoning | _StreamedMessage | _StreamedCall
@@ -710,18 +746,18 @@ class _StreamedOutput:
     """The output items of one streamed answer. One is open at a time: a delta of another
     kind (or of another tool call) closes it and opens the next."""
 
-    def __init__(self) -> None:
+    def __init__(self, tools: AgentTools, text_call: Callee | None) -> None:
         self.items: list[OutputItem] = []
         self.open: Streamed | None = None
+        self.tools, self.text_call = tools, text_call
 
     def feed(self, delta: ChatDelta, logprobs: ChatLogprobs | None) -> list[_Event]:  # hot: once per chunk
         events: list[_Event] = []
         if reasoning := _present(delta.reasoning) or _present(delta.reasoning_content):
             events += self._to("reasoning", lambda index: _StreamedReasoning("rs", index, "reasoning"))
-            events.append(self._delta(reasoning, []))
+            events += self._delta(reasoning, [])
         if content := _present(delta.content):
-            events += self._to("message", lambda index: _StreamedMessage("msg", index, "message"))
-            events.append(self._delta(content, _tokens(logprobs)))
+            events += self._message(content, _tokens(logprobs))
         for call in delta.tool_calls or ():
             events += self._call(call)
         return events
@@ -741,19 +777,29 @@ class _StreamedOutput:
         self.open = make(len(self.items))
         return events + self.open.opened()
 
-    def _delta(self, text: str, tokens: list[ChatLogprobToken]) -> _Event:
+    def _message(self, content: str, tokens: list[ChatLogprobToken]) -> list[_Event]:
+        callee = self.text_call
+        if callee is None:
+            events = self._to("message", lambda index: _StreamedMessage("msg", index, "message"))
+        else:
+            events = self._to("text call", lambda index: _StreamedTextCall("ctc", index, "text call", _item_id("call"), callee))
+        return events + self._delta(content, tokens)
+
+    def _delta(self, text: str, tokens: list[ChatLogprobToken]) -> list[_Event]:
         assert self.open is not None
-        return self.open.delta(text, tokens)
+        event = self.open.delta(text, tokens)
+        return [event] if event is not None else []
 
     def _call(self, call: DeltaToolCall) -> list[_Event]:
         function = call.function or None
         call_id = call.id if isinstance(call.id, str) else _item_id("call")  # a call's first delta has both
-        name = (_present(function.name) if function else None) or ""
+        callee = self.tools.callee((_present(function.name) if function else None) or "")
         key = ("call", call.index)
-        events = self._to(key, lambda index: _StreamedCall("fc", index, key, call_id, name))
+        make, prefix = (_StreamedCustomCall, "ctc") if callee.custom else (_StreamedCall, "fc")
+        events = self._to(key, lambda index: make(prefix, index, key, call_id, callee))
         arguments = _present(function.arguments) if function else None
         if arguments is not None:
-            events.append(self._delta(arguments, []))
+            events += self._delta(arguments, [])
         return events
 
 
@@ -786,7 +832,7 @@ class ResponsesPresenter:
     def whole(self, turn: Turn[ResponsesRequest], meta: Presented, completion: ChatCompletion) -> Response:
         choice = completion.choices[0]
         finish = choice.finish_reason or "stop"
-        output = _output(choice.message, choice.logprobs)
+        output = _output(choice.message, choice.logprobs, self._tools(turn), _text_call(turn))
         if output and finish in _INCOMPLETE:
             output[-1].status = "incomplete"  # the item the limit cut, as a stream closes it
         response = _response(turn.original, meta, output, _usage(completion.usage), finish)
@@ -801,7 +847,7 @@ class ResponsesPresenter:
             LifecycleEvent(type="response.created", response=started),
             LifecycleEvent(type="response.in_progress", response=started),
         ]
-        output, finish, usage = _StreamedOutput(), "stop", None
+        output, finish, usage = _StreamedOutput(self._tools(turn), _text_call(turn)), "stop", None
         async with aclosing(chunks):  # type: ignore[type-var]
             async for chunk in chunks:  # hot loop: one write per chunk
                 events, opening = opening, []
@@ -819,9 +865,21 @@ class ResponsesPresenter:
     def error_frame(self, error: GatewayError) -> bytes:
         return self._frames([ErrorEvent(type="error", code=error.code, message=error.message, param=error.param)])
 
+    def _tools(self, turn: Turn[ResponsesRequest]) -> AgentTools:
+        """The request's tools, to name the model's calls (the request was checked already)."""
+        return agent_tools(turn.original.tools, "drop")
+
     def _keep(self, turn: Turn[ResponsesRequest], response: Response) -> None:
         if self._store is None or turn.original.store is False:
             return
-        messages = turn.chat.messages
-        carried = messages[1:] if turn.original.instructions else messages  # instructions are not carried
+        carried = without_instructions(turn.original.instructions, turn.chat.messages)  # not carried
         self._store.put(self._owner, response.id, _encode(response), [*carried, _assistant(response.output)])
+
+
+def _text_call(turn: Turn[ResponsesRequest]) -> Callee | None:
+    """The forced custom tool whose call is this turn's text, when its grammar was enforced
+    (`forced_constraint` turned the chat request's `tool_choice` to `none`)."""
+    choice = turn.original.tool_choice
+    if turn.chat.tool_choice != "none" or not isinstance(choice, NamedChoice) or choice.type != "custom":
+        return None
+    return Callee(choice.name or "", choice.namespace, custom=True)

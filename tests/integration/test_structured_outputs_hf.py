@@ -94,3 +94,35 @@ async def test_the_constraint_holds_after_reasoning_ends(qwen3_tokenizer: Any, t
     assert ids[0] == end, ids
     text = qwen3_tokenizer.decode(ids[1:], skip_special_tokens=True)
     assert 0 <= json.loads(text)["n"] <= 9, (ids, text)
+
+
+PATCH_TOOL = {
+    "type": "custom",
+    "name": "apply_patch",
+    "description": "Edit a file.",
+    "format": {"type": "grammar", "syntax": "lark", "definition": 'start: "*** Begin Patch\\n" ("+" | "-") /[a-z]{1,6}/ "\\n*** End Patch"'},
+}
+PATCHED = r"\*\*\* Begin Patch\n[+-][a-z]{1,6}\n\*\*\* End Patch"
+
+
+async def test_a_forced_custom_tools_grammar_holds_on_an_engine_that_enforces_it(tiny_model_dir: Path) -> None:
+    """A random model forced to call a custom tool writes an input its Lark grammar takes, on
+    every route, streamed and not: the gateway decodes the turn as text under the grammar."""
+    engine = EngineConfig(backend="hf", model=str(tiny_model_dir), backend_options={"threads": 1})
+    asked: dict[str, Any] = {
+        "input": "Patch it.", "tools": [PATCH_TOOL], "tool_choice": {"type": "custom", "name": "apply_patch"},
+        "reasoning": {"effort": "none"}, "max_output_tokens": 60,
+    }
+    async with embedded(engine, host="127.0.0.1", port=0, route="derender") as running:
+        async with openai.AsyncOpenAI(base_url=running.url + "/v1", api_key="none", max_retries=0) as client:
+            model = (await client.models.list()).data[0].id
+            for route in ("derender", "text", "tokens"):
+                headers = {"onehop-route": route}
+                answer = await client.responses.create(model=model, extra_headers=headers, **asked)
+                call = answer.output[-1]
+                assert answer.status == "completed" and call.type == "custom_tool_call", (route, answer.output)
+                assert call.name == "apply_patch" and re.fullmatch(PATCHED, call.input), (route, call.input)
+                events = [event async for event in await client.responses.create(model=model, stream=True, extra_headers=headers, **asked)]
+                streamed = "".join(event.delta for event in events if event.type == "response.custom_tool_call_input.delta")
+                final = events[-1].response.output[-1]  # type: ignore[union-attr]
+                assert final.type == "custom_tool_call" and streamed == final.input and re.fullmatch(PATCHED, streamed), (route, streamed)

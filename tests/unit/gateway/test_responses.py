@@ -37,6 +37,7 @@ from engine.openai_schema import (
     Usage,
 )
 from gateway.errors import EngineFailed, EngineUnavailable, InvalidRequest
+from gateway.agent_tools import FREE_TEXT, CustomInputStream, ToolPolicy, custom_input, hosted_types
 from gateway.response_store import ResponseStore
 from gateway.responses import ResponsesPresenter, ResponsesRequest, decode_request, to_chat
 from gateway.translate import Presented, Turn, turn
@@ -182,9 +183,10 @@ def test_text_format_is_the_chat_response_format(text: dict[str, Any], expected:
 
 
 @pytest.mark.parametrize(("effort", "thinking"), [("none", False), ("minimal", True), ("high", True), (None, None)])
-def test_reasoning_effort_switches_thinking(effort: str | None, thinking: bool | None) -> None:
+def test_reasoning_effort_switches_thinking_and_is_forwarded(effort: str | None, thinking: bool | None) -> None:
     chat = to_chat(request(input="Hi", reasoning={"effort": effort, "summary": "auto"}), [])
-    assert chat.chat_template_kwargs == (None if thinking is None else {"enable_thinking": thinking})
+    kwargs = None if thinking is None else {"enable_thinking": thinking, "reasoning_effort": effort}
+    assert chat.chat_template_kwargs == kwargs and chat.reasoning_effort == effort
 
 
 def test_logprobs_asked_by_top_logprobs_or_include() -> None:
@@ -202,14 +204,181 @@ def test_inert_fields_are_accepted() -> None:
     )
 
 
+HOSTED = ["web_search", "web_search_preview", "file_search", "computer_use_preview", "code_interpreter",
+          "image_generation", "mcp", "local_shell", "shell", "apply_patch"]
+
+
+@pytest.mark.parametrize("tool", HOSTED)
+def test_hosted_tools_are_dropped_by_default_and_refused_when_set(tool: str) -> None:
+    asked = request(input="Hi", tools=[WEATHER, {"type": tool, "external_web_access": False}])
+    chat = to_chat(asked, [])
+    assert [t.function.name for t in chat.tools or ()] == ["get_weather"]
+    assert hosted_types(asked.tools) == [tool]
+    with pytest.raises(InvalidRequest) as caught:
+        to_chat(asked, [], ToolPolicy(hosted="refuse"))
+    assert tool in caught.value.message and caught.value.param == "tools[1].type"
+
+
+def test_only_hosted_tools_leave_no_tools_and_a_forced_one_is_forced_no_more() -> None:
+    chat = to_chat(request(input="Hi", tools=[{"type": "web_search"}], tool_choice={"type": "web_search"}), [])
+    assert chat.tools is None and chat.tool_choice is UNSET
+    chat = to_chat(request(input="Hi", tools=[WEATHER, {"type": "web_search"}], tool_choice={"type": "web_search"}), [])
+    assert chat.tools is not None and chat.tool_choice is UNSET
+    with pytest.raises(InvalidRequest) as caught:
+        to_chat(request(input="Hi", tools=[WEATHER], tool_choice={"type": "web_search"}), [], ToolPolicy(hosted="refuse"))
+    assert caught.value.param == "tool_choice.type"
+
+
+AGENTS = {
+    "type": "namespace", "name": "multi_agent_v1", "description": "Sub-agents.",
+    "tools": [
+        {"type": "function", "name": "spawn_agent", "description": "Start one.", "parameters": {"type": "object", "properties": {}}},
+        {"type": "custom", "name": "note", "description": "Free text."},
+    ],
+}
+PATCH = {
+    "type": "custom", "name": "apply_patch", "description": "Edit files.",
+    "format": {"type": "grammar", "syntax": "lark", "definition": 'start: "*** Begin Patch" /(.|\\n)*/'},
+}
+
+
+def test_namespace_and_custom_tools_are_flattened_chat_functions() -> None:
+    chat = to_chat(request(input="Hi", tools=[WEATHER, AGENTS, PATCH], tool_choice={"type": "custom", "name": "apply_patch"}), [])
+    functions = {t.function.name: t.function for t in chat.tools or ()}
+    assert list(functions) == ["get_weather", "multi_agent_v1__spawn_agent", "multi_agent_v1__note", "apply_patch"]
+    spawn, note, patch = functions["multi_agent_v1__spawn_agent"], functions["multi_agent_v1__note"], functions["apply_patch"]
+    assert spawn.description == "(multi_agent_v1: Sub-agents.)\n\nStart one." and spawn.parameters == {"type": "object", "properties": {}}
+    assert note.parameters == patch.parameters == FREE_TEXT
+    assert patch.description is not None and PATCH["format"]["definition"] in patch.description  # type: ignore[index]
+    assert isinstance(chat.tool_choice, NamedToolChoice) and chat.tool_choice.function.name == "apply_patch"
+    named = to_chat(request(input="Hi", tools=[AGENTS], tool_choice={"type": "function", "name": "spawn_agent", "namespace": "multi_agent_v1"}), [])
+    assert isinstance(named.tool_choice, NamedToolChoice) and named.tool_choice.function.name == "multi_agent_v1__spawn_agent"
+
+
 @pytest.mark.parametrize(
-    "tool",
-    ["web_search", "web_search_preview", "file_search", "computer_use_preview", "code_interpreter",
-     "image_generation", "mcp", "local_shell", "custom"],
+    ("tools", "param", "named"),
+    [
+        ([{"type": "namespace", "name": "empty", "description": "x", "tools": []}], "tools[0].tools", "no tools"),
+        ([{"type": "namespace", "name": "empty", "description": "x"}], "tools[0].tools", "no tools"),
+        ([WEATHER, {**PATCH, "format": {"type": "grammar", "syntax": "lark", "definition": "start: ("}}],
+         "tools[1].format.definition", "does not compile"),
+        ([{**PATCH, "format": {"type": "grammar", "syntax": "regex", "definition": "a(b"}}], "tools[0].format.definition", "regex"),
+        ([{**AGENTS, "tools": [{**PATCH, "format": {"type": "grammar", "syntax": "lark", "definition": "nope"}}]}],
+         "tools[0].tools[0].format.definition", "lark"),
+        ([{**AGENTS, "tools": [AGENTS]}], "tools[0].tools[0].type", "namespace"),
+        ([WEATHER, WEATHER], "tools[1].name", "get_weather"),
+        ([WEATHER, {"type": "hosted_frobnicator"}], "tools[1]", "hosted_frobnicator"),
+    ],
 )
-def test_tools_other_than_functions_are_refused_by_name(tool: str) -> None:
-    error = refused(input="Hi", tools=[WEATHER, {"type": tool}])
-    assert tool in error.message and error.param == "tools[1]" and error.status == 400
+def test_tools_that_cannot_be_served_are_refused_by_name(tools: list[Any], param: str, named: str) -> None:
+    error = refused(input="Hi", tools=tools)
+    assert error.param == param and named in error.message and error.status == 400
+
+
+def test_a_grammar_past_the_limits_is_refused_before_it_is_compiled() -> None:
+    deep = "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(300)) + 'r300: "x"\n'
+    asked = request(input="Hi", tools=[{**PATCH, "format": {"type": "grammar", "syntax": "lark", "definition": deep}}])
+    with pytest.raises(InvalidRequest) as caught:
+        to_chat(asked, [])
+    assert caught.value.param == "tools[0].format.definition" and "depth" in caught.value.message
+
+
+def test_namespace_and_custom_calls_sent_back_are_flattened_again() -> None:
+    chat = to_chat(
+        request(
+            tools=[AGENTS, PATCH],
+            input=[
+                {"role": "user", "content": "Go"},
+                {"type": "function_call", "call_id": "c1", "name": "spawn_agent", "namespace": "multi_agent_v1", "arguments": "{}"},
+                {"type": "custom_tool_call", "call_id": "c2", "name": "apply_patch", "input": "*** Begin Patch\n\"x\""},
+                {"type": "function_call_output", "call_id": "c1", "output": "agent 7"},
+                {"type": "custom_tool_call_output", "call_id": "c2", "output": "Done!"},
+            ],
+        ),
+        [],
+    )
+    calls = chat.messages[1].tool_calls
+    assert calls == [
+        ToolCall(id="c1", function=FunctionCall("multi_agent_v1__spawn_agent", "{}")),
+        ToolCall(id="c2", function=FunctionCall("apply_patch", json.dumps({"input": '*** Begin Patch\n"x"'}))),
+    ]
+    assert [(m.role, m.tool_call_id, m.content) for m in chat.messages[2:]] == [("tool", "c1", "agent 7"), ("tool", "c2", "Done!")]
+
+
+def test_an_output_without_call_id_answers_the_latest_unanswered_call_of_its_tool() -> None:
+    goal = {"type": "function", "name": "get_goal", "parameters": {"type": "object", "properties": {}}}
+    history = [
+        ChatMessageParam(role="user", content="Go"),
+        ChatMessageParam(role="assistant", content="", tool_calls=[ToolCall(id="h1", function=FunctionCall("get_goal", "{}"))]),
+    ]
+    chat = to_chat(
+        request(
+            tools=[goal, AGENTS],
+            input=[
+                {"type": "function_call", "call_id": "c1", "name": "spawn_agent", "namespace": "multi_agent_v1", "arguments": "{}"},
+                {"type": "function_call", "call_id": "c2", "name": "spawn_agent", "namespace": "multi_agent_v1", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c2", "output": "second"},
+                {"type": "function_call_output", "name": "spawn_agent", "namespace": "multi_agent_v1", "output": "first"},
+                {"type": "function_call_output", "name": "get_goal", "output": "the goal"},
+                {"type": "function_call_output", "name": "get_goal", "output": "unmatched"},
+            ],
+        ),
+        history,
+    )
+    tools = [(m.tool_call_id, m.name, m.content) for m in chat.messages if m.role == "tool"]
+    assert tools == [("c2", UNSET, "second"), ("c1", UNSET, "first"), ("h1", UNSET, "the goal"), (UNSET, "get_goal", "unmatched")]
+    error = refused(input=[{"role": "user", "content": "Hi"}, {"type": "function_call_output", "output": "x"}])
+    assert error.param == "input[1].call_id" and "call_id" in error.message
+
+
+def test_an_image_in_a_tool_output_is_a_line_saying_so() -> None:
+    output = [{"type": "input_text", "text": "Here:"}, {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]
+    chat = to_chat(request(input=[{"role": "user", "content": "Look"}, {"type": "function_call_output", "call_id": "c", "output": output}]), [])
+    assert chat.messages[-1].content == "Here:\n[image left out: this model reads text only]"
+    error = refused(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}])
+    assert error.param == "input[0].content[0]"  # a user's image is still refused: the model cannot see it
+
+
+def test_leading_developer_and_system_messages_are_one_system_turn() -> None:
+    items = [
+        {"type": "message", "id": "msg_1", "role": "developer", "content": [{"type": "input_text", "text": "You are Codex."}]},
+        {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Skills."}]},
+        {"role": "user", "content": "Hi"},
+        {"role": "developer", "content": "Later."},
+    ]
+    chat = to_chat(request(input=items), [])
+    assert [(m.role, m.content) for m in chat.messages] == [
+        ("system", "You are Codex.\n\nSkills."), ("user", "Hi"), ("system", "Later.")]
+    chat = to_chat(request(instructions="Be brief.", input=items), [])
+    assert chat.messages[0].content == "Be brief.\n\nYou are Codex.\n\nSkills." and len(chat.messages) == 3
+
+
+def test_codex_fields_are_real_fields() -> None:
+    asked = request(
+        input="Hi", client_metadata={"x-codex-turn-metadata": '{"session_id": "s"}'}, prompt_cache_key="s",
+        include=["reasoning.encrypted_content", "web_search_call.action.sources"], reasoning={"summary": "auto"}, store=False,
+    )
+    assert asked.client_metadata == {"x-codex-turn-metadata": '{"session_id": "s"}'} and asked.store is False
+    assert decode_request(json.dumps({"model": "sim", "input": "hi", "client_metadata": {}}).encode(), ignore_unknown=False).ignored == ()
+
+
+def test_sampling_extras_reach_the_chat_request() -> None:
+    extras = {
+        "ignore_eos": True, "min_tokens": 4, "min_p": 0.1, "repetition_penalty": 1.1, "frequency_penalty": 0.2,
+        "presence_penalty": 0.3, "stop_token_ids": [7], "skip_special_tokens": False, "stop": ["END"], "top_k": 5, "seed": 3,
+    }
+    chat = to_chat(request(input="Hi", **extras), [])
+    assert {name: getattr(chat, name) for name in extras} == extras
+    plain = to_chat(request(input="Hi"), [])
+    assert (plain.ignore_eos, plain.min_tokens, plain.stop_token_ids, plain.skip_special_tokens) == (False, 0, [], True)
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "name": "get_weather"}])
+def test_a_forced_call_leaves_the_format_for_a_later_text_answer(choice: Any) -> None:
+    text = {"format": {"type": "json_schema", "name": "city", "schema": {"type": "object"}}}
+    chat = to_chat(request(input="Hi", tools=[WEATHER], tool_choice=choice, text=text), [])
+    assert chat.response_format is None and chat.tool_choice is not UNSET
+    assert to_chat(request(input="Hi", tools=[WEATHER], text=text), []).response_format is not None
 
 
 @pytest.mark.parametrize(
@@ -220,7 +389,7 @@ def test_tools_other_than_functions_are_refused_by_name(tool: str) -> None:
         ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].content[0]", "input_file"),
         ({"input": [{"role": "user", "content": "Hi"}, {"type": "item_reference", "id": "msg_1"}]}, "input[1]", "item_reference"),
         ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0]", "call_id"),
-        ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice", "web_search_preview"),
+        ({"tool_choice": {"type": "hosted_frobnicator"}}, "tool_choice", "hosted_frobnicator"),
         ({"background": True}, "background", "background"),
         ({"conversation": "conv_1"}, "conversation", "conversation"),
         ({"prompt": {"id": "pmpt_1"}}, "prompt", "prompt"),
@@ -485,3 +654,153 @@ async def test_closing_the_stream_closes_the_chunks() -> None:
     await anext(frames)
     await frames.aclose()  # type: ignore[attr-defined]
     assert closed == [True]
+
+
+# ------------------------------------------------------------ agents' tools in the answer
+
+AGENT_ASKED = {"input": "Go", "tools": [WEATHER, AGENTS, PATCH, {"type": "web_search"}]}
+PATCH_TEXT = '*** Begin Patch\n+ "quoted"\n*** End Patch'
+AGENT_CALLS = [
+    ToolCall(id="call_1", function=FunctionCall("multi_agent_v1__spawn_agent", '{"task":"x"}')),
+    ToolCall(id="call_2", function=FunctionCall("apply_patch", json.dumps({"input": PATCH_TEXT}))),
+    ToolCall(id="call_3", function=FunctionCall("multi_agent_v1__note", "not an object")),
+]
+
+
+def test_namespace_and_custom_calls_come_back_as_their_items() -> None:
+    store = ResponseStore()
+    presenter = ResponsesPresenter(store, OWNER)
+    response = sdk_response(presenter.whole(turn_of(**AGENT_ASKED), META, completion(content=None, tool_calls=AGENT_CALLS)))
+    spawn, patch, note = response.output[1:]
+    assert (spawn.type, spawn.call_id, spawn.name, spawn.namespace, spawn.arguments) == (
+        "function_call", "call_1", "spawn_agent", "multi_agent_v1", '{"task":"x"}')
+    assert (patch.type, patch.call_id, patch.name, patch.namespace, patch.input) == (
+        "custom_tool_call", "call_2", "apply_patch", None, PATCH_TEXT)
+    assert patch.id.startswith("ctc_") and patch.model_extra == {}
+    assert (note.type, note.name, note.namespace, note.input) == ("custom_tool_call", "note", "multi_agent_v1", "not an object")
+    assert [tool.type for tool in response.tools] == ["function", "namespace", "custom"]  # web_search was left out
+    stored = store.get(OWNER, META.response_id)
+    assert stored is not None and stored.conversation[-1].tool_calls == AGENT_CALLS[:2] + [
+        ToolCall(id="call_3", function=FunctionCall("multi_agent_v1__note", json.dumps({"input": "not an object"})))]
+    plain = sdk_response(ResponsesPresenter(None, OWNER).whole(turn_of(**ASKED), META, completion()))
+    assert "namespace" not in msgspec.json.decode(msgspec.json.encode(plain.output[2].model_dump(exclude_none=True)))
+
+
+async def test_namespace_and_custom_calls_stream_their_own_events() -> None:
+    chunks = [
+        chunk(role="assistant", content=""),
+        chunk(tool_calls=[call(0, "", "call_1", "multi_agent_v1__spawn_agent")]),
+        chunk(tool_calls=[call(0, '{"task":"x"}')]),
+        chunk(tool_calls=[call(1, '{"input": "*** Begin', "call_2", "apply_patch")]),
+        chunk(tool_calls=[call(1, json.dumps({"input": PATCH_TEXT})[len('{"input": "*** Begin'):])]),
+        chunk(tool_calls=[call(2, "not an object", "call_3", "multi_agent_v1__note")]),
+        chunk("tool_calls"),
+        ChatCompletionChunk(model="sim", choices=[], usage=USAGE),
+    ]
+    events = await streamed(ResponsesPresenter(None, OWNER), turn_of(stream=True, **AGENT_ASKED), chunks)
+    kinds = [event.type for event in events]
+    assert kinds[2:-1] == [
+        "response.output_item.added", "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.output_item.added", "response.custom_tool_call_input.delta", "response.custom_tool_call_input.delta",
+        "response.custom_tool_call_input.done", "response.output_item.done",
+        "response.output_item.added", "response.custom_tool_call_input.delta", "response.custom_tool_call_input.done",
+        "response.output_item.done",
+    ]
+    added = [event.item for event in events if event.type == "response.output_item.added"]
+    assert [(item.type, item.name, item.namespace) for item in added] == [
+        ("function_call", "spawn_agent", "multi_agent_v1"), ("custom_tool_call", "apply_patch", None),
+        ("custom_tool_call", "note", "multi_agent_v1")]
+    arguments_done = next(event for event in events if event.type == "response.function_call_arguments.done")
+    assert arguments_done.model_extra == {"name": "spawn_agent"}
+    deltas = [(event.item_id, event.delta) for event in events if event.type == "response.custom_tool_call_input.delta"]
+    assert [delta for _, delta in deltas] == ["*** Begin", PATCH_TEXT.removeprefix("*** Begin"), "not an object"]
+    done = [event.input for event in events if event.type == "response.custom_tool_call_input.done"]
+    final = events[-1].response
+    assert [(item.type, item.name, item.namespace) for item in final.output] == [
+        ("function_call", "spawn_agent", "multi_agent_v1"), ("custom_tool_call", "apply_patch", None),
+        ("custom_tool_call", "note", "multi_agent_v1")]
+    assert done == [final.output[1].input, final.output[2].input] == [PATCH_TEXT, "not an object"]
+    state = ResponseStreamState(input_tools=omit, text_format=omit)
+    for event in events:
+        state.handle_event(event)
+
+
+@pytest.mark.parametrize(
+    "text", ['*** Begin Patch\n+ "quoted" \\ tab\t é 🫠 𓀀\n*** End Patch', "", "plain"]
+)
+def test_custom_input_streams_whatever_the_deltas_cut(text: str) -> None:
+    spellings = [json.dumps({"input": text}), json.dumps({"input": text}, ensure_ascii=False), '{ "input" :\n "' + json.dumps(text)[1:-1] + '" }']
+    for arguments in spellings:
+        for cut in range(len(arguments) + 1):
+            for end in range(cut, len(arguments) + 1):
+                stream = CustomInputStream()
+                shown = [stream.feed(arguments[:cut]), stream.feed(arguments[cut:end]), stream.feed(arguments[end:])]
+                assert "".join(shown) == text == custom_input(arguments), (arguments, cut, end)
+
+
+def test_custom_input_not_in_its_object_is_not_streamed() -> None:
+    for arguments in ['{"path": "a", "input": "b"}', "free text", '{"input": 3}']:
+        stream = CustomInputStream()
+        assert stream.feed(arguments[:5]) + stream.feed(arguments[5:]) == ""
+    assert custom_input('{"input": "line\nbreak"}') == "line\nbreak"  # a raw line break in the string is taken
+
+
+# ------------------------------------------------------------ a forced custom tool's grammar
+
+REGEX_TOOL = {"type": "custom", "name": "code", "format": {"type": "grammar", "syntax": "regex", "definition": "[0-9]{3}"}}
+GRAMMARS = ToolPolicy(enforced=frozenset({"grammar", "regex"}))
+FORCE_PATCH = {"type": "custom", "name": "apply_patch"}
+
+
+def test_a_forced_grammar_tool_is_decoded_as_text_under_its_grammar_where_engines_enforce_it() -> None:
+    chat = to_chat(request(input="Go", tools=[WEATHER, PATCH], tool_choice=FORCE_PATCH, text={"format": {"type": "json_object"}}), [], GRAMMARS)
+    assert chat.tool_choice == "none" and [t.function.name for t in chat.tools or ()] == ["get_weather", "apply_patch"]
+    assert chat.structured_outputs == {"grammar": PATCH["format"]["definition"]} and chat.response_format is None  # type: ignore[index]
+    nested = {**AGENTS, "tools": [REGEX_TOOL]}
+    chat = to_chat(request(input="Go", tools=[nested], tool_choice={"type": "custom", "name": "code", "namespace": "multi_agent_v1"}), [], GRAMMARS)
+    assert chat.tool_choice == "none" and chat.structured_outputs == {"regex": "[0-9]{3}"}
+
+
+@pytest.mark.parametrize(
+    ("tools", "choice", "policy"),
+    [
+        ([PATCH], FORCE_PATCH, ToolPolicy()),  # the engines enforce no grammar
+        ([REGEX_TOOL], {"type": "custom", "name": "code"}, ToolPolicy(enforced=frozenset({"grammar"}))),
+        ([AGENTS], {"type": "custom", "name": "note", "namespace": "multi_agent_v1"}, GRAMMARS),  # no grammar
+    ],
+)
+def test_otherwise_a_forced_custom_tool_is_a_forced_call(tools: list[Any], choice: dict[str, Any], policy: ToolPolicy) -> None:
+    chat = to_chat(request(input="Go", tools=tools, tool_choice=choice), [], policy)
+    assert isinstance(chat.tool_choice, NamedToolChoice) and chat.structured_outputs is None
+
+
+def forced_turn(**fields: Any) -> Turn[ResponsesRequest]:
+    original = request(input="Go", tools=[WEATHER, PATCH], tool_choice=FORCE_PATCH, **fields)
+    return turn(original, to_chat(original, [], GRAMMARS))
+
+
+def test_the_text_of_a_grammar_forced_turn_is_the_call() -> None:
+    store = ResponseStore()
+    answer = completion("stop", content=PATCH_TEXT, tool_calls=None)
+    response = sdk_response(ResponsesPresenter(store, OWNER).whole(forced_turn(), META, answer))
+    assert [item.type for item in response.output] == ["reasoning", "custom_tool_call"]
+    call = response.output[1]
+    assert (call.name, call.input, call.namespace) == ("apply_patch", PATCH_TEXT, None) and call.call_id.startswith("call_")
+    stored = store.get(OWNER, META.response_id)
+    assert stored is not None and stored.conversation[-1].tool_calls == [
+        ToolCall(id=call.call_id, function=FunctionCall("apply_patch", json.dumps({"input": PATCH_TEXT})))]
+    assert stored.conversation[-1].content == ""
+
+
+async def test_the_text_of_a_grammar_forced_turn_streams_as_the_calls_input() -> None:
+    chunks = [chunk(role="assistant", content=""), chunk(reasoning="Patch."), chunk(content=PATCH_TEXT[:9]),
+              chunk(content=PATCH_TEXT[9:]), chunk("stop"), ChatCompletionChunk(model="sim", choices=[], usage=USAGE)]
+    events = await streamed(ResponsesPresenter(None, OWNER), forced_turn(stream=True), chunks)
+    kinds = [event.type for event in events]
+    assert kinds[-6:] == ["response.output_item.added", "response.custom_tool_call_input.delta",
+                          "response.custom_tool_call_input.delta", "response.custom_tool_call_input.done",
+                          "response.output_item.done", "response.completed"]
+    deltas = [event.delta for event in events if event.type == "response.custom_tool_call_input.delta"]
+    final = events[-1].response.output[-1]
+    assert deltas == [PATCH_TEXT[:9], PATCH_TEXT[9:]] and (final.type, final.name, final.input) == ("custom_tool_call", "apply_patch", PATCH_TEXT)
