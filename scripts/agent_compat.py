@@ -5,9 +5,12 @@ Servers (each started here, stopped at the end):
 
 - vLLM: vLLM 0.32's own OpenAI server (`scripts/vllm_serve.sh`: qwen3 reasoning parser,
   hermes tool parser, auto tool choice) with the tiny random Qwen3 model
-  (`engine.qwen3.fixtures.ensure_tiny_model`); its python is `--vllm-python`, else
+  (`engine.qwen3.fixtures.ensure_tiny_model`), scripted by `scripts/vllm_agent_script.py`
+  (a logits processor) to call each CLI's shell tool once and then answer with its output,
+  the plan onehop's sim follows, so both servers get each CLI's whole tool loop (its tool
+  results included), not just its first request. Its python is `--vllm-python`, else
   $ONEHOP_VLLM_PYTHON, else the last line of `bash scripts/setup_vllm.sh`. The model's
-  context is raised to `--max-model-len` (the CLIs' first prompts are ~10-20k tokens, the
+  context is raised to MAX_MODEL_LEN (the CLIs' first prompts are ~10-20k tokens, the
   model's own limit 4096), and it is served under the agent model name and Claude Code's
   default model names too, so neither a length nor a name refusal hides how vLLM reads the
   requests themselves.
@@ -21,8 +24,7 @@ retries what a server refuses): Codex CLI (`codex exec`, Responses API) and Clau
 (`claude -p`, Messages API), the versions pinned in tools/agents, with their default
 settings exactly as tests/integration/test_agent_clis.py runs them (a fresh HOME, Codex's
 config.toml with a custom provider on the Responses wire API, Claude Code pointed by
-ANTHROPIC_BASE_URL / ANTHROPIC_API_KEY; telemetry and update checks off). With a random
-model vLLM's answers are gibberish: the point is whether the requests are accepted.
+ANTHROPIC_BASE_URL / ANTHROPIC_API_KEY; telemetry and update checks off).
 
 Probes: single requests sent to each server directly (see PROBES), one status per server.
 
@@ -81,8 +83,8 @@ CLAUDE_NAMES = ["claude-opus-4-8", "claude-sonnet-5", "claude-haiku-4-5-20251001
 KEY = "agent-compat-key"
 MAX_MODEL_LEN = 131072
 MAX_NEW_TOKENS = 256
-"""vLLM's hard cap on an answer's length: the random model rarely ends one, and the CLIs ask up to
-32000 tokens (~100 tokens/s here), so uncapped answers would outlast every run's bound."""
+"""vLLM's hard cap on an answer's length, should a scripted turn not end (the CLIs ask up to 32000
+tokens, ~100 tokens/s here)."""
 START_S = 240
 PROBE_S = 60
 ERROR_CHARS = 200
@@ -199,6 +201,7 @@ def start_vllm(python: Path, folder: Path) -> Server:
     argv = ["bash", str(ROOT / "scripts" / "vllm_serve.sh"), str(ensure_tiny_model()), str(port)]
     argv += ["--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", MODEL, *CLAUDE_NAMES]
     argv += ["--override-generation-config", json.dumps({"max_new_tokens": MAX_NEW_TOKENS})]
+    argv += ["--logits-processors", "vllm_agent_script:AgentScript"]
     env = {key: value for key, value in os.environ.items() if not key.startswith("OTEL_")}
     env.update(
         ONEHOP_VLLM_PYTHON=str(python),
@@ -206,6 +209,8 @@ def start_vllm(python: Path, folder: Path) -> Server:
         TRANSFORMERS_OFFLINE="1",
         VLLM_ALLOW_LONG_MAX_MODEL_LEN="1",  # above the tiny model's 4096 positions (rope extrapolates)
         VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        PYTHONPATH=str(ROOT / "scripts"),  # vllm_agent_script
+        ONEHOP_AGENT_SCRIPT_CALLS=json.dumps(AGENT_CALLS),
     )
     return spawn("vLLM", argv, port, folder, env)
 
@@ -323,6 +328,7 @@ async def run_cli(cli: str, server: str, proxy: Proxy, folder: Path, bound_s: fl
     seconds = time.monotonic() - started
     (folder / "stdout.txt").write_bytes(stdout)
     (folder / "stderr.txt").write_bytes(stderr)
+    (folder / "requests.json").write_text(json.dumps([vars(record) for record in proxy.records], indent=1))
     return Run(cli, server, list(proxy.records), exit_code, stdout.decode(errors="replace"), seconds)
 
 
@@ -406,7 +412,55 @@ PROBES: list[tuple[str, str, str, dict[str, Any] | None]] = [
         "/v1/responses",
         {"model": MODEL, "input": "Say hi.", "max_output_tokens": 16, "client_metadata": {"x-codex-installation-id": "x"}},
     ),
+    (
+        "`web_search` (hosted) tool on /v1/responses",
+        "POST",
+        "/v1/responses",
+        {"model": MODEL, "input": "Say hi.", "max_output_tokens": 16, "tools": [{"type": "web_search"}]},
+    ),
+    (
+        "Codex's namespaced call and its `function_call_output` without `call_id`",
+        "POST",
+        "/v1/responses",
+        {
+            "model": MODEL,
+            "max_output_tokens": 16,
+            "input": [
+                {"type": "message", "role": "user", "content": "Start an agent."},
+                {
+                    "type": "function_call",
+                    "call_id": "call_1",
+                    "name": "spawn_agent",
+                    "namespace": "multi_agent_v1",
+                    "arguments": '{"task": "x"}',
+                },
+                {"type": "function_call_output", "name": "spawn_agent", "namespace": "multi_agent_v1", "output": "started"},
+            ],
+        },
+    ),
+    (
+        "Anthropic client tool `bash_20250124` on /v1/messages",
+        "POST",
+        "/v1/messages",
+        {
+            "model": MODEL,
+            "max_tokens": 16,
+            "messages": [{"role": "user", "content": "Say hi."}],
+            "tools": [{"type": "bash_20250124", "name": "bash"}],
+        },
+    ),
+    (
+        "`role: system` message inside `messages` on /v1/messages",
+        "POST",
+        "/v1/messages",
+        {
+            "model": MODEL,
+            "max_tokens": 16,
+            "messages": [{"role": "user", "content": "Say hi."}, {"role": "system", "content": "Be brief."}],
+        },
+    ),
 ]
+"""Sent after the CLI runs, so that a probe that upsets a server cannot change the runs' rows."""
 
 
 async def probe(session: aiohttp.ClientSession, base_url: str, method: str, path: str, body: Any) -> str:
@@ -515,14 +569,14 @@ async def measure(args: argparse.Namespace, folder: Path) -> str:
                 log(f"waiting for {server.name} ({server.log})")
                 await wait_healthy(session, server)
             async with proxies(session, started) as by_name:
-                for server in started:
-                    for label, method, path, body in PROBES:
-                        probes.setdefault(label, {})[server.name] = await probe(session, server.url, method, path, body)
                 for cli in CLIS:
                     for server in started:
                         log(f"running {cli} against {server.name} (at most {args.run_s:.0f} s)")
                         where = folder / f"{cli.split()[0].lower()}-{server.name.lower()}"
                         runs.append(await run_cli(cli, server.name, by_name[server.name], where, args.run_s))
+            for server in started:
+                for label, method, path, body in PROBES:
+                    probes.setdefault(label, {})[server.name] = await probe(session, server.url, method, path, body)
     wall = time.monotonic() - started_at
     names = [server.name for server in started]
     lines = [*header, ""]
