@@ -4,10 +4,9 @@ memory and fairness. Real servers on loopback; the connection cases are raw sock
 
 from __future__ import annotations
 
-import re
-
 import asyncio
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
