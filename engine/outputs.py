@@ -26,7 +26,7 @@ from engine.derender.chat import ChatDerender, ChatOptions, ReasoningField
 from engine.derender.completion import CompletionDerender, CompletionOptions
 from engine.derender.logprobs import chat_logprobs
 from engine.derender.text import TextParams, TextPipeline
-from engine.derender.usage import derender_summary, open_choices
+from engine.derender.usage import derender_summary, open_choices, summary_of
 from engine.derender.vocab import TokenVocab
 from engine.openai_schema import ChatLogprobs, Usage
 from engine.protocol import (
@@ -173,12 +173,7 @@ class _ModeWriter:
         return self._c.open_choices()
 
     def summary(self) -> EngineSummary:
-        usage = self._c.usage()
-        return EngineSummary(
-            finish_reasons=[reason for reason, _ in self._c.finish],
-            prompt_tokens=usage.prompt_tokens,
-            completion_tokens=usage.completion_tokens or 0,
-        )
+        return summary_of([reason for reason, _ in self._c.finish], self._c.usage())
 
     def step(self, output: BackendOutput) -> bytes | None:
         advanced = self._c.advance(output)

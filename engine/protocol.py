@@ -566,6 +566,9 @@ class EngineSummary(Struct, kw_only=True):
     finish_reasons: list[str | None]
     prompt_tokens: int
     completion_tokens: int
+    # Added later: an engine that does not send them reads as zeros.
+    cached_tokens: int = 0
+    reasoning_tokens: int = 0
 
 
 SUMMARY_HEADER = "onehop-engine-summary"

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import msgspec
 from aiohttp import web
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.trace import Span, SpanKind
 
 from engine.http_server import CONNECTION_LIMITS, ERROR_BODY, ConnectionLimits, new_event_loop, run_app
 from engine.derender.vocab import TokenVocab, vocab_for
@@ -35,7 +35,8 @@ from gateway.config import ConfigError, EngineEndpoint, GatewayConfig, Limits, M
 from gateway.engine_client import ABORT_TIMEOUT_S, EngineClient, EngineMismatch, Expected
 from gateway.errors import ERROR_BODIES, ERROR_KEY, REQUEST_ID_KEY, Handler, RouteNotFound, gateway_error_middleware, status_error_json
 from gateway.feedback import EngineFeedback
-from gateway.observe import GONE_KEY, MODEL_KEY, OPERATIONS, SPAN_KEY, STARTED_KEY
+from gateway.observe import GONE_KEY, MODEL_KEY, OPERATIONS, SPAN_KEY, STARTED_KEY, TALLY_KEY, describe_outcome
+from gateway.outcome import CLIENT_GONE, Outcome, Tally
 from gateway.memory import release_freed_memory
 from gateway.lookups import handle_count_tokens, handle_delete_response, handle_get_response, handle_input_tokens
 from gateway.messages import error_body as messages_error_body
@@ -203,16 +204,16 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
 
 @web.middleware
 async def observe_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Metrics and the server span of every OpenAI request (named per the GenAI conventions)."""
+    """The server span of every API request (named per the GenAI conventions), and its outcome event."""
     endpoint = _ENDPOINTS.get(request.path)
     if endpoint is None:
         return await handler(request)
     state = request.app[GATEWAY]
-    metrics = state.metrics
     operation = OPERATIONS[endpoint]
     request[STARTED_KEY] = started = time.perf_counter()
-    metrics.in_flight.labels(endpoint).inc()
-    status = "499"
+    request[TALLY_KEY] = Tally()
+    state.metrics.in_flight.labels(endpoint).inc()
+    status = CLIENT_GONE
     with state.tracing.tracer.start_as_current_span(
         operation,  # `{operation} {model}` once the model is known
         kind=SpanKind.SERVER,
@@ -231,33 +232,29 @@ async def observe_middleware(request: web.Request, handler: Handler) -> web.Stre
             )
         try:
             response = await handler(request)
-            if request.get(GONE_KEY):  # it left mid-stream: the 200 it was sent is not what it got
-                metrics.disconnects.labels(request.get(ROUTE_KEY, "none")).inc()
-            else:
-                status = str(response.status)
+            if not request.get(GONE_KEY):  # one that left mid-stream did not get the 200 it was sent
+                status = response.status
             return response
-        except asyncio.CancelledError:
-            metrics.disconnects.labels(request.get(ROUTE_KEY, "none")).inc()
-            span.set_attribute("onehop.client_disconnected", True)
-            raise
         finally:
-            route = request.get(ROUTE_KEY, "none")
-            metrics.in_flight.labels(endpoint).dec()
-            metrics.requests.labels(endpoint, route, request.get(MODEL_KEY, "none"), status).inc()
-            metrics.e2e.labels(route).observe(time.perf_counter() - started)
-            if span.is_recording():
-                _describe_answer(request, span, status)
+            state.metrics.in_flight.labels(endpoint).dec()
+            state.outcomes.emit(_outcome(request, endpoint, status, time.perf_counter() - started, span))
 
 
-def _describe_answer(request: web.Request, span: Span, status: str) -> None:
-    span.set_attribute("onehop.route", request.get(ROUTE_KEY, "none"))
-    if status != "499":
-        span.set_attribute("http.response.status_code", int(status))
-    kind = request.get(ERROR_KEY)
-    if kind is not None:
-        span.set_attribute("error.type", kind)
-        if int(status) >= 500:
-            span.set_status(Status(StatusCode.ERROR))
+def _outcome(request: web.Request, endpoint: str, status: int, duration_s: float, span: Span) -> Outcome:
+    answered = request[TALLY_KEY]
+    return Outcome(
+        request_id=request.get(REQUEST_ID_KEY),
+        endpoint=endpoint,
+        model=request.get(MODEL_KEY),
+        tenant=request.get(TENANT_KEY),
+        route=request.get(ROUTE_KEY, "none"),
+        status=status,
+        error=request.get(ERROR_KEY),
+        finish_reasons=answered.finish_reasons,
+        tokens=answered.tokens,
+        duration_s=duration_s,
+        span=span,
+    )
 
 
 async def _answer_headers(request: web.Request, response: web.StreamResponse) -> None:
@@ -343,6 +340,8 @@ def create_app(config: GatewayConfig) -> web.Application:
         responses=response_store(stored),
     )
     app[GATEWAY] = state
+    state.outcomes.subscribe(describe_outcome)
+    state.outcomes.subscribe(metrics.record)
     if config.auth.api_keys_env is not None:
         state.env_keys = keys_from_env(config.auth.api_keys_env)
         if not state.env_keys and config.auth.api_keys_file is None:

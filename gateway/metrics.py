@@ -24,6 +24,8 @@ from prometheus_client import (
 )
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from gateway.outcome import Outcome
+
 _MULTIPROCESS_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -112,10 +114,34 @@ class GatewayMetrics:
             "them), by type (after 16 distinct types, `_other`).",
             ["type"], registry=r,
         )
+        self.tokens = Counter(
+            "onehop_gateway_tokens",
+            "Tokens of the answered requests, by model and kind: prompt, cached (of the prompt, from the engine's "
+            "prefix cache), completion, reasoning (of the completion).",
+            ["model", "kind"], registry=r,
+        )
         self.circuit_open = Gauge(
             "onehop_gateway_engine_circuit_open", "1 while an engine's circuit breaker is open, else 0.", ["engine"],
             registry=r, multiprocess_mode="livemax",
         )
+
+    def record(self, outcome: Outcome) -> None:
+        """A request's outcome: its count, duration, disconnect and tokens (subscribed in `gateway.app`)."""
+        model = outcome.model or "none"
+        self.requests.labels(outcome.endpoint, outcome.route, model, str(outcome.status)).inc()
+        self.e2e.labels(outcome.route).observe(outcome.duration_s)
+        if outcome.client_gone:
+            self.disconnects.labels(outcome.route).inc()
+        tokens = outcome.tokens
+        if tokens is not None:
+            for kind, count in (
+                ("prompt", tokens.prompt),
+                ("cached", tokens.cached),
+                ("completion", tokens.completion),
+                ("reasoning", tokens.reasoning),
+            ):
+                if count:
+                    self.tokens.labels(model, kind).inc(count)
 
     def circuit(self, engine: str, is_open: bool) -> None:
         """An engine's circuit changed (or the engine joined the pool: closed), so dashboards see zeros, not gaps."""

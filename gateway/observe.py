@@ -15,16 +15,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from aiohttp import web
 from opentelemetry import trace
-from opentelemetry.trace import Span, SpanKind
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from engine.telemetry import record_error
 from gateway.metrics import LocalHistogram
+from gateway.outcome import Outcome, Tally, Tokens
 from gateway.state import GATEWAY, GatewayState
 
 OPERATIONS = {"chat": "chat", "completions": "text_completion", "responses": "chat", "messages": "chat"}
@@ -36,6 +37,8 @@ STARTED_KEY = web.RequestKey("onehop_started", float)
 """perf_counter() at the request's arrival, for time to first token."""
 GONE_KEY = web.RequestKey("onehop_client_gone", bool)
 """The client left mid-answer (counted as a 499 and a disconnect, not as the status it was sent)."""
+TALLY_KEY = web.RequestKey("onehop_tally", Tally)
+"""What the client was answered, for the request's outcome event."""
 
 
 @contextmanager
@@ -95,23 +98,43 @@ def describe_request(
     span.set_attributes(attributes)
 
 
-def describe_outcome(span: Span, finish_reasons: Sequence[str | None], input_tokens: int, output_tokens: int) -> None:
-    if span.is_recording():
-        span.set_attributes(
-            {
-                "gen_ai.response.finish_reasons": [reason or "" for reason in finish_reasons],
-                "gen_ai.usage.input_tokens": input_tokens,
-                "gen_ai.usage.output_tokens": output_tokens,
-            }
-        )
+def tally(http: web.Request) -> Tally:
+    """The request's tally, where the responder records what the client was answered."""
+    found = http.get(TALLY_KEY)
+    if found is None:  # a request the observe middleware did not see (no outcome is emitted)
+        found = http[TALLY_KEY] = Tally()
+    return found
 
 
-def describe_derender(span: Span, derender: Any) -> None:
-    """Outcome from the gateway's own derender (text and token routes): what the client saw."""
-    if span.is_recording():
-        usage = derender.usage()
-        reasons = [choice.finish_reason for choice in derender.choices]
-        describe_outcome(span, reasons, usage.prompt_tokens, usage.completion_tokens or 0)
+def describe_outcome(outcome: Outcome) -> None:
+    """The outcome on the request's server span: GenAI usage and finish reasons, route, status."""
+    span = outcome.span
+    if not span.is_recording():
+        return
+    attributes: dict[str, Any] = {"onehop.route": outcome.route}
+    if outcome.client_gone:
+        attributes["onehop.client_disconnected"] = True
+    else:
+        attributes["http.response.status_code"] = outcome.status
+    if outcome.tokens is not None:
+        attributes["gen_ai.response.finish_reasons"] = [reason or "" for reason in outcome.finish_reasons]
+        attributes["gen_ai.usage.input_tokens"] = outcome.tokens.prompt
+        attributes["gen_ai.usage.output_tokens"] = outcome.tokens.completion
+        if outcome.tokens.cached:
+            attributes["gen_ai.usage.cache_read.input_tokens"] = outcome.tokens.cached
+        if outcome.tokens.reasoning:
+            attributes["onehop.usage.reasoning_tokens"] = outcome.tokens.reasoning
+    if outcome.error is not None:
+        attributes["error.type"] = outcome.error
+        if outcome.status >= 500 and not outcome.client_gone:
+            span.set_status(Status(StatusCode.ERROR))
+    span.set_attributes(attributes)
+
+
+def record_derender(http: web.Request, derender: Any) -> None:
+    """The outcome of the gateway's own derender (text and token routes): what the client saw."""
+    reasons = [choice.finish_reason for choice in derender.choices]
+    tally(http).record(reasons, Tokens.of_usage(derender.usage()))
 
 
 class StreamTimer:
@@ -214,9 +237,8 @@ class DerenderWork:
         cpu_s = self.cpu_s
         metrics.derender_cpu.labels(self._route).inc(cpu_s)
         metrics.stage_seconds.labels("derender").observe(cpu_s)
-        parent = self._http.get(SPAN_KEY)
-        if parent is not None and derender is not None:
-            describe_derender(parent, derender)
+        if derender is not None:
+            record_derender(self._http, derender)
         if self._span is not None:
             self._span.set_attributes(
                 {"onehop.route": self._route, "onehop.derender.cpu_s": cpu_s, "onehop.derender.chunks": self.chunks}

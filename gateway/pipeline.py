@@ -41,7 +41,8 @@ from gateway.engine_client import Target
 from gateway.engine_request import generate_body
 from gateway.engine_stream import EngineAnswer
 from gateway.errors import REQUEST_ID_KEY, ClientGone, InvalidRequest, PayloadTooLarge, RequestTimeout, UnsupportedMediaType
-from gateway.observe import GONE_KEY, MODEL_KEY, SPAN_KEY, DerenderWork, describe_model, describe_outcome, describe_request, measured
+from gateway.observe import GONE_KEY, MODEL_KEY, SPAN_KEY, DerenderWork, describe_model, describe_request, measured, tally
+from gateway.outcome import Tokens
 from gateway.relay import (
     derender_answer,
     derendered,
@@ -294,9 +295,8 @@ class Exchange:
             reasoning_field=answer.model.reasoning_field,
             return_token_ids=bool(chat is not None and chat.return_token_ids),
         )
-        usage = completion.usage
         reasons = [choice.finish_reason for choice in completion.choices]
-        describe_outcome(self.http[SPAN_KEY], reasons, usage.prompt_tokens, usage.completion_tokens or 0)
+        tally(self.http).record(reasons, Tokens.of_usage(completion.usage))
         return completion
 
     @asynccontextmanager
@@ -345,7 +345,7 @@ class Exchange:
         http, first, rid = self.http, self.target.engines.timeouts, self.answer.response_id
         if self.presenter is not None:  # one prompt, one choice: the API's own events from the chat chunks
             leg = self.legs[0]
-            frames = self.presenter.stream(self.request, self._presented(leg), self._chunks(leg))
+            frames = self.presenter.stream(self.request, self._presented(leg), self._tallied(self._chunks(leg)))
             return await respond_stream(http, self.route, rid, frames, done=False, end=self.presenter.error_frame)
         if len(self.legs) > 1:
             frames = encoded(self._merged(merged([self._chunks(leg) for leg in self.legs])))
@@ -364,7 +364,9 @@ class Exchange:
     async def _respond_json(self) -> web.Response:
         if self.presenter is not None:
             leg = self.legs[0]
-            whole = self.presenter.whole(self.request, self._presented(leg), await self._answer(leg))
+            answer = await self._answer(leg)
+            tally(self.http).record([choice.finish_reason for choice in answer.choices], Tokens.of_usage(answer.usage))
+            whole = self.presenter.whole(self.request, self._presented(leg), answer)
             return web.Response(body=_encode(whole), content_type="application/json")
         if len(self.legs) > 1:
             return self._merged_answer(await all_of([self._answer(leg) for leg in self.legs]))
@@ -401,6 +403,18 @@ class Exchange:
                 async for chunk in chunks:
                     yield chunk
 
+    async def _tallied(self, chunks: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        """`chunks` as they come; their finish reasons and usage recorded for the request's outcome."""
+        reasons: dict[int, str] = {}
+        async with aclosing(chunks):
+            async for chunk in chunks:
+                for choice in chunk.choices:
+                    if choice.finish_reason is not None:
+                        reasons[choice.index] = choice.finish_reason
+                if chunk.usage not in (None, UNSET):
+                    tally(self.http).record([reasons[i] for i in sorted(reasons)], Tokens.of_usage(chunk.usage))
+                yield chunk
+
     async def _answer(self, leg: Leg) -> Any:
         async with self._open(leg) as engine:
             raw = await read_answer(engine, self.state.config.limits.max_answer_bytes)
@@ -434,7 +448,7 @@ class Exchange:
                 yield chunk
         if usages:
             total = sum_usage(usages)
-            describe_outcome(self.http[SPAN_KEY], [reasons[i] for i in sorted(reasons)], total.prompt_tokens, total.completion_tokens or 0)
+            tally(self.http).record([reasons[i] for i in sorted(reasons)], Tokens.of_usage(total))
             if self.client_usage:
                 yield msgspec.structs.replace(last_usage, id=rid, created=created, usage=total)
 
@@ -446,9 +460,8 @@ class Exchange:
             choices=[choice for answer in answers for choice in answer.choices],
             usage=sum_usage([answer.usage for answer in answers]),
         )
-        usage = merged_answer.usage
         reasons = [choice.finish_reason for choice in merged_answer.choices]
-        describe_outcome(self.http[SPAN_KEY], reasons, usage.prompt_tokens, usage.completion_tokens or 0)
+        tally(self.http).record(reasons, Tokens.of_usage(merged_answer.usage))
         return web.Response(body=_encode(merged_answer), content_type="application/json")
 
 

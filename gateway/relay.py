@@ -28,7 +28,6 @@ from typing import Any, Protocol
 import aiohttp
 import msgspec
 from aiohttp import web
-from opentelemetry.trace import Span
 
 from engine.derender.errors import DerenderError
 from engine.derender.text import OutputFinished
@@ -55,7 +54,8 @@ from gateway.errors import (
     status_error,
 )
 from gateway.config import Timeouts as StreamTimeouts
-from gateway.observe import SPAN_KEY, STARTED_KEY, DerenderWork, StreamTimer, describe_outcome
+from gateway.observe import STARTED_KEY, DerenderWork, StreamTimer, tally
+from gateway.outcome import Tally, Tokens
 from gateway.remote import RemoteChatDerender, RemoteCompletionDerender, RemoteServiceError
 from gateway.splice import can_splice, splice
 from gateway.sse import DONE, DONE_FRAME, MAX_EVENT_BYTES, SSEError, SSEReader, frame
@@ -356,11 +356,11 @@ class EngineEvents:
     after the good events before it went out: nothing valid is held back.
     """
 
-    __slots__ = ("_broken", "_parts", "_size", "_span", "done", "summary")
+    __slots__ = ("_broken", "_parts", "_size", "_tally", "done", "summary")
 
-    def __init__(self, span: Span | None = None) -> None:
-        self._span = span
-        """The server span the engine's summary describes."""
+    def __init__(self, answered: Tally | None = None) -> None:
+        self._tally = answered if answered is not None else Tally()
+        """Where the engine's summary (finish reasons, tokens) is recorded for the request's outcome."""
         self._parts: list[bytes] = []
         """A partial event, as it arrived: joined once, when its end comes (never re-scanned)."""
         self._size = 0
@@ -432,7 +432,8 @@ class EngineEvents:
             raise self._broken
         if not self.done:
             raise EngineFailed("the engine stream ended before [DONE]")
-        _describe_summary(self._span, self.summary)
+        if self.summary is not None:
+            self._tally.record(self.summary.finish_reasons, Tokens.of_summary(self.summary))
         return b""
 
 
@@ -478,13 +479,8 @@ async def relay_stream(
     http: web.Request, engine: EngineAnswer, timeouts: StreamTimeouts, request_id: str
 ) -> web.StreamResponse:
     """The derender route: the engine's SSE events, checked, as they come (its `[DONE]` included)."""
-    events = EngineEvents(http.get(SPAN_KEY))
+    events = EngineEvents(tally(http))
     return await respond_stream(http, "derender", request_id, spliced(engine, timeouts, events), done=False)
-
-
-def _describe_summary(span: Span | None, summary: EngineSummary | None) -> None:
-    if summary is not None and span is not None:
-        describe_outcome(span, summary.finish_reasons, summary.prompt_tokens, summary.completion_tokens)
 
 
 class _EngineAnswer(msgspec.Struct):
@@ -525,8 +521,9 @@ async def relay_json(http: web.Request, engine: EngineAnswer) -> web.Response:
     except msgspec.DecodeError as exc:  # msgspec parses skipped fields too: the whole body is valid JSON
         raise EngineFailed(f"the engine sent an invalid answer: {exc}: {body[:120]!r}") from exc
     header = engine.headers.get(SUMMARY_HEADER)
-    if header is not None:
-        _describe_summary(http.get(SPAN_KEY), decode_summary(header))
+    summary = decode_summary(header) if header is not None else None
+    if summary is not None:
+        tally(http).record(summary.finish_reasons, Tokens.of_summary(summary))
     return web.Response(body=body, content_type="application/json")
 
 

@@ -18,6 +18,7 @@ from gateway.engine_client import EngineClient
 from gateway.errors import ModelNotFound
 from gateway.feedback import EngineFeedback
 from gateway.metrics import GatewayMetrics
+from gateway.outcome import Outcomes
 from gateway.policy import Policy
 from gateway.reload import WatchedFile
 from gateway.response_store import ResponseStorage
@@ -35,6 +36,8 @@ class GatewayState:
     feedback: EngineFeedback
     """Live load of every decoding engine, for the cost policy."""
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+    outcomes: Outcomes = field(default_factory=Outcomes)
+    """Subscribers to each API request's outcome (`gateway.outcome`): spans and metrics, at least."""
     tracing: Tracing = field(default_factory=lambda: Tracing(TracingConfig(), "onehop-gateway"))
     policy_file: WatchedFile[Policy] | None = None
     key_file: WatchedFile[Keys] | None = None

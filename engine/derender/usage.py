@@ -36,11 +36,17 @@ def open_choices(derender: _Derender) -> list[int]:
 
 def derender_summary(derender: _Derender) -> EngineSummary:
     """Finish reasons and token counts of a derender's choices so far (the engine's summary)."""
-    usage = derender.usage()
+    return summary_of([choice.finish_reason for choice in derender.choices], derender.usage())
+
+
+def summary_of(finish_reasons: list[str | None], usage: Usage) -> EngineSummary:
+    prompt_details, completion_details = usage.prompt_tokens_details, usage.completion_tokens_details
     return EngineSummary(
-        finish_reasons=[choice.finish_reason for choice in derender.choices],
+        finish_reasons=finish_reasons,
         prompt_tokens=usage.prompt_tokens,
         completion_tokens=usage.completion_tokens or 0,
+        cached_tokens=(prompt_details.cached_tokens or 0) if prompt_details is not None else 0,
+        reasoning_tokens=completion_details.reasoning_tokens if completion_details is not None else 0,
     )
 
 
