@@ -1,4 +1,4 @@
-"""Known differences from vLLM, and the harness the per-family parity tests share (`tests/vllm/test_parity_*.py`).
+"""Known differences from vLLM, and the harness the parity tests share (`tests/vllm/test_parity.py`).
 
 A parity test compares onehop's answer with vLLM's field by field
 (`tests.support.vllm_oracle.compare`). Where the two differ on purpose, the
@@ -6,9 +6,10 @@ case carries a `Deviation`: both sides' exact values are asserted first (the
 test fails if either side changes), and only then is vLLM's field set to
 onehop's so the rest of the answer is still compared.
 
-A family module builds its cases with `oracle_case`, asks vLLM once with
-`oracle_answers`, and checks each case with `stream_failures` (every chunking)
-and `full_diffs` (the non-streamed answer).
+A family's case table (`tests/vllm/parity_cases/`) builds its cases with
+`oracle_case`; the harness asks vLLM once per family with `oracle_answers` and
+checks each case with `stream_failures` (every chunking) and `reconcile` and
+`compare` on the non-streamed answer (`full_diffs` does both).
 """
 
 from __future__ import annotations
@@ -187,7 +188,7 @@ def oracle_case(
     output_ids: Sequence[int],
     seed: int,
     *,
-    tool_parser: str,
+    tool_parser: str | None,
     tools: list[Any] | None,
     messages: list[dict[str, Any]],
     reasoning_parser: str | None = None,

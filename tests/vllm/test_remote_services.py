@@ -654,9 +654,8 @@ async def test_gateway_takes_stock_vllm_032_as_032(vllm_url: str, model: str, ti
     from gateway.config import Health, Timeouts
     from gateway.pool import Pool
 
-    async with http_client.ClientSession() as session:
-        async with session.get(vllm_url + "/version") as response:
-            assert (await response.json())["version"].startswith("0.32")
+    async with http_client.ClientSession() as session, session.get(vllm_url + "/version") as response:
+        assert (await response.json())["version"].startswith("0.32")
     engines = EngineClient(Pool([], Health()), Timeouts(), Health())
     await engines.start()
     try:

@@ -54,7 +54,7 @@ parameters is dropped, as in vLLM. Inside a value the two marker tokens are
 text, as in vLLM.
 
 Where vLLM 0.32 loses text or writes invalid JSON, onehop keeps what the
-model wrote (tests/vllm/test_parity_minimax_m2.py pins each case):
+model wrote (tests/vllm/parity_cases/minimax_m2.py pins each case):
 - a block that never makes a call, and an invoke of a function the request did
   not offer, are given back as content (vLLM drops them);
 - text after a bare call's `</invoke>` is content (vLLM drops it);

@@ -47,7 +47,7 @@ arrive, other values are written once complete, typed by the tool's schema
 (`typed_values`). Unknown function names are calls, with string values.
 
 Where vLLM 0.32 loses text or writes invalid JSON, onehop keeps what the
-model wrote (tests/vllm/test_parity_qwen3_coder.py pins each case against
+model wrote (tests/vllm/parity_cases/qwen3_coder.py pins each case against
 vLLM's two answers):
 - a `<tool_call>` block that never names a function is given back as content;
 - text after a bare call's `</function>` is content (vLLM drops it);

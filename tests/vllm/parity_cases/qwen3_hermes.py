@@ -3,7 +3,7 @@
 The harness's end-to-end proof on parsers both sides already have: each case
 is model output text encoded with the Qwen3 tokenizer after a prompt rendered
 with its chat template, run through vLLM's coupled chat serving in-process
-(``scripts/vllm_parse_oracle.py``, one subprocess for the whole module) and
+(``scripts/vllm_parse_oracle.py``, one oracle process for the test session) and
 through onehop's derender, for six chunkings and the non-streaming path.
 
 Where the answers differ on purpose, or vLLM disagrees with itself, the
@@ -18,16 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pytest
-
-from engine.derender.vocab import TokenVocab
 from engine.qwen3.vocab import IM_END_ID
 from tests.support import parity
 from tests.support.parity import Deviation, both
 from tests.support.tools import WEATHER_TOOLS
-from tests.support.vllm_oracle import onehop_answer
-
-pytestmark = pytest.mark.vllm
+from tests.vllm.parity_cases.family import Built, Counted, Family, Fixture, StreamTokens, build_all
 
 TOOLS = WEATHER_TOOLS
 USER = [{"role": "user", "content": "What is the weather in Paris and Rome?"}]
@@ -132,7 +127,7 @@ CUT_SHORT = frozenset({"truncated_mid_call", "stop_string_inside_call"})
 # vLLM's streamed reasoning_tokens follows the stream's text, so a lagging text (the stop
 # string's hold-back) moves it by chunking; onehop counts ids between the markers, vLLM's
 # non-streamed count. (case, chunking index) -> (vLLM, onehop).
-STREAM_REASONING_TOKENS: dict[tuple[str, int], tuple[int, int]] = {("stop_string_inside_call", 1): (3, 4)}
+STREAM_REASONING_TOKENS: StreamTokens = {("stop_string_inside_call", 1): (3, 4)}
 
 
 def prompt_ids(tokenizer: Any, *, enable_thinking: bool) -> list[int]:
@@ -161,39 +156,17 @@ def build_case(tokenizer: Any, tokenizer_dir: Path, spec: Spec, seed: int) -> di
     )
 
 
-@pytest.fixture(scope="module")
-def cases(qwen3_tokenizer: Any, qwen3_tokenizer_dir: Path) -> dict[str, dict[str, Any]]:
-    specs = enumerate(SPECS.items())
-    return {name: build_case(qwen3_tokenizer, qwen3_tokenizer_dir, spec, seed) for seed, (name, spec) in specs}
+def build(fixture: Fixture) -> Built:
+    tokenizer, folder, vocab = (fixture(name) for name in ("qwen3_tokenizer", "qwen3_tokenizer_dir", "qwen3_vocab"))
+    return build_all(SPECS, lambda spec, seed: build_case(tokenizer, folder, spec, seed), lambda _: vocab, tokenizer)
 
 
-@pytest.fixture(scope="module")
-def oracle(cases: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    return parity.oracle_answers(cases)
-
-
-def test_oracle_is_vllm_032(oracle: dict[str, dict[str, Any]]) -> None:
-    parity.assert_vllm_032(oracle)
-
-
-@pytest.mark.parametrize("name", list(SPECS))
-def test_stream_matches_vllm(name: str, cases: dict[str, Any], oracle: dict[str, Any], qwen3_vocab: TokenVocab) -> None:
-    check = parity.stream_check(DEVIATIONS.get(name, ()), stop_reason=True, json_arguments=name not in CUT_SHORT)
-    assert not parity.stream_failures(qwen3_vocab, cases[name], oracle[name], check, label="{sizes}")
-
-
-@pytest.mark.parametrize("name", list(SPECS))
-def test_full_matches_vllm(name: str, cases: dict[str, Any], oracle: dict[str, Any], qwen3_vocab: TokenVocab) -> None:
-    options = {"reasoning_tokens": True, "stop_reason": True, "json_arguments": name not in CUT_SHORT}
-    assert not parity.full_diffs(qwen3_vocab, cases[name], oracle[name], DEVIATIONS.get(name, ()), **options)
-
-
-@pytest.mark.parametrize("name", list(SPECS))
-def test_stream_reasoning_tokens(
-    name: str, cases: dict[str, Any], oracle: dict[str, Any], qwen3_vocab: TokenVocab
-) -> None:
-    case, result = cases[name], oracle[name]
-    for k, (sizes, theirs) in enumerate(zip(case["chunkings"], result["stream"], strict=True)):
-        pair = (theirs["reasoning_tokens"], onehop_answer(qwen3_vocab, case, sizes)["reasoning_tokens"])
-        known = STREAM_REASONING_TOKENS.get((name, k))
-        assert pair == (known or (result["full"]["reasoning_tokens"],) * 2), f"chunking {k}: (vLLM, onehop) = {pair}"
+FAMILY = Family(
+    name="qwen3_hermes",
+    build=build,
+    cases=tuple(SPECS),
+    deviations=DEVIATIONS,
+    raw_arguments=CUT_SHORT,
+    reasoning_tokens=Counted(STREAM_REASONING_TOKENS),
+    stop_reason=True,
+)

@@ -3,7 +3,7 @@
 Each case is GLM model output encoded with the GLM test tokenizer
 (`tests.support.glm_tokenizer`: Qwen3's BPE plus GLM's marker tokens) after a
 prompt rendered by its template, run through vLLM's coupled chat serving
-in-process (`scripts/vllm_parse_oracle.py`, one subprocess for the module) and
+in-process (`scripts/vllm_parse_oracle.py`, one oracle process for the test session) and
 through onehop's derender: one token per chunk, random multi-token chunkings,
 and the non-streaming path. Turns end on `<|observation|>` (GLM's generation
 config stops on it; here it is a request stop token id, which stops the same way).
@@ -21,15 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import pytest
-
-from engine.derender.vocab import TokenVocab, vocab_for
+from engine.derender.vocab import vocab_for
 from tests.support import parity
 from tests.support.glm_tokenizer import STOP_TOKENS, glm_token_id, glm_tokenizer_dir
 from tests.support.parity import Deviation, both
-from tests.support.vllm_oracle import vllm_python
-
-pytestmark = pytest.mark.vllm
+from tests.vllm.parity_cases.family import Built, Counted, Family, Fixture, StreamTokens, build_all
 
 TOOLS = [
     {
@@ -229,34 +225,15 @@ DEVIATIONS: dict[str, tuple[Deviation, ...]] = {
 # string's hold-back, a second think block seen by the tool engine are missed); onehop
 # counts the ids routed to reasoning, vLLM's non-streamed count.
 # (case, chunking index) -> (vLLM stream, onehop); every chunking when the index is None.
-STREAM_REASONING_TOKENS: dict[tuple[str, int | None], tuple[int, int]] = {
+STREAM_REASONING_TOKENS: StreamTokens = {
     ("stop_string_inside_call", 0): (0, 1),
     ("think_again_after_content", None): (3, 5),
 }
 
-
-@dataclass(frozen=True)
-class Fixture:
-    folder: Path
-    tokenizer: Any
-    vocab: TokenVocab
-
-
-@pytest.fixture(scope="module")
-def glm() -> Fixture:
-    if vllm_python() is None:  # skip before loading anything
-        pytest.skip(parity.NO_VLLM)
-    from transformers import AutoTokenizer
-
-    folder = glm_tokenizer_dir()
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    return Fixture(folder, tokenizer, vocab_for(tokenizer))
-
-
-def prompt_ids(glm: Fixture, style: str) -> list[int]:
+def prompt_ids(tokenizer: Any, style: str) -> list[int]:
     kwargs = {"glm47": {}, "glm45": {"model_opens_think": True}, "off": {"enable_thinking": False}}[style]
-    text = glm.tokenizer.apply_chat_template(USER, tools=TOOLS, add_generation_prompt=True, tokenize=False, **kwargs)
-    return list(glm.tokenizer.encode(text, add_special_tokens=False))
+    text = tokenizer.apply_chat_template(USER, tools=TOOLS, add_generation_prompt=True, tokenize=False, **kwargs)
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def split_sizes(total: int, rng: random.Random) -> list[int]:
@@ -266,15 +243,15 @@ def split_sizes(total: int, rng: random.Random) -> list[int]:
     return sizes
 
 
-def build_case(glm: Fixture, spec: Spec, seed: int) -> dict[str, Any]:
-    output = [i for part in spec.output for i in glm.tokenizer.encode(part, add_special_tokens=False)]
-    stops = [glm_token_id(glm.folder, text) for text in STOP_TOKENS]
+def build_case(tokenizer: Any, folder: Path, spec: Spec, seed: int) -> dict[str, Any]:
+    output = [i for part in spec.output for i in tokenizer.encode(part, add_special_tokens=False)]
+    stops = [glm_token_id(folder, text) for text in STOP_TOKENS]
     if spec.eos:
         output.append(stops[1])  # <|observation|>
     rng = random.Random(seed)
     return parity.oracle_case(
-        glm.folder,
-        prompt_ids(glm, spec.prompt),
+        folder,
+        prompt_ids(tokenizer, spec.prompt),
         output,
         seed,
         tool_parser=spec.parser,
@@ -289,38 +266,19 @@ def build_case(glm: Fixture, spec: Spec, seed: int) -> dict[str, Any]:
     )
 
 
-@pytest.fixture(scope="module")
-def cases(glm: Fixture) -> dict[str, dict[str, Any]]:
-    return {name: build_case(glm, spec, seed) for seed, (name, spec) in enumerate(SPECS.items())}
+def build(fixture: Fixture) -> Built:
+    from transformers import AutoTokenizer
+
+    folder = glm_tokenizer_dir()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    vocab = vocab_for(tokenizer)
+    return build_all(SPECS, lambda spec, seed: build_case(tokenizer, folder, spec, seed), lambda _: vocab, tokenizer)
 
 
-@pytest.fixture(scope="module")
-def oracle(cases: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    return parity.oracle_answers(cases)
-
-
-def test_oracle_is_vllm_032(oracle: dict[str, dict[str, Any]]) -> None:
-    parity.assert_vllm_032(oracle)
-
-
-@pytest.mark.parametrize("name", list(SPECS))
-def test_matches_vllm(name: str, cases: dict[str, Any], oracle: dict[str, Any], glm: Fixture) -> None:
-    """Every chunking and the full answer against vLLM's (one test per case: the suite's
-    per-test garbage collection costs more than the comparisons)."""
-    case, result = cases[name], oracle[name]
-    deviations = DEVIATIONS.get(name, ())
-    full_tokens = result["full"]["reasoning_tokens"]
-    compared = parity.stream_check(deviations)
-
-    def check(k: int, ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
-        diffs = compared(k, ours, theirs)
-        known = STREAM_REASONING_TOKENS.get((name, k)) or STREAM_REASONING_TOKENS.get((name, None))
-        tokens = (theirs["reasoning_tokens"], ours["reasoning_tokens"])
-        if tokens != (known or (full_tokens, full_tokens)):
-            diffs.append(f"reasoning_tokens (vLLM stream, onehop) = {tokens}")
-        return diffs
-
-    failures = parity.stream_failures(glm.vocab, case, result, check, label="stream {sizes}")
-    if diffs := parity.full_diffs(glm.vocab, case, result, deviations, reasoning_tokens=True):
-        failures["full"] = diffs
-    assert not failures
+FAMILY = Family(
+    name="glm",
+    build=build,
+    cases=tuple(SPECS),
+    deviations=DEVIATIONS,
+    reasoning_tokens=Counted(STREAM_REASONING_TOKENS),
+)

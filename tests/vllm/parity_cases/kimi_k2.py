@@ -4,7 +4,7 @@ Each case is Kimi K2 output encoded with the Kimi test tokenizer (Qwen3's BPE
 plus Kimi's special tokens; what differs from Kimi's own is in
 `tests.support.kimi_k2`) after a prompt rendered with its test template, run
 through vLLM's coupled chat serving in-process (`scripts/vllm_parse_oracle.py`,
-one subprocess for the module, `model_type` `kimi_k2`) and through onehop's
+one oracle process for the test session, `model_type` `kimi_k2`) and through onehop's
 derender, for six chunkings and the non-streamed path.
 
 Where vLLM's streamed and non-streamed answers disagree, or vLLM loses text or
@@ -20,8 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import pytest
-
 from engine.derender.parsers.kimi_k2 import (
     ARGUMENT_BEGIN as AB,
     CALL_BEGIN as CB,
@@ -29,13 +27,12 @@ from engine.derender.parsers.kimi_k2 import (
     SECTION_BEGIN as SB,
     SECTION_END as SE,
 )
-from engine.derender.vocab import TokenVocab, vocab_for
+from engine.derender.vocab import vocab_for
 from tests.support import parity
 from tests.support.kimi_k2 import OPEN_TURN, kimi_tokenizer_dir
 from tests.support.parity import Deviation, Split, both, encode
 from tests.support.tools import WEATHER_TOOLS
-
-pytestmark = pytest.mark.vllm
+from tests.vllm.parity_cases.family import Built, Counted, Family, Fixture, StreamTokens, build_all
 
 TOOLS = WEATHER_TOOLS
 USER = [{"role": "user", "content": "What is the weather in Paris and Rome?"}]
@@ -234,27 +231,10 @@ RAW_ARGUMENTS = frozenset({"max_tokens_mid_call", "stop_string_inside_call", "in
 # vLLM's streamed reasoning_tokens misses the tokens that arrive in the chunk carrying the
 # EOS when reasoning never closed; onehop counts ids, vLLM's non-streamed count.
 # (case, chunking index) -> vLLM's streamed count.
-STREAM_REASONING_TOKENS: dict[tuple[str, int], int] = {
+STREAM_REASONING_TOKENS: StreamTokens = {
     ("reasoning_ended_by_eos", 1): 2,
     **{("reasoning_ended_by_eos", k): 0 for k in range(2, 6)},
 }
-
-
-@pytest.fixture(scope="module")
-def kimi_dir(qwen3_tokenizer_dir: Path) -> Path:
-    return kimi_tokenizer_dir(qwen3_tokenizer_dir)
-
-
-@pytest.fixture(scope="module")
-def kimi_tokenizer(kimi_dir: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(kimi_dir)
-
-
-@pytest.fixture(scope="module")
-def kimi_vocab(kimi_tokenizer: Any) -> TokenVocab:
-    return vocab_for(kimi_tokenizer)
 
 
 def prompt_ids(tokenizer: Any, spec: Spec) -> list[int]:
@@ -286,39 +266,20 @@ def build_case(tokenizer: Any, folder: Path, spec: Spec, seed: int) -> dict[str,
     )
 
 
-@pytest.fixture(scope="module")
-def cases(kimi_tokenizer: Any, kimi_dir: Path) -> dict[str, dict[str, Any]]:
-    return {name: build_case(kimi_tokenizer, kimi_dir, spec, seed) for seed, (name, spec) in enumerate(SPECS.items())}
+def build(fixture: Fixture) -> Built:
+    from transformers import AutoTokenizer
+
+    folder = kimi_tokenizer_dir(fixture("qwen3_tokenizer_dir"))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    vocab = vocab_for(tokenizer)
+    return build_all(SPECS, lambda spec, seed: build_case(tokenizer, folder, spec, seed), lambda _: vocab, tokenizer)
 
 
-@pytest.fixture(scope="module")
-def oracle(cases: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    return parity.oracle_answers(cases)
-
-
-def test_oracle_is_vllm_032(oracle: dict[str, dict[str, Any]]) -> None:
-    parity.assert_vllm_032(oracle)
-
-
-@pytest.mark.parametrize("name", list(SPECS))
-def test_stream_matches_vllm(name: str, cases: dict[str, Any], oracle: dict[str, Any], kimi_vocab: TokenVocab) -> None:
-    """Every chunking: the answer, then `reasoning_tokens` (onehop counts ids, which is
-    vLLM's non-streamed count; vLLM's streamed count may differ, see the table)."""
-    result = oracle[name]
-    compared = parity.stream_check(DEVIATIONS.get(name, ()), json_arguments=name not in RAW_ARGUMENTS)
-    counted = result["full"]["reasoning_tokens"] if SPECS[name].reasoning_parser else None
-
-    def check(k: int, ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
-        diffs = compared(k, ours, theirs)
-        tokens = (theirs["reasoning_tokens"], ours["reasoning_tokens"])
-        if tokens != (STREAM_REASONING_TOKENS.get((name, k), counted), counted):
-            diffs.append(f"reasoning_tokens (vLLM, onehop) = {tokens}")
-        return diffs
-
-    assert not parity.stream_failures(kimi_vocab, cases[name], result, check)
-
-
-@pytest.mark.parametrize("name", list(SPECS))
-def test_full_matches_vllm(name: str, cases: dict[str, Any], oracle: dict[str, Any], kimi_vocab: TokenVocab) -> None:
-    options = {"reasoning_tokens": True, "json_arguments": name not in RAW_ARGUMENTS}
-    assert not parity.full_diffs(kimi_vocab, cases[name], oracle[name], DEVIATIONS.get(name, ()), **options)
+FAMILY = Family(
+    name="kimi_k2",
+    build=build,
+    cases=tuple(SPECS),
+    deviations=DEVIATIONS,
+    raw_arguments=RAW_ARGUMENTS,
+    reasoning_tokens=Counted(STREAM_REASONING_TOKENS),
+)

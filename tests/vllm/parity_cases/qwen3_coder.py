@@ -5,7 +5,7 @@ after a prompt rendered with its chat template (the real Qwen3-Coder and
 Qwen3.5 tokenizers have the same `<tool_call>` / `</tool_call>` / `<think>`
 added tokens; `<function=`, `<parameter=`, ... are plain text in both), run
 through vLLM's coupled chat serving in-process (`scripts/vllm_parse_oracle.py`,
-one subprocess for the module) and through onehop's derender, for six
+one oracle process for the test session) and through onehop's derender, for six
 chunkings and the non-streaming path. Reasoning, content, tool names,
 arguments (parsed; joined fragments must parse), the id prefix,
 finish_reason and reasoning tokens must agree.
@@ -22,14 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import pytest
-
-from engine.derender.vocab import TokenVocab
 from engine.qwen3.vocab import IM_END_ID
 from tests.support import parity
 from tests.support.parity import Deviation
-
-pytestmark = pytest.mark.vllm
+from tests.vllm.parity_cases.family import Built, Family, Fixture, build_all
 
 WEATHER = {
     "type": "object",
@@ -281,32 +277,16 @@ def build_case(tokenizer: Any, tokenizer_dir: Path, spec: Spec, seed: int) -> di
     return {**case, **spec.overrides}
 
 
-@pytest.fixture(scope="module")
-def cases(qwen3_tokenizer: Any, qwen3_tokenizer_dir: Path) -> dict[str, dict[str, Any]]:
-    specs = enumerate(SPECS.items())
-    return {name: build_case(qwen3_tokenizer, qwen3_tokenizer_dir, spec, seed) for seed, (name, spec) in specs}
+def build(fixture: Fixture) -> Built:
+    tokenizer, folder, vocab = (fixture(name) for name in ("qwen3_tokenizer", "qwen3_tokenizer_dir", "qwen3_vocab"))
+    return build_all(SPECS, lambda spec, seed: build_case(tokenizer, folder, spec, seed), lambda _: vocab, tokenizer)
 
 
-@pytest.fixture(scope="module")
-def oracle(cases: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    return parity.oracle_answers(cases)
-
-
-def test_oracle_is_vllm_032(oracle: dict[str, dict[str, Any]]) -> None:
-    parity.assert_vllm_032(oracle)
-
-
-@pytest.mark.parametrize("name", list(SPECS))
-def test_stream_matches_vllm(name: str, cases: dict[str, Any], oracle: dict[str, Any], qwen3_vocab: TokenVocab) -> None:
-    deviations = [d for d in SPECS[name].deviations if d.path == "stream"]
-    seen: set[tuple[str, str]] = set()
-    check = parity.stream_check(deviations, seen=seen, reasoning_tokens=True)
-    assert not parity.stream_failures(qwen3_vocab, cases[name], oracle[name], check, label="{sizes}")
-    expected = {(d.name, repr(value)) for d in deviations for value in d.vllm}
-    assert seen == expected, "a listed vLLM value no longer occurs"
-
-
-@pytest.mark.parametrize("name", list(SPECS))
-def test_full_matches_vllm(name: str, cases: dict[str, Any], oracle: dict[str, Any], qwen3_vocab: TokenVocab) -> None:
-    deviations = [d for d in SPECS[name].deviations if d.path == "full"]
-    assert not parity.full_diffs(qwen3_vocab, cases[name], oracle[name], deviations, reasoning_tokens=True)
+FAMILY = Family(
+    name="qwen3_coder",
+    build=build,
+    cases=tuple(SPECS),
+    deviations={name: spec.deviations for name, spec in SPECS.items()},
+    reasoning_tokens="compared",
+    listed_values_must_occur=True,
+)

@@ -4,7 +4,7 @@ Each case is Llama 3.x output encoded with the Llama 3 test tokenizer (Qwen3's
 BPE plus Llama's special tokens; what differs from Llama's own is in
 `tests.support.llama3`) after a prompt rendered with its test template, run
 through vLLM's coupled chat serving in-process (`scripts/vllm_parse_oracle.py`,
-one subprocess for the module) and through onehop's derender, for six
+one oracle process for the test session) and through onehop's derender, for six
 chunkings and the non-streamed path.
 
 Where vLLM's streamed and non-streamed answers disagree, or vLLM loses text or
@@ -20,16 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from engine.derender.parsers.llama3_json import PYTHON_TAG as TAG
-from engine.derender.vocab import TokenVocab, vocab_for
+from engine.derender.vocab import vocab_for
 from tests.support import parity
 from tests.support.llama3 import EOT, llama3_tokenizer_dir
 from tests.support.parity import LOSSY, Deviation, Split, both, encode
 from tests.support.tools import WEATHER_TOOLS
-
-pytestmark = pytest.mark.vllm
+from tests.vllm.parity_cases.family import Built, Family, Fixture, build_all
 
 TOOLS = WEATHER_TOOLS
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -227,23 +224,6 @@ DEVIATIONS: dict[str, tuple[Deviation, ...]] = {
 RAW_ARGUMENTS = frozenset({"max_tokens_mid_call", "stop_string_inside_call", "invalid_json_arguments"})
 
 
-@pytest.fixture(scope="module")
-def llama_dir(qwen3_tokenizer_dir: Path) -> Path:
-    return llama3_tokenizer_dir(qwen3_tokenizer_dir)
-
-
-@pytest.fixture(scope="module")
-def llama_tokenizer(llama_dir: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(llama_dir)
-
-
-@pytest.fixture(scope="module")
-def llama_vocab(llama_tokenizer: Any) -> TokenVocab:
-    return vocab_for(llama_tokenizer)
-
-
 def prompt_ids(tokenizer: Any, spec: Spec) -> list[int]:
     tools = TOOLS if spec.tools else None
     text = tokenizer.apply_chat_template(USER, tools=tools, add_generation_prompt=True, tokenize=False)
@@ -267,27 +247,19 @@ def build_case(tokenizer: Any, folder: Path, spec: Spec, seed: int) -> dict[str,
     )
 
 
-@pytest.fixture(scope="module")
-def cases(llama_tokenizer: Any, llama_dir: Path) -> dict[str, dict[str, Any]]:
-    return {name: build_case(llama_tokenizer, llama_dir, spec, seed) for seed, (name, spec) in enumerate(SPECS.items())}
+def build(fixture: Fixture) -> Built:
+    from transformers import AutoTokenizer
+
+    folder = llama3_tokenizer_dir(fixture("qwen3_tokenizer_dir"))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    vocab = vocab_for(tokenizer)
+    return build_all(SPECS, lambda spec, seed: build_case(tokenizer, folder, spec, seed), lambda _: vocab, tokenizer)
 
 
-@pytest.fixture(scope="module")
-def oracle(cases: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    return parity.oracle_answers(cases)
-
-
-def test_oracle_is_vllm_032(oracle: dict[str, dict[str, Any]]) -> None:
-    parity.assert_vllm_032(oracle)
-
-
-@pytest.mark.parametrize("name", list(SPECS))
-def test_stream_matches_vllm(name: str, cases: dict[str, Any], oracle: dict[str, Any], llama_vocab: TokenVocab) -> None:
-    check = parity.stream_check(DEVIATIONS.get(name, ()), json_arguments=name not in RAW_ARGUMENTS)
-    assert not parity.stream_failures(llama_vocab, cases[name], oracle[name], check)
-
-
-@pytest.mark.parametrize("name", list(SPECS))
-def test_full_matches_vllm(name: str, cases: dict[str, Any], oracle: dict[str, Any], llama_vocab: TokenVocab) -> None:
-    deviations, as_json = DEVIATIONS.get(name, ()), name not in RAW_ARGUMENTS
-    assert not parity.full_diffs(llama_vocab, cases[name], oracle[name], deviations, json_arguments=as_json)
+FAMILY = Family(
+    name="llama3_json",
+    build=build,
+    cases=tuple(SPECS),
+    deviations=DEVIATIONS,
+    raw_arguments=RAW_ARGUMENTS,
+)

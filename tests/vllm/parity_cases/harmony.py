@@ -8,7 +8,7 @@ encoding, so the cases use a tokenizer with gpt-oss's real vocabulary
 vocabulary the `oss-harmony` wheel embeds) and gpt-oss's stop ids
 (`<|return|>` the EOS, `<|call|>` and `<|endoftext|>` stop ids). Each case
 runs through vLLM's coupled chat serving in-process
-(``scripts/vllm_parse_oracle.py``, one subprocess for the module) and through
+(``scripts/vllm_parse_oracle.py``, one oracle process for the test session) and through
 onehop's derender, for six chunkings and the non-streaming path.
 
 Where the answers differ on purpose, or vLLM disagrees with itself, the
@@ -23,16 +23,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pytest
-
-from engine.derender.vocab import TokenVocab, vocab_for
+from engine.derender.vocab import vocab_for
 from tests.support import parity
 from tests.support.harmony_tokenizer import o200k_harmony_tokenizer
-from tests.support.parity import Deviation, both, parsed_calls, parsed_json, reconcile
+from tests.support.parity import Deviation, both, parsed_calls
 from tests.support.tools import WEATHER_TOOLS
-from tests.support.vllm_oracle import compare, onehop_full, vllm_python
-
-pytestmark = pytest.mark.vllm
+from tests.support.vllm_oracle import vllm_python
+from tests.vllm.parity_cases.family import Built, Family, Fixture, build_all
 
 TOOLS = WEATHER_TOOLS
 USER = [{"role": "user", "content": "What is the weather in Paris and Rome?"}]
@@ -227,26 +224,6 @@ DEVIATIONS: dict[str, tuple[Deviation, ...]] = {
 NO_REASONING_COUNT = frozenset(name for name, spec in SPECS.items() if spec.reasoning_parser is None)
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir() -> Path:
-    python = vllm_python()
-    if python is None:
-        pytest.skip(parity.NO_VLLM)
-    return o200k_harmony_tokenizer(python)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tokenizer_dir: Path) -> Any:
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
-
-
-@pytest.fixture(scope="module")
-def vocab(tokenizer: Any) -> TokenVocab:
-    return vocab_for(tokenizer)
-
-
 def build_case(tokenizer: Any, tokenizer_dir: Path, spec: Spec, seed: int) -> dict[str, Any]:
     return parity.oracle_case(
         tokenizer_dir,
@@ -265,57 +242,26 @@ def build_case(tokenizer: Any, tokenizer_dir: Path, spec: Spec, seed: int) -> di
     )
 
 
-@pytest.fixture(scope="module")
-def cases(tokenizer: Any, tokenizer_dir: Path) -> dict[str, dict[str, Any]]:
-    return {name: build_case(tokenizer, tokenizer_dir, spec, seed) for seed, (name, spec) in enumerate(SPECS.items())}
+def build(fixture: Fixture) -> Built:
+    from tokenizers import Tokenizer
+
+    python = vllm_python()
+    assert python is not None, "the harness skips before building without vLLM"
+    folder = o200k_harmony_tokenizer(python)
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    vocab = vocab_for(tokenizer)
+    return build_all(SPECS, lambda spec, seed: build_case(tokenizer, folder, spec, seed), lambda _: vocab, tokenizer)
 
 
-@pytest.fixture(scope="module")
-def oracle(cases: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    return parity.oracle_answers(cases)
-
-
-def test_oracle_is_vllm_032(oracle: dict[str, dict[str, Any]]) -> None:
-    parity.assert_vllm_032(oracle)
-
-
-def test_tokenizer_is_o200k_harmony(tokenizer: Any) -> None:
-    ids = tokenizer.encode(
-        "<|start|>assistant<|channel|>final<|message|>Hi<|return|><|call|>", add_special_tokens=False
-    ).ids
-    assert ids[0] == 200006 and ids[2] == 200005 and ids[4] == 200008 and ids[-2:] == [RETURN_ID, CALL_ID]
-
-
-@pytest.mark.parametrize("name", list(SPECS))
-def test_stream_matches_vllm(name: str, cases: dict[str, Any], oracle: dict[str, Any], vocab: TokenVocab) -> None:
-    check = parity.stream_check(
-        DEVIATIONS.get(name, ()),
-        normal_calls=parsed_calls,
-        stop_reason=True,
-        json_arguments=not SPECS[name].raw_arguments,
-        reasoning_tokens=name not in NO_REASONING_COUNT,
-    )
-    assert not parity.stream_failures(vocab, cases[name], oracle[name], check, label="{sizes}")
-
-
-@pytest.mark.parametrize("name", list(SPECS))
-def test_full_matches_vllm(name: str, cases: dict[str, Any], oracle: dict[str, Any], vocab: TokenVocab) -> None:
-    spec = SPECS[name]
-    ours = onehop_full(vocab, cases[name])
-    theirs = reconcile(ours, oracle[name]["full"], "full", DEVIATIONS.get(name, ()), normal_calls=parsed_calls)
-    if spec.raw_arguments:
-        for mine, other in zip(ours["tool_calls"], theirs["tool_calls"], strict=False):
-            other["arguments"] = _raw_equal(mine["arguments"], other["arguments"])
-    assert not compare(
-        ours,
-        theirs,
-        stop_reason=True,
-        json_arguments=not spec.raw_arguments,
-        reasoning_tokens=name not in NO_REASONING_COUNT,
-    )
-
-
-def _raw_equal(ours: str, theirs: str) -> str:
-    """vLLM's full path gives text that is not JSON back as is, JSON re-serialised: same text either way here."""
-    assert parsed_json(ours) == parsed_json(theirs)
-    return ours
+FAMILY = Family(
+    name="harmony",
+    build=build,
+    cases=tuple(SPECS),
+    deviations=DEVIATIONS,
+    raw_arguments=frozenset(name for name, spec in SPECS.items() if spec.raw_arguments),
+    reasoning_tokens="compared",
+    uncounted=NO_REASONING_COUNT,
+    stop_reason=True,
+    normal_calls=parsed_calls,
+    full_reserialises_raw=True,
+)

@@ -4,7 +4,7 @@ Each case is Llama-style pythonic output encoded with the pythonic test
 tokenizer (Qwen3's BPE plus Llama 4's `<|python_start|>`, `<|python_end|>` and
 `<|eot|>`; what differs from Llama's own is in `tests.support.pythonic`), run
 through vLLM's coupled chat serving in-process (`scripts/vllm_parse_oracle.py`,
-one subprocess for the module) and through onehop's derender, for six
+one oracle process for the test session) and through onehop's derender, for six
 chunkings and the non-streamed path. Content, tool names, arguments (parsed
 JSON), the id shape and finish_reason must agree.
 
@@ -23,16 +23,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from engine.derender.parsers.pythonic import PYTHON_END as PE, PYTHON_START as PS
-from engine.derender.vocab import TokenVocab, vocab_for
+from engine.derender.vocab import vocab_for
 from tests.support import parity
 from tests.support.parity import LOSSY, Deviation, Split, encode, parsed_calls
 from tests.support.pythonic import EOT, pythonic_tokenizer_dir
 from tests.support.tools import WEATHER_TOOLS
-
-pytestmark = pytest.mark.vllm
+from tests.vllm.parity_cases.family import Built, Family, Fixture, build_all
 
 TOOLS = WEATHER_TOOLS
 USER = [{"role": "user", "content": "What is the weather in Paris and Rome?"}]
@@ -271,23 +268,6 @@ DEVIATIONS: dict[str, tuple[Deviation, ...]] = {
 RAW_ARGUMENTS = frozenset({"max_tokens_mid_string", "max_tokens_mid_number", "stop_string_inside_call"})
 
 
-@pytest.fixture(scope="module")
-def folder(qwen3_tokenizer_dir: Path) -> Path:
-    return pythonic_tokenizer_dir(qwen3_tokenizer_dir)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(folder: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(folder)
-
-
-@pytest.fixture(scope="module")
-def vocab(tokenizer: Any) -> TokenVocab:
-    return vocab_for(tokenizer)
-
-
 def build_case(tokenizer: Any, folder: Path, spec: Spec, seed: int) -> dict[str, Any]:
     output = encode(tokenizer, spec.output) + ([tokenizer.convert_tokens_to_ids(EOT)] if spec.eos else [])
     tools = TOOLS if spec.tools else None
@@ -307,29 +287,20 @@ def build_case(tokenizer: Any, folder: Path, spec: Spec, seed: int) -> dict[str,
     )
 
 
-@pytest.fixture(scope="module")
-def cases(tokenizer: Any, folder: Path) -> dict[str, dict[str, Any]]:
-    return {name: build_case(tokenizer, folder, spec, seed) for seed, (name, spec) in enumerate(SPECS.items())}
+def build(fixture: Fixture) -> Built:
+    from transformers import AutoTokenizer
+
+    folder = pythonic_tokenizer_dir(fixture("qwen3_tokenizer_dir"))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    vocab = vocab_for(tokenizer)
+    return build_all(SPECS, lambda spec, seed: build_case(tokenizer, folder, spec, seed), lambda _: vocab, tokenizer)
 
 
-@pytest.fixture(scope="module")
-def oracle(cases: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    return parity.oracle_answers(cases)
-
-
-def test_oracle_is_vllm_032(oracle: dict[str, dict[str, Any]]) -> None:
-    parity.assert_vllm_032(oracle)
-
-
-@pytest.mark.parametrize("name", list(SPECS))
-def test_stream_matches_vllm(name: str, cases: dict[str, Any], oracle: dict[str, Any], vocab: TokenVocab) -> None:
-    deviations = DEVIATIONS.get(name, ())
-    check = parity.stream_check(deviations, normal_calls=parsed_calls, json_arguments=name not in RAW_ARGUMENTS)
-    assert not parity.stream_failures(vocab, cases[name], oracle[name], check)
-
-
-@pytest.mark.parametrize("name", list(SPECS))
-def test_full_matches_vllm(name: str, cases: dict[str, Any], oracle: dict[str, Any], vocab: TokenVocab) -> None:
-    deviations = DEVIATIONS.get(name, ())
-    options = {"normal_calls": parsed_calls, "json_arguments": name not in RAW_ARGUMENTS}
-    assert not parity.full_diffs(vocab, cases[name], oracle[name], deviations, **options)
+FAMILY = Family(
+    name="pythonic",
+    build=build,
+    cases=tuple(SPECS),
+    deviations=DEVIATIONS,
+    raw_arguments=RAW_ARGUMENTS,
+    normal_calls=parsed_calls,
+)

