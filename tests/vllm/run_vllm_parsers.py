@@ -123,12 +123,24 @@ def start_checks(model_dir: str) -> dict[str, Any]:
         EngineConfig(backend="vllm", model=model_dir, reasoning_parser="qwen3", tool_parser="qwen3_json")
     )
     refusals: dict[str, str] = {}
-    for field in ("reasoning_parser", "tool_parser"):
+    unknown = {
+        "reasoning_parser": EngineConfig(backend="vllm", model=model_dir, reasoning_parser="no_such_parser"),
+        "tool_parser": EngineConfig(backend="vllm", model=model_dir, tool_parser="no_such_parser"),
+    }
+    for field, config in unknown.items():
         try:
-            resolve_parsers(EngineConfig(backend="vllm", model=model_dir, **{field: "no_such_parser"}))
+            resolve_parsers(config)
         except UnknownParser as exc:
             refusals[field] = str(exc)
     return {"accepted": [accepted.reasoning_parser, accepted.tool_parser], "refusals": refusals}
+
+
+def marker_ids(parser_set: object) -> dict[str, int]:
+    """A bound parser set's marker ids (onehop's `ParserSet` or vLLM's), empty for anything else."""
+    from engine.backends.vllm_parsers import VLLMParserSet
+    from engine.derender.parsers.choice import ParserSet
+
+    return dict(parser_set.marker_ids) if isinstance(parser_set, ParserSet | VLLMParserSet) else {}
 
 
 def main(model_dir: str) -> dict[str, Any]:
@@ -143,7 +155,8 @@ def main(model_dir: str) -> dict[str, Any]:
     vllm_tokenizer = get_tokenizer(model_dir)
     fast = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
     template = AutoTokenizer.from_pretrained(model_dir)
-    prompt_text = template.apply_chat_template(MESSAGES, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    # list(): a new list takes the element type transformers declares (dicts or callables).
+    prompt_text = template.apply_chat_template(MESSAGES, tools=list(TOOLS), add_generation_prompt=True, tokenize=False)
     prompt = fast.encode(prompt_text, add_special_tokens=False).ids
 
     vocabs = {name: vocab_for(fast) for name in ("native", "mixed", "whole")}
@@ -154,11 +167,11 @@ def main(model_dir: str) -> dict[str, Any]:
 
     report: dict[str, Any] = {
         "start": start_checks(model_dir),
-        "mixed_set": {"type": type(mixed_set).__name__, "marker_ids": dict(mixed_set.marker_ids)},
+        "mixed_set": {"type": type(mixed_set).__name__, "marker_ids": marker_ids(mixed_set)},
         "cases": {},
     }
     for case, text in CASES.items():
-        output = fast.encode(text, add_special_tokens=False).ids + [IM_END_ID]
+        output = [*fast.encode(text, add_special_tokens=False).ids, IM_END_ID]
         sizes = {**CHUNKINGS, "one-step": len(output)}
         for request_name, extra in (("", {}), *((f"/{k}", {k: v}) for k, v in REQUESTS.get(case, {}).items())):
             report["cases"][case + request_name] = {

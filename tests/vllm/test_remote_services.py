@@ -205,7 +205,7 @@ def template_ids(tokenizer: Any, case: dict[str, Any]) -> list[int]:
 
 def first_difference(tokenizer: Any, ours: Sequence[int], theirs: Sequence[int]) -> str:
     """Where two renders part, as text around the first differing token."""
-    at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    at = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), min(len(ours), len(theirs)))
     lo = max(0, at - 8)
     return (
         f"first difference at token {at} (lengths {len(ours)} vs {len(theirs)}):\n"

@@ -34,7 +34,16 @@ from typing import Any
 import msgspec
 import pytest
 
-from engine.protocol import EngineError, OutputMode, decode_generate_response, decode_generate_stream_chunk
+from engine.protocol import (
+    EngineError,
+    GenerateTextResponse,
+    GenerateTextStreamResponse,
+    GenerateTokensResponse,
+    GenerateTokensStreamResponse,
+    OutputMode,
+    decode_generate_response,
+    decode_generate_stream_chunk,
+)
 from tests.vllm.conftest import ROOT, chat_prompt_ids, free_port, has_done, post, server_env, servers, sse_payloads
 
 pytestmark = pytest.mark.vllm
@@ -125,6 +134,13 @@ def ask_both(engines: dict[str, str], body: bytes) -> dict[str, bytes]:
     return answers
 
 
+def generated(answer: bytes, mode: OutputMode) -> GenerateTokensResponse | GenerateTextResponse:
+    """A tokens or text generate answer (these tests ask for no other mode)."""
+    response = decode_generate_response(answer, mode)
+    assert isinstance(response, GenerateTokensResponse | GenerateTextResponse)
+    return response
+
+
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("mode", ["tokens", "text"])
 def test_same_response(
@@ -137,7 +153,7 @@ def test_same_response(
     assert set(raw["onehop"]) == set(raw["stock"])
     assert [set(c) for c in raw["onehop"]["choices"]] == [set(c) for c in raw["stock"]["choices"]]
 
-    stock, onehop = (decode_generate_response(answers[name], mode) for name in PEERS)
+    stock, onehop = (generated(answers[name], mode) for name in PEERS)
     assert stock.request_id == VLLM_REQUEST_ID_PREFIX + rid
     assert onehop.request_id == rid
     finish, stop_reason = expected_finish(case, greedy_ids)
@@ -215,6 +231,8 @@ def fold(payloads: list[bytes], mode: OutputMode, with_logprobs: bool) -> dict[s
     usage: list[Any] = []
     for payload in payloads:
         chunk = decode_generate_stream_chunk(payload, mode)
+        # A tokens or text stream (these tests ask for no other mode).
+        assert isinstance(chunk, GenerateTokensStreamResponse | GenerateTextStreamResponse)
         request_ids.add(chunk.request_id)
         if not chunk.choices:  # the usage chunk (stream_options.include_usage)
             usage.append(msgspec.to_builtins(chunk.usage))
@@ -290,7 +308,8 @@ def test_structured_outputs_agree(engines: dict[str, str], qwen3_tokenizer: Any,
     prompt = chat_prompt_ids(qwen3_tokenizer, "Answer.", enable_thinking=False)
     sampling = {"temperature": 0, "max_tokens": 32, "structured_outputs": constraint}
     answers = ask_both(engines, generate_body("conf-structured", prompt, "text", False, sampling))
-    stock, onehop = (decode_generate_response(answers[name], "text") for name in PEERS)
+    stock, onehop = (generated(answers[name], "text") for name in PEERS)
+    assert isinstance(stock, GenerateTextResponse) and isinstance(onehop, GenerateTextResponse)
     texts = [r.choices[0].text for r in (stock, onehop)]
     assert texts[0] == texts[1], texts
     if "json" in constraint:  # the random model spends its 32 tokens in the whitespace JSON allows
