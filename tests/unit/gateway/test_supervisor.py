@@ -14,6 +14,7 @@ from aiohttp.test_utils import TestServer
 from gateway.feedback import CPU_METRIC, EngineFeedback
 from gateway.reload import WatchedFile
 from gateway.supervisor import Supervisor
+from tests.support.waiting import wait_until
 
 
 async def test_a_failing_loop_is_logged_counted_and_restarted(caplog: pytest.LogCaptureFixture) -> None:
@@ -45,7 +46,11 @@ async def test_one_engine_answering_html_does_not_stop_the_others_feedback() -> 
         cpu += 0.5
         return web.Response(text=f'{CPU_METRIC}{{mode="derender"}} {cpu}\n')
 
+    html_polls = 0
+
     async def html(request: web.Request) -> web.Response:
+        nonlocal html_polls
+        html_polls += 1
         return web.Response(text="<html><body>502 Bad Gateway</body></html>", content_type="text/html")
 
     servers = []
@@ -60,7 +65,8 @@ async def test_one_engine_answering_html_does_not_stop_the_others_feedback() -> 
     try:
         async with aiohttp.ClientSession() as session:
             run = asyncio.ensure_future(feedback.run(session))
-            await asyncio.sleep(0.3)
+            # The loop came back to the engine answering HTML after it broke, and kept reading the good one.
+            await wait_until(lambda: html_polls >= 3 and cpu >= 1.5, what="three rounds of polls")
             assert not run.done(), "the feedback loop stopped"
             run.cancel()
             await asyncio.gather(run, return_exceptions=True)
