@@ -8,8 +8,8 @@ onehop's so the rest of the answer is still compared.
 
 A family's case table (`tests/vllm/parity_cases/`) builds its cases with
 `oracle_case`; the harness asks vLLM once per family with `oracle_answers` and
-checks each case with `stream_failures` (every chunking) and `reconcile` and
-`compare` on the non-streamed answer (`full_diffs` does both).
+checks each case with `stream_failures` (every chunking) and with `reconcile`
+and `compare` on the non-streamed answer.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any, Literal
 import pytest
 
 from engine.derender.vocab import TokenVocab
-from tests.support.vllm_oracle import chunkings, compare, onehop_answer, onehop_full, run_oracle, vllm_python
+from tests.support.vllm_oracle import chunkings, compare, onehop_answer, run_oracle, vllm_python
 
 VLLM_VERSION = "0.32.0"
 NO_VLLM = "no vLLM venv: run scripts/setup_vllm.sh or set ONEHOP_VLLM_PYTHON"
@@ -252,27 +252,24 @@ def stream_check(
     lost: set[str] | None = None,
     seen: set[tuple[str, str]] | None = None,
     normal_calls: Callable[[Sequence[tuple[str, str]]], Any] = list,
-    **compare_options: bool,
+    id_prefix: bool = True,
+    reasoning_tokens: bool = False,
+    stop_reason: bool = False,
+    json_arguments: bool = True,
 ) -> Check:
-    """The usual `Check`: vLLM's streamed answer reconciled with `deviations`, then compared with onehop's."""
+    """The usual `Check`: vLLM's streamed answer reconciled with `deviations`, then compared with
+    onehop's (the options are `compare`'s)."""
 
     def check(k: int, ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
         adjusted = reconcile(ours, theirs, "stream", deviations, lost=lost, seen=seen, normal_calls=normal_calls)
-        return compare(ours, adjusted, **compare_options)
+        return compare(
+            ours,
+            adjusted,
+            id_prefix=id_prefix,
+            reasoning_tokens=reasoning_tokens,
+            stop_reason=stop_reason,
+            json_arguments=json_arguments,
+        )
 
     return check
 
-
-def full_diffs(
-    vocab: TokenVocab,
-    case: dict[str, Any],
-    result: dict[str, Any],
-    deviations: Sequence[Deviation],
-    *,
-    normal_calls: Callable[[Sequence[tuple[str, str]]], Any] = list,
-    **compare_options: bool,
-) -> list[str]:
-    """What differs between onehop's and vLLM's non-streamed answers, once `deviations` are reconciled."""
-    ours = onehop_full(vocab, case)
-    theirs = reconcile(ours, result["full"], "full", deviations, normal_calls=normal_calls)
-    return compare(ours, theirs, **compare_options)
