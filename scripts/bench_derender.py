@@ -243,7 +243,7 @@ def same_answer(ours: dict[str, Any], vllm: dict[str, Any]) -> bool:
     content = vllm["content"] or ""
     if vllm["tool_calls"]:
         # A named difference: onehop drops the whitespace right before a call, which vLLM
-        # streams as content (README, "Derender behaviour").
+        # streams as content (docs/derender.md, "Behaviour").
         content = content.rstrip()
     return (
         ours["reasoning"] == vllm["reasoning"]

@@ -186,7 +186,7 @@ def _base_env(home: Path) -> dict[str, str]:
 def codex_config(base_url: str, model: str) -> str:
     """Codex's config.toml for onehop: a provider with the Responses wire API, and its
     analytics, feedback uploads, OpenTelemetry export and update check off. No feature flag
-    is touched. (The README's "Coding agents" section shows the same file.)"""
+    is touched. (The "Coding agents" section of docs/gateway.md shows the same file.)"""
     return f"""\
 model = "{model}"
 model_provider = "onehop"
@@ -263,9 +263,9 @@ def test_claude_code_runs_a_shell_command_through_onehop(onehop: Onehop, tmp_pat
 
 
 
-def test_the_readme_shows_the_settings_tested_here() -> None:
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = readme.split("### Coding agents", 1)[1].split("\n### ", 1)[0]
+def test_the_docs_show_the_settings_tested_here() -> None:
+    page = (ROOT / "docs" / "gateway.md").read_text(encoding="utf-8")
+    section = page.split("\n## Coding agents\n", 1)[1].split("\n## ", 1)[0]
     assert codex_config("http://gateway-host:8000", "Qwen/Qwen3.6-35B-A3B") in section
     for name in CLAUDE_QUIET:
         assert f"{name}=1" in section

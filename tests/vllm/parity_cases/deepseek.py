@@ -209,7 +209,7 @@ DEVIATIONS: dict[str, tuple[Deviation, ...]] = {
             "vllm_stream_splits_lagging_think_end", "stream", "content",
             (None, "nk><｜tool▁calls▁begi", "hi", "<｜tool▁calls▁begi"), None,
         ),
-        # onehop (README): `stop`, not `tool_calls`, when a stop string cut the call short;
+        # onehop (docs/derender.md): `stop`, not `tool_calls`, when a stop string cut the call short;
         # vLLM's stream rewrites any `stop` after streamed calls; its full path says `stop`.
         Deviation("onehop_stop_string_cut_call_finishes_stop", "stream", "finish_reason", ("tool_calls",), "stop"),
         *full_drops_call([("get_weather", '{"city": ""}')]),

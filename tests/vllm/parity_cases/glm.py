@@ -10,7 +10,7 @@ config stops on it; here it is a request stop token id, which stops the same way
 
 Where the answers differ on purpose, or vLLM disagrees with itself, the
 difference is a named `Deviation` with both sides' exact values: the test
-fails if either side changes, so nothing is papered over. The README's table
+fails if either side changes, so nothing is papered over. The table in docs/derender.md
 of such cases lists them.
 """
 
@@ -172,7 +172,7 @@ DEVIATIONS: dict[str, tuple[Deviation, ...]] = {
             "vllm_streams_cut_value_as_invalid_json", "stream", "calls", ([], [("get_weather", '{"city": "')]),
             [("get_weather", '{"city": ""}')],
         ),
-        # onehop (README): `stop`, not `tool_calls`, when a stop string cut the call short.
+        # onehop (docs/derender.md): `stop`, not `tool_calls`, when a stop string cut the call short.
         Deviation(
             "onehop_stop_string_cut_call_finishes_stop", "stream", "finish_reason", ("stop", "tool_calls"), "stop"
         ),

@@ -196,7 +196,7 @@ DEVIATIONS: dict[str, tuple[Deviation, ...]] = {
         *both(
             "vllm_keeps_stop_string_text", "calls", [("get_weather", '{"city": "Lyon')], [("get_weather", '{"city": ""}')]
         ),
-        # onehop (README): `stop`, not `tool_calls`, when a stop string cut the call short.
+        # onehop (docs/derender.md): `stop`, not `tool_calls`, when a stop string cut the call short.
         *both("onehop_stop_string_cut_call_finishes_stop", "finish_reason", "tool_calls", "stop"),
     ),
     "stop_string_in_final": both("vllm_keeps_stop_string_text", "content", "It is sunny", "It is "),

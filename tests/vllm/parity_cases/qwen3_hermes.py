@@ -75,7 +75,7 @@ SPECS: dict[str, Spec] = {
 
 def whitespace_before_call(vllm: tuple[Any, ...] = ("\n\n",)) -> Deviation:
     # DESIGN.md: vLLM streams the whitespace between </think> and <tool_call> but drops it
-    # non-streamed; onehop drops it in both shapes (README "Derender behaviour").
+    # non-streamed; onehop drops it in both shapes (docs/derender.md, "Behaviour").
     return Deviation("vllm_streams_whitespace_before_call", "stream", "content", vllm, None)
 
 
@@ -106,7 +106,7 @@ DEVIATIONS: dict[str, tuple[Deviation, ...]] = {
         # ids; hermes then streams the held part of the marker, "<tool_ca", as content, for
         # the chunkings where the marker's id arrives before all of its text.
         whitespace_before_call(("\n\n", "\n\n<tool_ca")),
-        # onehop (README): `stop`, not `tool_calls`, when a stop string cut the call short;
+        # onehop (docs/derender.md): `stop`, not `tool_calls`, when a stop string cut the call short;
         # vLLM's stream rewrites any `stop` after streamed calls; its full path says `stop`.
         Deviation("onehop_stop_string_cut_call_finishes_stop", "stream", "finish_reason", ("tool_calls",), "stop"),
         *call_cut_short_full(CUT_RAW, '{"city": ""}'),
@@ -117,7 +117,7 @@ DEVIATIONS: dict[str, tuple[Deviation, ...]] = {
     "thinking_disabled": both(parity.DROPS_SPACE_BEFORE_CALL, "content", "Sure.\n", "Sure."),
     "text_after_last_call": (
         # vLLM drops text after the last call (hermes keeps only the text before the first
-        # <tool_call>), in both paths; onehop keeps it as content (README: nothing lost).
+        # <tool_call>), in both paths; onehop keeps it as content (docs/derender.md: nothing lost).
         Deviation("vllm_drops_text_after_last_call", "stream", "content", ("\n\n",), TRAILING_TEXT),
         Deviation("vllm_drops_text_after_last_call", "full", "content", (None,), TRAILING_TEXT),
     ),

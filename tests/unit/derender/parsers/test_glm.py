@@ -300,7 +300,7 @@ def test_partial_tag_at_the_cut_is_value_text(glm: Glm) -> None:
 def test_stop_string_inside_a_call(glm: Glm) -> None:
     text = "r</think>" + call("get_weather", ("city", "Lyon"), ("days", "3"))
     got = answer(glm, glm.enc(text), opts=options(stop=("Lyon",)))
-    # onehop: `stop`, not `tool_calls`, when a stop string cut the call short (README).
+    # onehop: `stop`, not `tool_calls`, when a stop string cut the call short (docs/derender.md).
     assert got.finish_reason == "stop"
     assert got.calls == [("get_weather", {"city": ""})]
 
