@@ -80,7 +80,8 @@ class _Dict:
 class _Namespace(jinja2.utils.Namespace):
     """A `namespace()` whose attributes may not start with an underscore (no route to internals)."""
 
-    def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - jinja's signature, so `namespace(self=...)` works
+    # No `self` parameter: jinja's own signature, so `namespace(self=...)` works.
+    def __init__(*args: Any, **kwargs: Any) -> None:
         self, values = args[0], dict(*args[1:], **kwargs)
         for name in values:
             _Namespace._check(name)
@@ -105,7 +106,7 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | str | None = N
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-def _strftime_now(format: str) -> str:  # noqa: A002 - the name templates call it with
+def _strftime_now(format: str) -> str:  # `format`: the name templates call it with
     return datetime.now().strftime(format)
 
 

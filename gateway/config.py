@@ -221,8 +221,8 @@ class ModelConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     route: Route | None = None
     render: Literal["local", "remote"] | None = None
     remote_url: str | None = None
-    reasoning_parser: str | None | msgspec.UnsetType = msgspec.UNSET
-    tool_parser: str | None | msgspec.UnsetType = msgspec.UNSET
+    reasoning_parser: str | msgspec.UnsetType | None = msgspec.UNSET
+    tool_parser: str | msgspec.UnsetType | None = msgspec.UNSET
     reasoning_field: Literal["reasoning", "reasoning_content", "both"] | None = None
 
     def names(self) -> list[str]:

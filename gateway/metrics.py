@@ -175,7 +175,7 @@ class LocalHistogram:
 
     @classmethod
     def like(cls, child: Histogram) -> LocalHistogram:
-        return cls(child._upper_bounds)  # noqa: SLF001 (prometheus-client keeps the bounds there)
+        return cls(child._upper_bounds)  # prometheus-client keeps the bounds there
 
     def observe(self, value: float) -> None:
         self._counts[bisect_left(self._bounds, value)] += 1  # `value <= bound`, as Histogram.observe
@@ -188,7 +188,7 @@ class LocalHistogram:
             return
         for index, count in enumerate(counts):
             if count:
-                child._buckets[index].inc(count)  # noqa: SLF001
-        child._sum.inc(self._sum)  # noqa: SLF001
+                child._buckets[index].inc(count)
+        child._sum.inc(self._sum)
         self._counts = [0] * len(counts)
         self._sum = 0.0

@@ -27,7 +27,6 @@ from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import aiohttp
 import msgspec
 from aiohttp import web
 from msgspec import UNSET

@@ -285,7 +285,7 @@ class ReadDeadline:
     `EngineTimeout`, as `asyncio.timeout` would raise TimeoutError.
     """
 
-    __slots__ = ("_deadline", "_first_s", "_handle", "_idle", "_loop", "_started", "_reading", "_task", "expired")
+    __slots__ = ("_deadline", "_first_s", "_handle", "_idle", "_loop", "_reading", "_started", "_task", "expired")
 
     def __init__(self, first_s: float, idle_s: float) -> None:
         self._loop = asyncio.get_running_loop()

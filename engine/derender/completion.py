@@ -58,19 +58,19 @@ class CompletionOptions:
 
 class CompletionChoiceState:
     __slots__ = (
-        "index",
-        "_vocab",
-        "_options",
-        "_text",
-        "_parts",
-        "_offset",
         "_echo",
         "_logprobs",
+        "_offset",
+        "_options",
+        "_parts",
+        "_text",
+        "_vocab",
         "_whole",
-        "token_ids",
         "completion_tokens",
         "finish_reason",
+        "index",
         "stop_reason",
+        "token_ids",
     )
 
     def __init__(

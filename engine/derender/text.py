@@ -53,7 +53,7 @@ def ends_on_stop_token(finish_reason: str | None, stop_reason: int | str | None)
 
 
 class TextPipeline:
-    __slots__ = ("_vocab", "_detok", "_stop", "_include_stop", "finished")
+    __slots__ = ("_detok", "_include_stop", "_stop", "_vocab", "finished")
 
     def __init__(
         self,

@@ -61,15 +61,15 @@ class TokenVocab:
     """
 
     __slots__ = (
+        "_complete",
+        "_pieces",
+        "added_text",
         "backend",
         "byte_level",
-        "token_bytes",
-        "added_text",
-        "special_ids",
-        "size",
         "parsers",
-        "_pieces",
-        "_complete",
+        "size",
+        "special_ids",
+        "token_bytes",
     )
 
     def __init__(

@@ -175,22 +175,22 @@ class DeepSeekToolParser(ToolParser):
     """One choice's V3 (`fenced`) or V3.1 tool-call parsing."""
 
     __slots__ = (
-        "_kinds",
-        "_fenced",
-        "_options",
         "_content",
         "_deltas",
-        "_section",
-        "_section_called",
+        "_fenced",
+        "_has_arguments",
+        "_header_sent",
+        "_held",
+        "_index",
+        "_kinds",
+        "_name",
+        "_options",
         "_pending",
         "_phase",
         "_raw",
+        "_section",
+        "_section_called",
         "_space",
-        "_name",
-        "_held",
-        "_index",
-        "_header_sent",
-        "_has_arguments",
         "calls",
     )
 

@@ -247,7 +247,7 @@ def _call_opening(name: str) -> str:
 class _HarmonyMachine:
     """Harmony's message structure over pieces; the stages route what it finds."""
 
-    __slots__ = ("_by_id", "_state", "_role", "_header", "_raw", "_marked", "_kind", "_joined", "_started")
+    __slots__ = ("_by_id", "_header", "_joined", "_kind", "_marked", "_raw", "_role", "_started", "_state")
 
     def __init__(self, markers: Markers) -> None:
         self._by_id = markers.by_id
@@ -386,7 +386,7 @@ class BoundHarmonyReasoning(BoundReasoning):
 class HarmonyReasoning(_HarmonyMachine, ReasoningParser):
     """Analysis text to reasoning; the rest passed on (Harmony tool stage) or as clean content."""
 
-    __slots__ = ("_specials", "_passthrough", "_counting", "_reasoning", "_out", "reasoning_tokens")
+    __slots__ = ("_counting", "_out", "_passthrough", "_reasoning", "_specials", "reasoning_tokens")
 
     def __init__(self, bound: BoundHarmonyReasoning, *, passthrough: bool) -> None:
         super().__init__(bound.markers)
@@ -459,7 +459,7 @@ class BoundHarmonyTools(BoundTools):
 class HarmonyTools(_HarmonyMachine, ToolParser):
     """Content messages to content, function messages to tool calls; analysis dropped."""
 
-    __slots__ = ("_options", "_content", "_deltas", "_index", "_has_arguments", "calls")
+    __slots__ = ("_content", "_deltas", "_has_arguments", "_index", "_options", "calls")
 
     def __init__(self, markers: Markers, options: ParseOptions) -> None:
         super().__init__(markers)

@@ -48,7 +48,7 @@ _NUM_NEEDS_DIGIT = frozenset((_NUM_SIGN, _NUM_DOT, _NUM_E, _NUM_ESIGN))
 class JsonCloser:
     """One call's arguments text: `feed` what the family streamed, `close` at the cut."""
 
-    __slots__ = ("_state", "_stack", "_key", "_hex", "_number", "_literal", "_held", "_comma", "_seen")
+    __slots__ = ("_comma", "_held", "_hex", "_key", "_literal", "_number", "_seen", "_stack", "_state")
 
     def __init__(self) -> None:
         self._state = _VALUE

@@ -83,7 +83,7 @@ def add_held(text: str, reasoning: list[str], space: list[str]) -> None:
 class MarkerToolParser(ToolParser):
     """One choice's tool parsing over a `Kinds` table; subclasses give the grammar."""
 
-    __slots__ = ("_kinds", "_options", "_content", "_deltas", "_state", "_args", "_index", "_space", "calls")
+    __slots__ = ("_args", "_content", "_deltas", "_index", "_kinds", "_options", "_space", "_state", "calls")
 
     def __init__(self, kinds: Kinds, options: ParseOptions) -> None:
         self._kinds = kinds

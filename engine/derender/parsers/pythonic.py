@@ -268,30 +268,30 @@ def _is_marker(text: str, marker: str) -> str | None:
 
 class PythonicParser(ToolParser):
     __slots__ = (
-        "_options",
-        "_start",
-        "_end",
-        "_strays",
+        "_args",
         "_content",
         "_deltas",
-        "_state",
-        "_raw",
-        "_mark",
-        "_name",
-        "_key",
-        "_held",
-        "_quote",
-        "_escape",
         "_depth",
-        "_triple",
-        "_opening",
-        "_run",
-        "_index",
+        "_end",
+        "_escape",
         "_header",
-        "_members",
-        "_args",
-        "_opened",
+        "_held",
+        "_index",
+        "_key",
         "_lead",
+        "_mark",
+        "_members",
+        "_name",
+        "_opened",
+        "_opening",
+        "_options",
+        "_quote",
+        "_raw",
+        "_run",
+        "_start",
+        "_state",
+        "_strays",
+        "_triple",
         "calls",
     )
 
@@ -418,7 +418,7 @@ class PythonicParser(ToolParser):
     # -- call names ---------------------------------------------------------------
 
     def _at_call(self, char: str, text: str, pos: int) -> int:
-        if char.isascii() and char.isalpha() or self._opened and (char.isalpha() or char == "_"):
+        if (char.isascii() and char.isalpha()) or (self._opened and (char.isalpha() or char == "_")):
             self._name = [char]
             self._state = _NAME
             return pos + 1
@@ -441,7 +441,7 @@ class PythonicParser(ToolParser):
     # -- keywords -----------------------------------------------------------------
 
     def _at_argument(self, char: str, text: str, pos: int) -> int:
-        if char.isascii() and char.isalpha() or (self._opened or self._members) and (char.isalpha() or char == "_"):
+        if (char.isascii() and char.isalpha()) or ((self._opened or self._members) and (char.isalpha() or char == "_")):
             self._key = [char]
             self._state = _KEY
             return pos + 1
