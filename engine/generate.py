@@ -87,7 +87,8 @@ def check_request(state: EngineState, request: GenerateRequest) -> None:
     if request.model is not None and request.model != state.model:
         raise NotFound(f"model {request.model!r} is not served here (this engine serves {state.model!r})")
     if request.request_id in state.running:
-        raise Conflict(f"request_id {public_request_id(request.request_id)!r} is already running")  # no abort handle in errors
+        # The public id: the abort handle stays out of error messages.
+        raise Conflict(f"request_id {public_request_id(request.request_id)!r} is already running")
     sampling = request.sampling_params
     if state.vocab is None:
         if request.output_mode != "tokens":
@@ -101,7 +102,9 @@ def check_request(state: EngineState, request: GenerateRequest) -> None:
     limit = info.vocab_size
     for token_id in request.token_ids:
         if token_id >= limit:
-            raise BadRequest(f"token id {token_id} is out of range for a vocabulary of {limit} tokens", param="token_ids")
+            raise BadRequest(
+                f"token id {token_id} is out of range for a vocabulary of {limit} tokens", param="token_ids"
+            )
     if len(request.token_ids) >= info.max_model_len:
         raise BadRequest(
             f"token_ids must hold at most {info.max_model_len - 1} tokens (max_model_len {info.max_model_len},"

@@ -46,11 +46,12 @@ def chat_request(context: ParseContext, logprobs: int | None) -> ChatCompletionR
     the prompt, which a prompt from vLLM's `/render` does not have.
     """
     choice = context.tool_choice
-    if isinstance(choice, NamedToolChoice):
-        if not any(tool.function.name == choice.function.name for tool in context.tools or ()):
-            raise BadRequest(
-                "The tool specified in `tool_choice` does not match any of the specified `tools`", param="tool_choice"
-            )
+    if isinstance(choice, NamedToolChoice) and not any(
+        tool.function.name == choice.function.name for tool in context.tools or ()
+    ):
+        raise BadRequest(
+            "The tool specified in `tool_choice` does not match any of the specified `tools`", param="tool_choice"
+        )
     if isinstance(choice, NamedToolChoice) or choice == "required":
         raise BadRequest(
             "this engine parses tool_choice 'auto' and 'none' in vLLM's derender form; use onehop's"

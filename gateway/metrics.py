@@ -54,22 +54,31 @@ class GatewayMetrics:
             ["stage"], buckets=_STAGE_BUCKETS, registry=r,
         )
         self.derender_cpu = Counter(
-            "onehop_gateway_derender_cpu_seconds", "Gateway CPU spent derendering engine output, by route.", ["route"], registry=r
+            "onehop_gateway_derender_cpu_seconds",
+            "Gateway CPU spent derendering engine output, by route.",
+            ["route"],
+            registry=r,
         )
         self.e2e = Histogram(
             "onehop_gateway_request_duration_seconds", "From request arrival to the last byte, by route.",
             ["route"], buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.time_to_first_token = Histogram(
-            "onehop_gateway_time_to_first_token_seconds", "Streams: from request arrival to the first content sent, by route.",
-            ["route"], buckets=_LATENCY_BUCKETS, registry=r,
+            "onehop_gateway_time_to_first_token_seconds",
+            "Streams: from request arrival to the first content sent, by route.",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.inter_token_latency = Histogram(
             "onehop_gateway_inter_token_latency_seconds", "Streams: gap between two writes to the client, by route.",
             ["route"], buckets=_GAP_BUCKETS, registry=r,
         )
         self.disconnects = Counter(
-            "onehop_gateway_client_disconnects", "Clients that left before the answer was complete, by route.", ["route"], registry=r
+            "onehop_gateway_client_disconnects",
+            "Clients that left before the answer was complete, by route.",
+            ["route"],
+            registry=r,
         )
         self.background_restarts = Counter(
             "onehop_gateway_background_restarts",
@@ -90,7 +99,8 @@ class GatewayMetrics:
             ["engine"], registry=r,
         )
         self.admission_rejections = Counter(
-            "onehop_gateway_admission_rejections", "Requests refused with a 429: no slot, the wait queue full or timed out.",
+            "onehop_gateway_admission_rejections",
+            "Requests refused with a 429: no slot, the wait queue full or timed out.",
             registry=r,
         )
         self.admission_waiting = Gauge(
@@ -105,8 +115,10 @@ class GatewayMetrics:
         )
         self.dropped_tools = Counter(
             "onehop_gateway_dropped_tools",
-            "Hosted tools (web_search, ...) left out of the prompt (agents.hosted_tools: drop), by endpoint and tool type.",
-            ["endpoint", "type"], registry=r,
+            "Hosted tools (web_search, ...) left out of the prompt (agents.hosted_tools: drop),"
+            " by endpoint and tool type.",
+            ["endpoint", "type"],
+            registry=r,
         )
         self.context_edits_ignored = Counter(
             "onehop_gateway_context_edits_ignored",

@@ -39,8 +39,24 @@ from gateway.endpoints import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Answer, En
 from gateway.engine_client import Target
 from gateway.engine_request import generate_body
 from gateway.engine_stream import EngineAnswer
-from gateway.errors import REQUEST_ID_KEY, ClientGone, InvalidRequest, PayloadTooLarge, RequestTimeout, UnsupportedMediaType
-from gateway.observe import GONE_KEY, MODEL_KEY, SPAN_KEY, DerenderWork, describe_model, describe_request, measured, tally
+from gateway.errors import (
+    REQUEST_ID_KEY,
+    ClientGone,
+    InvalidRequest,
+    PayloadTooLarge,
+    RequestTimeout,
+    UnsupportedMediaType,
+)
+from gateway.observe import (
+    GONE_KEY,
+    MODEL_KEY,
+    SPAN_KEY,
+    DerenderWork,
+    describe_model,
+    describe_request,
+    measured,
+    tally,
+)
 from gateway.outcome import Tokens
 from gateway.relay import (
     derender_answer,
@@ -104,8 +120,12 @@ async def serve(http: web.Request, endpoint: Endpoint[Any]) -> web.StreamRespons
     described = endpoint.describe(request)
     if not described.stream:
         check_buffered_answer(
-            n=described.n, max_tokens=described.max_tokens, top_logprobs=described.top_logprobs, prompts=described.prompts,
-            max_model_len=model.engines.max_model_len(), most=state.config.limits.max_buffered_tokens,
+            n=described.n,
+            max_tokens=described.max_tokens,
+            top_logprobs=described.top_logprobs,
+            prompts=described.prompts,
+            max_model_len=model.engines.max_model_len(),
+            most=state.config.limits.max_buffered_tokens,
         )
     describe_request(
         server, max_tokens=described.max_tokens, temperature=described.temperature, top_p=described.top_p,
@@ -122,7 +142,9 @@ async def serve(http: web.Request, endpoint: Endpoint[Any]) -> web.StreamRespons
         features = endpoint.features(request, model.name, prompts, http, sampling)
         target = await choose_route(state, model, http, features, prompts[0])
         forwarded = endpoint.forwarded(request, body)
-        exchange = Exchange(http, state, model, endpoint, request, forwarded, prompts, sampling, target, response_id, session)
+        exchange = Exchange(
+            http, state, model, endpoint, request, forwarded, prompts, sampling, target, response_id, session
+        )
         return await guard_disconnect(http, state, model, exchange.legs, exchange.run)
 
 
@@ -303,7 +325,12 @@ class Exchange:
         engines, server = self.target.engines, self.http[SPAN_KEY]
         body = self._engine_body(leg)
         async with engines.open(
-            self.target.endpoint, body, stream=self.stream, request_id=leg.request_id, parent=server, session=self.session
+            self.target.endpoint,
+            body,
+            stream=self.stream,
+            request_id=leg.request_id,
+            parent=server,
+            session=self.session,
         ) as (url, response):
             leg.sent_to = url
             yield response

@@ -124,7 +124,9 @@ class Pool:
         engine that is not over `load_factor` × the mean outstanding (+1, so an idle pool
         still concentrates a prefix)."""
         prefix = array("I", prompt[: self.balancing.prefix_tokens]).tobytes()
-        ranked = sorted(candidates, key=lambda e: hashlib.blake2b(e.url.encode() + b"\0" + prefix, digest_size=8).digest())
+        ranked = sorted(
+            candidates, key=lambda e: hashlib.blake2b(e.url.encode() + b"\0" + prefix, digest_size=8).digest()
+        )
         bound = self.balancing.load_factor * sum(e.outstanding for e in candidates) / len(candidates) + 1
         return next((e for e in ranked if e.outstanding < bound), min(ranked, key=lambda e: e.outstanding))
 

@@ -68,7 +68,13 @@ def startup_errors(host: str, port: int) -> Iterator[None]:
             raise StartupError(port_error(host, port, exc)) from exc
         raise
     except (
-        BackendError, EngineConfigError, UnknownParser, ChatTemplateError, ConfigError, TokenizerFolderError, PolicyError,
+        BackendError,
+        EngineConfigError,
+        UnknownParser,
+        ChatTemplateError,
+        ConfigError,
+        TokenizerFolderError,
+        PolicyError,
         KeyFileError,
     ) as exc:
         raise StartupError(str(exc)) from exc

@@ -71,9 +71,20 @@ class Derender(Protocol):
 
     def start(self) -> list[Any]: ...
 
-    def step(self, index: int, token_ids: Any, logprobs: Any = None, *, finish_reason: Any = None, stop_reason: Any = None) -> Any: ...
+    def step(
+        self, index: int, token_ids: Any, logprobs: Any = None, *, finish_reason: Any = None, stop_reason: Any = None
+    ) -> Any: ...
 
-    def step_text(self, index: int, text: str, token_ids: Any = (), logprobs: Any = None, *, finish_reason: Any = None, stop_reason: Any = None) -> Any: ...
+    def step_text(
+        self,
+        index: int,
+        text: str,
+        token_ids: Any = (),
+        logprobs: Any = None,
+        *,
+        finish_reason: Any = None,
+        stop_reason: Any = None,
+    ) -> Any: ...
 
     def usage_chunk(self) -> Any: ...
 
@@ -86,7 +97,18 @@ class ClientStream:
     measured at its socket, not by how long a write waits, which the kernel's send buffer
     hides)."""
 
-    __slots__ = ("_chunked", "_direct", "_high", "_protocol", "_stall_s", "_timer", "_transport", "_watch", "_writer", "response")
+    __slots__ = (
+        "_chunked",
+        "_direct",
+        "_high",
+        "_protocol",
+        "_stall_s",
+        "_timer",
+        "_transport",
+        "_watch",
+        "_writer",
+        "response",
+    )
 
     def __init__(self, http: web.Request, response: web.StreamResponse, timer: StreamTimer, stall_s: float) -> None:
         self.response = response
@@ -653,7 +675,9 @@ class Derendered:
             if timed:
                 self._work.end()
         if not self._started:
-            self._started = True  # the role chunk goes with the first output (once it is known good), as the engine's does
+            self._started = (
+                True  # the role chunk goes with the first output (once it is known good), as the engine's does
+            )
             chunks = [*self._derender.start(), *chunks]
         return chunks
 
@@ -773,7 +797,9 @@ def relayed_answer(raw: bytes, decoder: msgspec.json.Decoder[Any]) -> Any:
 RemoteDerender = RemoteChatDerender | RemoteCompletionDerender
 
 
-async def _remote_payloads(engine: EngineAnswer, remote: RemoteDerender, timeouts: StreamTimeouts) -> AsyncIterator[bytes]:
+async def _remote_payloads(
+    engine: EngineAnswer, remote: RemoteDerender, timeouts: StreamTimeouts
+) -> AsyncIterator[bytes]:
     """The tokens-remote route: every engine chunk through vLLM's stateless derender, its answers' JSON."""
     async for payload in engine_payloads(engine, timeouts):
         if payload.startswith(b'{"error"'):
@@ -789,7 +815,9 @@ async def remote_stream(
     return await respond_stream(http, "tokens-remote", request_id, _remote_frames(engine, remote, timeouts))
 
 
-async def _remote_frames(engine: EngineAnswer, remote: RemoteDerender, timeouts: StreamTimeouts) -> AsyncIterator[bytes]:
+async def _remote_frames(
+    engine: EngineAnswer, remote: RemoteDerender, timeouts: StreamTimeouts
+) -> AsyncIterator[bytes]:
     async with aclosing(_remote_payloads(engine, remote, timeouts)) as payloads:
         async for chunk in payloads:
             yield frame(chunk)

@@ -22,8 +22,9 @@ scoped to its caller, so that `previous_response_id` continues it without the cl
 it again.
 
 Names follow the `openai` SDK's types. An unknown top-level request field is ignored or refused
-by name, as `agents.unknown_fields` says (`gateway.unknown_fields`); items, tools and the small config objects are not, because clients send
-back the items of earlier answers with fields OpenAI keeps adding.
+by name, as `agents.unknown_fields` says (`gateway.unknown_fields`); items, tools and the small
+config objects are not, because clients send back the items of earlier answers with fields
+OpenAI keeps adding.
 """
 
 from __future__ import annotations
@@ -275,7 +276,9 @@ def to_chat(
     )
 
 
-def _chat_tool_choice(choice: ResponsesToolChoice | None, tools: AgentTools, policy: ToolPolicy) -> ToolChoice | UnsetType:
+def _chat_tool_choice(
+    choice: ResponsesToolChoice | None, tools: AgentTools, policy: ToolPolicy
+) -> ToolChoice | UnsetType:
     """A forced built-in tool is forced no more when the tool is dropped: the model answers
     as with `auto` (an agent's run goes on); `agents.hosted_tools: refuse` makes it a 400."""
     if choice is None:
@@ -487,7 +490,9 @@ def _output(
     if text_call is not None:
         namespace = text_call.namespace if text_call.namespace is not None else UNSET
         text = message.content or ""
-        call = CustomToolCallItem(id=_item_id("ctc"), call_id=_item_id("call"), name=text_call.name, input=text, namespace=namespace)
+        call = CustomToolCallItem(
+            id=_item_id("ctc"), call_id=_item_id("call"), name=text_call.name, input=text, namespace=namespace
+        )
         return [*items, call]
     if message.content:
         text = OutputText(text=message.content, logprobs=_logprobs(_tokens(logprobs), with_bytes=True))
@@ -502,7 +507,9 @@ def _call_item(tools: AgentTools, call_id: str, flat: str, arguments: str, statu
     callee = tools.callee(flat)
     namespace = callee.namespace if callee.namespace is not None else UNSET
     if callee.custom:
-        return CustomToolCallItem(id=_item_id("ctc"), call_id=call_id, name=callee.name, input=custom_input(arguments), namespace=namespace)
+        return CustomToolCallItem(
+            id=_item_id("ctc"), call_id=call_id, name=callee.name, input=custom_input(arguments), namespace=namespace
+        )
     return FunctionCallItem(
         id=_item_id("fc"), call_id=call_id, name=callee.name, arguments=arguments, status=status, namespace=namespace
     )
@@ -709,7 +716,9 @@ class _StreamedCustomCall(_StreamedCall):
         shown = "".join(self.shown)
         rest = item.input[len(shown):] if item.input.startswith(shown) else ""  # arguments not streamed: all of it
         events: list[_Event] = [self._input_delta(rest)] if rest else []
-        done = DoneEvent(type="response.custom_tool_call_input.done", item_id=self.id, output_index=self.index, input=item.input)
+        done = DoneEvent(
+            type="response.custom_tool_call_input.done", item_id=self.id, output_index=self.index, input=item.input
+        )
         return item, [*events, done, self._item_event("done", item)]
 
     def opened(self) -> list[_Event]:
@@ -717,7 +726,9 @@ class _StreamedCustomCall(_StreamedCall):
 
     def _input_delta(self, text: str) -> DeltaEvent:
         self.shown.append(text)
-        return DeltaEvent(type="response.custom_tool_call_input.delta", item_id=self.id, output_index=self.index, delta=text)
+        return DeltaEvent(
+            type="response.custom_tool_call_input.delta", item_id=self.id, output_index=self.index, delta=text
+        )
 
     def _custom(self, text: str, status: ItemStatus) -> CustomToolCallItem:
         return CustomToolCallItem(
@@ -735,7 +746,9 @@ class _StreamedTextCall(_StreamedCustomCall):
 
     def closed(self, status: ItemStatus) -> tuple[OutputItem, list[_Event]]:
         item = self._custom("".join(self.pieces), status)
-        done = DoneEvent(type="response.custom_tool_call_input.done", item_id=self.id, output_index=self.index, input=item.input)
+        done = DoneEvent(
+            type="response.custom_tool_call_input.done", item_id=self.id, output_index=self.index, input=item.input
+        )
         return item, [done, self._item_event("done", item)]
 
 
@@ -782,7 +795,9 @@ class _StreamedOutput:
         if callee is None:
             events = self._to("message", lambda index: _StreamedMessage("msg", index, "message"))
         else:
-            events = self._to("text call", lambda index: _StreamedTextCall("ctc", index, "text call", _item_id("call"), callee))
+            events = self._to(
+                "text call", lambda index: _StreamedTextCall("ctc", index, "text call", _item_id("call"), callee)
+            )
         return events + self._delta(content, tokens)
 
     def _delta(self, text: str, tokens: list[ChatLogprobToken]) -> list[_Event]:

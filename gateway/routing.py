@@ -87,7 +87,9 @@ def _decide(
     basis = decision.rule if decision.rule is not None else ("cost" if policy.default == "cost" else "default")
     pool = decision.pool
     if pool is not None and pool not in model.pools:
-        raise EngineUnavailable(f"policy rule {decision.rule!r} sends to pool {pool!r}, which model {model.name!r} does not have")
+        raise EngineUnavailable(
+            f"policy rule {decision.rule!r} sends to pool {pool!r}, which model {model.name!r} does not have"
+        )
     if pool is not None and model.pools[pool] is engines:
         pool = None  # already there
     return decision.route, basis, pool

@@ -64,7 +64,9 @@ class Presented:
 
 
 class Presenter(Protocol[F]):
-    def stream(self, turn: Turn[F], meta: Presented, chunks: AsyncIterator[ChatCompletionChunk]) -> AsyncIterator[bytes]:
+    def stream(
+        self, turn: Turn[F], meta: Presented, chunks: AsyncIterator[ChatCompletionChunk]
+    ) -> AsyncIterator[bytes]:
         """The chat chunks of one choice (the usage chunk last) as this API's SSE frames,
         its closing event included (no `[DONE]` unless the API sends one)."""
         ...

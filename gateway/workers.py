@@ -251,7 +251,9 @@ class Supervisor:
                 sys.stderr.write(_read_start_error(env[RUN_DIR_ENV]))
                 return 2
             if self._quick_deaths >= GIVE_UP:
-                log.error("gateway workers died %d times in a row within %.0f s of their start: giving up", GIVE_UP, STABLE_S)
+                log.error(
+                    "gateway workers died %d times in a row within %.0f s of their start: giving up", GIVE_UP, STABLE_S
+                )
                 return 1
             time.sleep(0.1)
         return 0

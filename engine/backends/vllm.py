@@ -41,7 +41,13 @@ from engine.backends.base import (
     FinishReason,
 )
 from engine.derender.logprobs import LOGPROB_FLOOR
-from engine.protocol import CONSTRAINT_KINDS, GenerateLogProb, GenerateLogProbsContent, SamplingParams, StructuredOutputs
+from engine.protocol import (
+    CONSTRAINT_KINDS,
+    GenerateLogProb,
+    GenerateLogProbsContent,
+    SamplingParams,
+    StructuredOutputs,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -244,7 +250,9 @@ def _structured_outputs(constraint: StructuredOutputs | None) -> Any:
         return None
     from vllm.sampling_params import StructuredOutputsParams
 
-    fields = {f: getattr(constraint, f) for f in constraint.__struct_fields__ if f not in ("backend", "backend_was_auto")}
+    fields = {
+        f: getattr(constraint, f) for f in constraint.__struct_fields__ if f not in ("backend", "backend_was_auto")
+    }
     try:
         return StructuredOutputsParams(**fields)
     except (ValueError, TypeError) as exc:

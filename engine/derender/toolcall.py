@@ -73,10 +73,7 @@ class ToolCallBody:
         pos = 0
         end = len(text)
         while pos < end and not self.closed:
-            if self._in_string:
-                pos = self._feed_string(text, pos)
-            else:
-                pos = self._feed_outside(text, pos)
+            pos = self._feed_string(text, pos) if self._in_string else self._feed_outside(text, pos)
         return pos
 
     def _feed_string(self, text: str, pos: int) -> int:

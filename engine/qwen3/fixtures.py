@@ -104,10 +104,8 @@ def _ensure(target: Path, required: tuple[str, ...], build: Callable[[Path], Non
 def _discard(folder: Path) -> None:
     # Move it aside first so no reader ever sees a folder half deleted.
     doomed = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old.", dir=folder.parent))
-    try:
+    with contextlib.suppress(FileNotFoundError):  # another builder discarded it first
         folder.rename(doomed / folder.name)
-    except FileNotFoundError:
-        pass  # another builder discarded it first
     shutil.rmtree(doomed, ignore_errors=True)
 
 

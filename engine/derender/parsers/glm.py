@@ -396,7 +396,7 @@ class GlmToolParser(ToolParser):
         if not text:
             return
         state = self._state
-        if state == _NONE or state == _RAW:
+        if state in (_NONE, _RAW):
             self._content.add(text, calls=self._made)
             return
         while text:  # hot loop inside a call: one tag search per state change

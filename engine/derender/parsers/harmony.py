@@ -89,7 +89,9 @@ ROLES = frozenset(("user", "assistant", "system", "developer", "tool"))
 BUILTIN_TOOLS = frozenset(("python", "browser", "container"))
 FUNCTIONS = "functions."
 # Rust's `char::is_whitespace` (Unicode White_Space), which the header grammar trims with.
-_WHITESPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680" + "".join(map(chr, range(0x2000, 0x200B))) + "\u2028\u2029\u202f\u205f\u3000"
+_WHITESPACE = (
+    "\t\n\x0b\x0c\r \x85\xa0\u1680" + "".join(map(chr, range(0x2000, 0x200B))) + "\u2028\u2029\u202f\u205f\u3000"
+)
 _CHANNEL_END = re.compile(f"[<{re.escape(_WHITESPACE)}]")
 # Rust's `split_ascii_whitespace` (no vertical tab).
 _ASCII_SPLIT = re.compile(r"[ \t\n\x0c\r]+")

@@ -113,7 +113,7 @@ class JsonCloser:
     def close(self) -> str:
         """The suffix that makes everything streamed valid JSON; `""` when it already is (or never can be)."""
         state = self._state
-        if state == _BROKEN or state == _DONE:
+        if state in (_BROKEN, _DONE):
             return ""
         if not self._seen:
             return "{}"

@@ -45,7 +45,9 @@ def add_specials(vocab: TokenVocab, kinds: dict[int, tuple[int, str]]) -> None:
             kinds[token_id] = (DROP, vocab.added_text.get(token_id, ""))
 
 
-def with_kinds(kinds: Kinds, cache: dict[tuple[tuple[int, str], ...], Kinds], extra: Mapping[int, str], kind: int) -> Kinds:
+def with_kinds(
+    kinds: Kinds, cache: dict[tuple[tuple[int, str], ...], Kinds], extra: Mapping[int, str], kind: int
+) -> Kinds:
     """`kinds` with the other family's markers (`extra`, id → text) as `kind`, built once per set."""
     if not extra:
         return kinds

@@ -108,7 +108,7 @@ def _add_kind(vocab: TokenVocab, kinds: dict[int, tuple[int, str]], text: str, k
 class BoundMistralReasoning(BoundReasoning):
     def __init__(self, vocab: TokenVocab) -> None:
         optional = tuple(text for text in (TOOL_CALLS, ARGS) if optional_id(vocab, text) >= 0)
-        self.markers = Markers(vocab, (THINK_START, THINK_END) + optional)
+        self.markers = Markers(vocab, (THINK_START, THINK_END, *optional))
         self.strays = {}  # a stray `[/THINK]` is dropped here, not by the tool stage
         kinds: dict[int, tuple[int, str]] = {
             self.markers.id(THINK_START): (_THINK_START, THINK_START),

@@ -152,7 +152,8 @@ def _value(node: ast.expr) -> Any:
     if isinstance(node, ast.Dict):
         if not all(isinstance(key, ast.Constant) for key in node.keys):
             raise BadValue(ast.dump(node))
-        return {key.value: _value(value) for key, value in zip(node.keys, node.values) if isinstance(key, ast.Constant)}
+        pairs = zip(node.keys, node.values, strict=True)
+        return {key.value: _value(value) for key, value in pairs if isinstance(key, ast.Constant)}
     if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
         return [_value(item) for item in node.elts]
     if isinstance(node, ast.JoinedStr) and all(isinstance(part, ast.Constant) for part in node.values):
@@ -327,7 +328,7 @@ class PythonicParser(ToolParser):
     def feed(self, pieces: Sequence[Piece]) -> None:
         start, end, strays = self._start, self._end, self._strays
         for text, token_id in pieces:  # hot loop: one iteration per content token
-            if token_id >= 0 and (token_id == start or token_id == end):
+            if token_id >= 0 and token_id in (start, end):
                 head = _is_marker(text, PYTHON_START if token_id == start else PYTHON_END)
                 if head is not None:
                     self._marker(head, token_id == start, text)
