@@ -18,7 +18,7 @@ import logging
 import math
 import time
 from bisect import bisect_left
-from collections.abc import AsyncIterator, Collection, Sequence
+from collections.abc import AsyncGenerator, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -461,9 +461,9 @@ async def _drive(
     metrics: EngineMetrics,
     request: GenerateRequest,
     writer: OutputWriter,
-    outputs: AsyncIterator[list[BackendOutput]],
+    outputs: AsyncGenerator[list[BackendOutput], None],
     times: _Times,
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     """Payloads of the whole request, in order; closes the backend stream when done.
 
     Hot loop: one pass per decode step. Its bookkeeping is one monotonic read
@@ -586,7 +586,7 @@ async def _stream(
     state: EngineState,
     request: GenerateRequest,
     writer: OutputWriter,
-    outputs: AsyncIterator[list[BackendOutput]],
+    outputs: AsyncGenerator[list[BackendOutput], None],
     times: _Times,
 ) -> web.StreamResponse:
     response = web.StreamResponse(headers=SSE_HEADERS)
@@ -622,7 +622,7 @@ async def _json(
     state: EngineState,
     request: GenerateRequest,
     writer: OutputWriter,
-    outputs: AsyncIterator[list[BackendOutput]],
+    outputs: AsyncGenerator[list[BackendOutput], None],
     times: _Times,
 ) -> web.Response:
     payloads = _drive(state.metrics, request, writer, outputs, times)

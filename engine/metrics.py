@@ -87,7 +87,8 @@ class StepHistogram(Collector):
 
     def collect(self) -> Iterator[HistogramMetricFamily]:
         family = HistogramMetricFamily(self._name, self._documentation, labels=self._labelnames)
-        edges = [floatToGoString(bound) for bound in self._bounds] + ["+Inf"]
+        # prometheus-client leaves floatToGoString unannotated.
+        edges = [floatToGoString(bound) for bound in self._bounds] + ["+Inf"]  # type: ignore[no-untyped-call]
         for values, child in self._children.items():
             total = 0
             cumulative: list[tuple[str, float]] = []

@@ -182,7 +182,7 @@ class _ModeWriter:
         choice = self._stream_choice(output, *advanced)
         if choice is None:
             return None
-        chunk = self._stream_type(request_id=self._c.request.request_id, choices=[choice])  # type: ignore[list-item]
+        chunk = self._stream_type(request_id=self._c.request.request_id, choices=[choice])
         if self._c.continuous:
             chunk.usage = self._c.usage()
         return encode(chunk)
@@ -201,7 +201,7 @@ class _ModeWriter:
                 model=self._c.context.model,
                 created=int(time.time()),
                 usage=self._c.usage(),
-                choices=[self._choice(i, ids, wants_logprobs) for i, ids in enumerate(self._c.token_ids)],  # type: ignore[misc]
+                choices=[self._choice(i, ids, wants_logprobs) for i, ids in enumerate(self._c.token_ids)],
                 prompt_token_ids=list(request.token_ids) if request.return_token_ids else None,
                 kv_transfer_params=self._c.kv_transfer_params,
             )

@@ -10,7 +10,7 @@ from engine.backends.base import Backend
 from engine.config import EngineConfig, convert_backend_config
 
 
-def _sim_formats(config: EngineConfig) -> dict[str, str]:
+def _sim_formats(config: EngineConfig) -> dict[str, str | None]:
     """The simulator writes in the engine's parser families, where it knows how to."""
     from engine.derender.parsers import REASONING_PARSERS, TOOL_PARSERS
 

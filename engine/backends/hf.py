@@ -173,7 +173,7 @@ def load_model(config: HFBackendConfig) -> tuple[Any, torch.device]:
     dtype = _pick_dtype(config.dtype, device)
     model = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype, local_files_only=True)
     model.to(device)  # type: ignore[arg-type]  # transformers wraps .to() in a decorator mypy misreads
-    model.eval()
+    model.eval()  # type: ignore[no-untyped-call]  # transformers leaves its eval() unannotated
     layers = DynamicCache(config=model.config).layers
     # Joins pad and concatenate whole key/value tensors; sliding-window and
     # linear-attention layers keep other state that this cannot line up.

@@ -138,7 +138,7 @@ import random
 import uuid
 import zlib
 from array import array
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -789,7 +789,7 @@ class SimBackend:
     async def prepare(self, request: BackendRequest) -> BackendRequest:
         return request  # a constraint is read when its answer is written: nothing compiles
 
-    async def generate(self, request: BackendRequest) -> AsyncIterator[list[BackendOutput]]:
+    async def generate(self, request: BackendRequest) -> AsyncGenerator[list[BackendOutput], None]:
         if self._closed:
             raise BackendError("the sim backend is closed")
         prompt = self._check(request)

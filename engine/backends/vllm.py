@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import math
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -140,7 +140,7 @@ class VLLMBackend:
     async def prepare(self, request: BackendRequest) -> BackendRequest:
         return request  # vLLM compiles grammars in its own engine-core process
 
-    async def generate(self, request: BackendRequest) -> AsyncIterator[list[BackendOutput]]:
+    async def generate(self, request: BackendRequest) -> AsyncGenerator[list[BackendOutput], None]:
         llm = self._started()
         rid = request.request_id
         params = vllm_sampling_params(request, self.info.eos_token_ids)

@@ -105,7 +105,7 @@ def compose_parser(tokenizer: Any, reasoning: str | None, tool: str | None, mode
         )
     except TypeError as exc:  # vLLM's way of saying unregistered, or not for this tokenizer
         raise UnknownParser(f"vLLM cannot parse reasoning {reasoning!r}, tool {tool!r}: {exc}") from exc
-    if parser_cls is None:
+    if not isinstance(parser_cls, type):  # None: no parser by these names
         raise UnknownParser(f"vLLM has no parser for reasoning {reasoning!r}, tool {tool!r}")
     return parser_cls
 
