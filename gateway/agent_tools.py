@@ -239,9 +239,8 @@ def custom_input(arguments: str) -> str:
         value = _LENIENT.decode(arguments)
     except ValueError:
         return arguments
-    if isinstance(value, dict) and isinstance(value.get("input"), str):
-        return value["input"]
-    return arguments
+    text = value.get("input") if isinstance(value, dict) else None
+    return text if isinstance(text, str) else arguments
 
 
 def custom_arguments(text: str) -> str:

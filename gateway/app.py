@@ -35,6 +35,7 @@ from gateway.config import ConfigError, EngineEndpoint, GatewayConfig, Limits, M
 from gateway.engine_client import ABORT_TIMEOUT_S, EngineClient, EngineMismatch, Expected
 from gateway.errors import (
     ERROR_BODIES,
+    ErrorBody,
     ERROR_KEY,
     REQUEST_ID_KEY,
     Handler,
@@ -377,7 +378,8 @@ def create_app(config: GatewayConfig) -> web.Application:
     app.router.add_delete("/v1/responses/{response_id}", handle_delete_response)
     app.router.add_post("/v1/messages", handle_messages)
     app.router.add_post("/v1/messages/count_tokens", handle_count_tokens)
-    app[ERROR_BODIES] = {"/v1/messages": messages_error_body}
+    own_shapes: dict[str, ErrorBody] = {"/v1/messages": messages_error_body}
+    app[ERROR_BODIES] = own_shapes
     app.router.add_get("/v1/models", handle_models)
     app.router.add_get("/v1/models/{model}", handle_model)
     for path in NOT_SERVED:

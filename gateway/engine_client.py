@@ -413,7 +413,7 @@ class EngineClient:
             try:
                 async with asyncio.timeout(limit):
                     if stream and StreamPool.serves(url):  # read in the socket's callbacks (engine_stream)
-                        response = await self._streams.post(url + GENERATE_PATH, body, headers)
+                        response: EngineAnswer = await self._streams.post(url + GENERATE_PATH, body, headers)
                     else:
                         response = await self.session.post(
                             url + GENERATE_PATH,

@@ -247,7 +247,7 @@ async def gateway_error_middleware(request: web.Request, handler: Handler) -> we
 
 
 ErrorBody = Callable[[GatewayError], bytes]
-ERROR_BODIES = web.AppKey("onehop_error_bodies", dict[str, ErrorBody])
+ERROR_BODIES: web.AppKey[dict[str, ErrorBody]] = web.AppKey("onehop_error_bodies")
 """Path prefixes whose API has its own error shape (Anthropic's on /v1/messages), and its writer."""
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -825,11 +825,11 @@ class MessagesPresenter:
         )
 
     async def stream(
-        self, turn: Turn[MessagesRequest], meta: Presented, chunks: AsyncIterator[ChatCompletionChunk]
-    ) -> AsyncIterator[bytes]:
+        self, turn: Turn[MessagesRequest], meta: Presented, chunks: AsyncGenerator[ChatCompletionChunk, None]
+    ) -> AsyncGenerator[bytes, object]:
         blocks = _Blocks()
         started = False
-        async with aclosing(chunks):  # type: ignore[type-var]
+        async with aclosing(chunks):
             async for chunk in chunks:  # hot loop: one write per chunk
                 out = [] if started else [self._start(meta)]
                 started = True

@@ -165,7 +165,7 @@ class GatewayMetrics:
         if folder is None:
             return generate_latest(self.registry)
         every_worker = CollectorRegistry()
-        MultiProcessCollector(every_worker, path=folder)
+        MultiProcessCollector(every_worker, path=folder)  # type: ignore[no-untyped-call]  # unannotated upstream
         return generate_latest(every_worker)
 
 

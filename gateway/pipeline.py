@@ -22,7 +22,7 @@ import asyncio
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -413,7 +413,7 @@ class Exchange:
 
     # ------------------------------------------------------------ several engine requests
 
-    async def _chunks(self, leg: Leg) -> AsyncIterator[Any]:
+    async def _chunks(self, leg: Leg) -> AsyncGenerator[Any, None]:
         """One leg's OpenAI chunk objects (its usage chunk included), for merging or presenting."""
         first = self.target.engines.timeouts
         async with self._open(leg) as engine:
@@ -429,7 +429,7 @@ class Exchange:
                 async for chunk in chunks:
                     yield chunk
 
-    async def _tallied(self, chunks: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async def _tallied(self, chunks: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]:
         """`chunks` as they come; their finish reasons and usage recorded for the request's outcome."""
         reasons: dict[int, str] = {}
         async with aclosing(chunks):
@@ -454,13 +454,13 @@ class Exchange:
         assert self.work is not None
         return derender_answer(raw, self._new_derender(leg), self.mode, self.work)
 
-    async def _merged(self, chunks: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async def _merged(self, chunks: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]:
         """Several legs' chunks as one stream: one id, usage summed into one last chunk."""
         rid, created = self.answer.response_id, self.answer.created
         usages: list[Usage] = []
         last_usage: Any = None
         reasons: dict[int, str | None] = {}
-        async with aclosing(chunks):  # type: ignore[type-var]
+        async with aclosing(chunks):
             async for chunk in chunks:
                 if not chunk.choices:
                     if chunk.usage not in (None, UNSET):
@@ -507,15 +507,15 @@ class _Failed:
 _END = object()
 
 
-async def merged(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[T]:
+async def merged(streams: Sequence[AsyncGenerator[T, None]]) -> AsyncGenerator[T, None]:
     """The items of several streams as they come, at the reader's pace: the queue holds at
     most one item per stream, so a stream whose item is unread waits (and so does its
     engine, through TCP). The first failure of any stream ends the whole, and stops the rest."""
     queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=len(streams))
 
-    async def pump(stream: AsyncIterator[T]) -> None:
+    async def pump(stream: AsyncGenerator[T, None]) -> None:
         try:
-            async with aclosing(stream):  # type: ignore[type-var]
+            async with aclosing(stream):
                 async for item in stream:
                     await queue.put(item)
         except Exception as exc:  # handed to the reader, which raises it in its own task

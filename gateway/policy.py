@@ -304,7 +304,8 @@ def _child(node: yaml.Node, seg: str | int) -> yaml.Node | None:
     if isinstance(node, yaml.MappingNode) and isinstance(seg, str):
         return next((v for k, v in node.value if getattr(k, "value", None) == seg), None)
     if isinstance(node, yaml.SequenceNode) and isinstance(seg, int) and seg < len(node.value):
-        return node.value[seg]
+        item = node.value[seg]
+        return item if isinstance(item, yaml.Node) else None
     return None
 
 

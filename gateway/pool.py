@@ -156,7 +156,8 @@ class Pool:
             except OSError as exc:
                 log.warning("cannot resolve %s, keeping the pool as it is: %s", url.host, exc)
                 return
-            for address in sorted({info[4][0] for info in infos}):
+            hosts = {info[4][0] for info in infos}
+            for address in sorted(host for host in hosts if isinstance(host, str)):  # IPv4 and IPv6 give a str
                 host = f"[{address}]" if ":" in address else address
                 urls.append(f"{url.scheme}://{host}:{port}")
         self._set_urls(urls)

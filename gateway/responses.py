@@ -32,7 +32,7 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable
 from contextlib import aclosing
 from typing import Annotated, Any, Literal
 
@@ -413,7 +413,7 @@ class Response(Struct, kw_only=True):
     id: str
     object: Literal["response"] = "response"
     created_at: int
-    status: Literal["in_progress", "completed", "incomplete"]
+    status: ItemStatus
     background: bool = False
     completed_at: int | None = None
     error: dict[str, Any] | None = None
@@ -464,7 +464,7 @@ def _response(
 ) -> Response:
     """`finish`: the chat finish reason, None while the answer is still to come."""
     reason = _INCOMPLETE.get(finish or "")
-    status = "in_progress" if finish is None else "incomplete" if reason else "completed"
+    status: ItemStatus = "in_progress" if finish is None else "incomplete" if reason else "completed"
     return Response(
         id=meta.response_id, created_at=meta.created, status=status, model=meta.model, output=output, usage=usage,
         completed_at=int(time.time()) if status == "completed" else None,
@@ -489,11 +489,14 @@ def _output(
         items.append(ReasoningItem(id=_item_id("rs"), content=[ReasoningText(reasoning)]))
     if text_call is not None:
         namespace = text_call.namespace if text_call.namespace is not None else UNSET
-        text = message.content or ""
-        call = CustomToolCallItem(
-            id=_item_id("ctc"), call_id=_item_id("call"), name=text_call.name, input=text, namespace=namespace
+        custom_call = CustomToolCallItem(
+            id=_item_id("ctc"),
+            call_id=_item_id("call"),
+            name=text_call.name,
+            input=message.content or "",
+            namespace=namespace,
         )
-        return [*items, call]
+        return [*items, custom_call]
     if message.content:
         text = OutputText(text=message.content, logprobs=_logprobs(_tokens(logprobs), with_bytes=True))
         items.append(MessageItem(id=_item_id("msg"), status="completed", content=[text]))
@@ -682,7 +685,8 @@ class _StreamedCall(_Streamed):
     def opened(self) -> list[_Event]:
         return [self._item_event("added", self._item("", "in_progress"))]
 
-    def delta(self, text: str, tokens: list[ChatLogprobToken]) -> _Event:
+    def delta(self, text: str, tokens: list[ChatLogprobToken]) -> _Event | None:
+        """The event for `text`; None where a subclass has nothing to show yet."""
         return self._delta_event("function_call_arguments", text)
 
     def closed(self, status: ItemStatus) -> tuple[OutputItem, list[_Event]]:
@@ -740,7 +744,7 @@ class _StreamedCustomCall(_StreamedCall):
 class _StreamedTextCall(_StreamedCustomCall):
     """A forced custom tool's call that is the turn's text (see `forced_constraint`)."""
 
-    def delta(self, text: str, tokens: list[ChatLogprobToken]) -> _Event | None:
+    def delta(self, text: str, tokens: list[ChatLogprobToken]) -> _Event:
         self.pieces.append(text)
         return self._input_delta(text)
 
@@ -855,15 +859,15 @@ class ResponsesPresenter:
         return response
 
     async def stream(
-        self, turn: Turn[ResponsesRequest], meta: Presented, chunks: AsyncIterator[ChatCompletionChunk]
-    ) -> AsyncIterator[bytes]:
+        self, turn: Turn[ResponsesRequest], meta: Presented, chunks: AsyncGenerator[ChatCompletionChunk, None]
+    ) -> AsyncGenerator[bytes, object]:
         started = _response(turn.original, meta, [], None, None)
         opening: list[_Event] = [
             LifecycleEvent(type="response.created", response=started),
             LifecycleEvent(type="response.in_progress", response=started),
         ]
         output, finish, usage = _StreamedOutput(self._tools(turn), _text_call(turn)), "stop", None
-        async with aclosing(chunks):  # type: ignore[type-var]
+        async with aclosing(chunks):
             async for chunk in chunks:  # hot loop: one write per chunk
                 events, opening = opening, []
                 usage = chunk.usage or usage

@@ -75,7 +75,7 @@ def _decide(
         if wanted not in available:
             raise InvalidRequest(f"route {wanted!r} is not available on this engine", param=ROUTE_HEADER)
         http[ROUTE_KEY], http[REASON_KEY] = wanted, f"{ROUTE_HEADER} header"
-        return wanted, "header", None  # type: ignore[return-value]
+        return wanted, "header", None
     load = state.feedback.load(url)
     engine = EngineState(routes=available, output_cpu_cores=load.output_cpu_cores, in_flight=load.in_flight)
     policy = state.policy(model)

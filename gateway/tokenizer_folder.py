@@ -121,7 +121,7 @@ def _template_variables(config: dict[str, Any], named: dict[str, Any]) -> dict[s
 
 def _added_token(entry: Any, *, special: bool | None = None) -> AddedToken:
     """An AddedToken from a config entry; a plain string is normalized unless special (tokenizers' default)."""
-    fields = (
+    fields: dict[str, Any] = (
         {key: entry[key] for key in _ADDED_TOKEN_FIELDS if key in entry}
         if isinstance(entry, dict)
         else {"content": str(entry)}

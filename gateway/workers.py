@@ -317,4 +317,4 @@ def _mark_dead(pid: int, metrics: Path) -> None:
     """Drop a dead worker's live gauges (in-flight, waiting) from the sums."""
     from prometheus_client import multiprocess
 
-    multiprocess.mark_process_dead(pid, str(metrics))
+    multiprocess.mark_process_dead(pid, str(metrics))  # type: ignore[no-untyped-call]  # unannotated upstream
