@@ -18,16 +18,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from engine.backends.base import BackendOutput
-from engine.derender.chat import ChatDerender, ChatOptions, ReasoningField
+from engine.derender.chat import ChatDerender, ChatOptions
 from engine.derender.completion import CompletionDerender, CompletionOptions
 from engine.derender.logprobs import chat_logprobs
 from engine.derender.text import TextParams, TextPipeline
 from engine.derender.usage import derender_summary, open_choices, summary_of
-from engine.derender.vocab import TokenVocab
 from engine.openai_schema import ChatLogprobs, Usage
 from engine.protocol import (
     EngineSummary,
@@ -47,17 +45,7 @@ from engine.protocol import (
     public_request_id,
 )
 from engine.vllm_derender import VllmDerenderWriter
-
-
-@dataclass(frozen=True, slots=True)
-class WriterContext:
-    """What the engine knows beyond the request: its model, tokenizer and parsers."""
-
-    model: str
-    vocab: TokenVocab | None
-    reasoning_parser: str | None = None
-    tool_parser: str | None = None
-    reasoning_field: ReasoningField = "reasoning"
+from engine.writer_context import WriterContext as WriterContext  # make_writer's argument, for its callers
 
 
 class OutputWriter(Protocol):

@@ -14,7 +14,7 @@ Non-streaming only, as in vLLM 0.33 (the contract refuses `stream: true`).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from engine.backends.base import BackendOutput
 from engine.derender.chat import ChatChoiceState, ChatDerender, ChatOptions
@@ -30,9 +30,7 @@ from engine.protocol import (
     ParseContext,
     encode,
 )
-
-if TYPE_CHECKING:
-    from engine.outputs import WriterContext
+from engine.writer_context import WriterContext
 
 FORM = "vllm"
 """The name of this derender form in the engine's capabilities (onehop's own is `onehop`)."""

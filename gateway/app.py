@@ -15,7 +15,6 @@ import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import msgspec
 from aiohttp import web
@@ -54,14 +53,14 @@ from gateway.routing import REASON_KEY, ROUTE_KEY
 from gateway.shared_responses import response_store
 from gateway.runtime import ModelRuntime
 from gateway.metrics import GatewayMetrics
-from gateway.policy import Policy, PolicyError, load_policy
+from gateway.policy import Policy, policy_for
 from gateway.pool import Pool
 from gateway.reload import WatchedFile
 from gateway.render import LocalRenderer
 from gateway.tokenizer_folder import TokenizerFolderError
 from gateway.state import GATEWAY, GatewayState
 from gateway.supervisor import Supervisor
-from gateway.workers import WORKER_HEADER, worker_index, worker_port
+from gateway.worker_env import WORKER_HEADER, worker_index, worker_port
 
 log = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode
@@ -473,15 +472,3 @@ async def _reload_on_sighup(app: web.Application) -> None:
                 state.spawn(asyncio.to_thread(watched.reload))  # file reads stay off the loop
 
     asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload)
-
-
-def policy_for(path: Path, pools: set[str]) -> Policy:
-    """Load a policy and check that every pool its rules name is configured."""
-    policy = load_policy(path)
-    unknown = sorted({r.pool for r in policy.rules if r.pool is not None} - pools)
-    if unknown:
-        known = ", ".join(sorted(pools)) or "none"
-        raise PolicyError(
-            f"{path}: rules name pools the gateway config does not define: {', '.join(unknown)} (defined: {known})"
-        )
-    return policy

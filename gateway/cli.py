@@ -287,7 +287,8 @@ def _run_gateway(args: argparse.Namespace) -> int:
     from gateway.app import serve
     from gateway.config import ConfigError, load_config
     from gateway.preflight import check_gateway
-    from gateway.workers import Supervisor, default_workers, serve_worker, worker_index
+    from gateway.worker_env import worker_index
+    from gateway.workers import Supervisor, default_workers, serve_worker
 
     if worker_index() is not None:
         return serve_worker(args.config)  # its supervisor checked the config

@@ -371,6 +371,18 @@ def load_policy(path: str | Path) -> Policy:
     return policy_from_text(text, str(path))
 
 
+def policy_for(path: Path, pools: set[str]) -> Policy:
+    """Load a policy and check that every pool its rules name is configured."""
+    policy = load_policy(path)
+    unknown = sorted({r.pool for r in policy.rules if r.pool is not None} - pools)
+    if unknown:
+        known = ", ".join(sorted(pools)) or "none"
+        raise PolicyError(
+            f"{path}: rules name pools the gateway config does not define: {', '.join(unknown)} (defined: {known})"
+        )
+    return policy
+
+
 # CLI bodies; the lead wires `onehop policy check|explain` to these.
 
 

@@ -102,9 +102,8 @@ def check_gateway(config: GatewayConfig) -> None:
 
 
 def _check_files(config: GatewayConfig) -> None:
-    from gateway.app import policy_for
     from gateway.auth import KeyFileError, keys_from_env, load_key_file
-    from gateway.policy import PolicyError
+    from gateway.policy import PolicyError, policy_for
 
     try:
         if config.policy is not None:

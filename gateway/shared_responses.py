@@ -19,7 +19,7 @@ import msgspec
 from engine.openai_schema import ChatMessageParam
 from gateway.config import ResponseStoreConfig
 from gateway.response_store import ResponseStore, StoredResponse, entry_size
-from gateway.workers import run_dir
+from gateway.worker_env import run_dir
 
 _encode = msgspec.json.Encoder().encode
 _CONVERSATION = msgspec.json.Decoder(list[ChatMessageParam])
