@@ -82,7 +82,9 @@ def as_http_error(exc: BaseException) -> EngineHTTPError:
 
 
 def error_body(error: EngineHTTPError) -> bytes:
-    return encode(ErrorResponse(error=ErrorInfo(message=error.message, type=error.type, param=error.param, code=error.status)))
+    return encode(
+        ErrorResponse(error=ErrorInfo(message=error.message, type=error.type, param=error.param, code=error.status))
+    )
 
 
 def error_response(error: EngineHTTPError) -> web.Response:

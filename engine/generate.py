@@ -18,7 +18,7 @@ import logging
 import math
 import time
 from bisect import bisect_left
-from collections.abc import AsyncIterator, Collection, Sequence
+from collections.abc import AsyncGenerator, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,7 +87,8 @@ def check_request(state: EngineState, request: GenerateRequest) -> None:
     if request.model is not None and request.model != state.model:
         raise NotFound(f"model {request.model!r} is not served here (this engine serves {state.model!r})")
     if request.request_id in state.running:
-        raise Conflict(f"request_id {public_request_id(request.request_id)!r} is already running")  # no abort handle in errors
+        # The public id: the abort handle stays out of error messages.
+        raise Conflict(f"request_id {public_request_id(request.request_id)!r} is already running")
     sampling = request.sampling_params
     if state.vocab is None:
         if request.output_mode != "tokens":
@@ -101,7 +102,9 @@ def check_request(state: EngineState, request: GenerateRequest) -> None:
     limit = info.vocab_size
     for token_id in request.token_ids:
         if token_id >= limit:
-            raise BadRequest(f"token id {token_id} is out of range for a vocabulary of {limit} tokens", param="token_ids")
+            raise BadRequest(
+                f"token id {token_id} is out of range for a vocabulary of {limit} tokens", param="token_ids"
+            )
     if len(request.token_ids) >= info.max_model_len:
         raise BadRequest(
             f"token_ids must hold at most {info.max_model_len - 1} tokens (max_model_len {info.max_model_len},"
@@ -458,9 +461,9 @@ async def _drive(
     metrics: EngineMetrics,
     request: GenerateRequest,
     writer: OutputWriter,
-    outputs: AsyncIterator[list[BackendOutput]],
+    outputs: AsyncGenerator[list[BackendOutput], None],
     times: _Times,
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     """Payloads of the whole request, in order; closes the backend stream when done.
 
     Hot loop: one pass per decode step. Its bookkeeping is one monotonic read
@@ -583,7 +586,7 @@ async def _stream(
     state: EngineState,
     request: GenerateRequest,
     writer: OutputWriter,
-    outputs: AsyncIterator[list[BackendOutput]],
+    outputs: AsyncGenerator[list[BackendOutput], None],
     times: _Times,
 ) -> web.StreamResponse:
     response = web.StreamResponse(headers=SSE_HEADERS)
@@ -619,7 +622,7 @@ async def _json(
     state: EngineState,
     request: GenerateRequest,
     writer: OutputWriter,
-    outputs: AsyncIterator[list[BackendOutput]],
+    outputs: AsyncGenerator[list[BackendOutput], None],
     times: _Times,
 ) -> web.Response:
     payloads = _drive(state.metrics, request, writer, outputs, times)

@@ -78,14 +78,16 @@ def _check_bytes(kind: str, text: str, limits: GrammarLimits) -> None:
     size = len(text.encode("utf-8", "surrogatepass"))
     if size > limits.max_bytes:
         raise GrammarTooLarge(
-            f"structured_outputs.{kind} is {size} bytes, more than the limit of {limits.max_bytes} (limits.grammar.max_bytes)"
+            f"structured_outputs.{kind} is {size} bytes, more than the limit of {limits.max_bytes}"
+            " (limits.grammar.max_bytes)"
         )
 
 
 def _check_count(kind: str, count: int, what: str, limits: GrammarLimits) -> None:
     if count > limits.max_symbols:
         raise GrammarTooLarge(
-            f"structured_outputs.{kind} holds more than {limits.max_symbols} {what}, the limit (limits.grammar.max_symbols)"
+            f"structured_outputs.{kind} holds more than {limits.max_symbols} {what},"
+            " the limit (limits.grammar.max_symbols)"
         )
 
 
@@ -208,7 +210,8 @@ def _check_lark(kind: str, grammar: str, limits: GrammarLimits) -> None:
     weight: dict[str, int] = {}
     symbols = 0
     bounds = [position for position, _ in starts[1:]] + [len(grammar)]
-    for (start, name), end in zip(starts, bounds):
+    # Not strict: a grammar without rules has one bound and no start, and nothing to check.
+    for (start, name), end in zip(starts, bounds, strict=False):
         body = grammar[grammar.index(":", start) + 1 : end]
         nesting = deepest = 0
         for token in _LARK_TOKEN.finditer(body):

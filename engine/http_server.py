@@ -33,7 +33,7 @@ from engine.openai_schema import ENCODER, ErrorInfo, ErrorResponse
 log = logging.getLogger(__name__)
 
 ErrorBody = Callable[[int, str], bytes]
-ERROR_BODY = web.AppKey("onehop_error_body", ErrorBody)
+ERROR_BODY: web.AppKey[ErrorBody] = web.AppKey("onehop_error_body")
 """How an app shapes the errors its HTTP parser refuses (status, message → JSON body);
 without it, vLLM's shape (`vllm_error_body`)."""
 
@@ -85,8 +85,13 @@ class _JSONErrorHandler(RequestHandler):
             self._stop_header_timer()
         elif idle and data and self._header_timer is None and self.transport is not None:
             # The first bytes of a request head: the rest must follow within header_s.
-            header_s = self._manager.header_s  # type: ignore[union-attr]
+            header_s = self._server().header_s
             self._header_timer = self._loop.call_later(header_s, self._headers_late, header_s)
+
+    def _server(self) -> _JSONErrorServer:
+        server = self._manager
+        assert isinstance(server, _JSONErrorServer)  # the server that made this handler; None once lost
+        return server
 
     def _stop_header_timer(self) -> None:
         if self._header_timer is not None:
@@ -118,14 +123,14 @@ class _JSONErrorHandler(RequestHandler):
             log.warning("refused a request from %s: %d %s", request.remote, status, text)
         if request.writer.output_size > 0:  # the response has started: the connection is all we can end
             raise ConnectionError("the response has started; cannot send an error")
-        body = self._manager.error_body(status, text)  # type: ignore[union-attr]
+        body = self._server().error_body(status, text)
         response = web.Response(status=status, body=body, content_type="application/json")
         response.force_close()
         return response
 
 
 class _JSONErrorServer(web.Server):
-    error_body: ErrorBody = staticmethod(vllm_error_body)  # type: ignore[assignment]
+    error_body: ErrorBody = staticmethod(vllm_error_body)
     header_s: float = HEADER_S
 
     def __call__(self) -> RequestHandler:
@@ -143,8 +148,9 @@ class Runner(web.AppRunner):
         # Built by aiohttp itself (its signature changes between releases); only the
         # connection factory differs, and that subclass adds no state of its own.
         server.__class__ = _JSONErrorServer
-        server.error_body = self.app.get(ERROR_BODY, vllm_error_body)  # type: ignore[attr-defined]
-        server.header_s = limits.header_s  # type: ignore[attr-defined]
+        assert isinstance(server, _JSONErrorServer)
+        server.error_body = self.app.get(ERROR_BODY, vllm_error_body)
+        server.header_s = limits.header_s
         return server
 
 

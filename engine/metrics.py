@@ -61,7 +61,13 @@ class StepHistogram(Collector):
     """A histogram with prometheus_client's name, labels, buckets and exposition, for per-token samples."""
 
     def __init__(
-        self, name: str, documentation: str, labelnames: Sequence[str], *, buckets: Sequence[float], registry: CollectorRegistry
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str],
+        *,
+        buckets: Sequence[float],
+        registry: CollectorRegistry,
     ) -> None:
         self._name = name
         self._documentation = documentation
@@ -81,7 +87,8 @@ class StepHistogram(Collector):
 
     def collect(self) -> Iterator[HistogramMetricFamily]:
         family = HistogramMetricFamily(self._name, self._documentation, labels=self._labelnames)
-        edges = [floatToGoString(bound) for bound in self._bounds] + ["+Inf"]
+        # prometheus-client leaves floatToGoString unannotated.
+        edges = [floatToGoString(bound) for bound in self._bounds] + ["+Inf"]  # type: ignore[no-untyped-call]
         for values, child in self._children.items():
             total = 0
             cumulative: list[tuple[str, float]] = []
@@ -99,9 +106,14 @@ class EngineMetrics:
     def __post_init__(self) -> None:
         r = self.registry
         self.requests = Counter(
-            "onehop_engine_requests", "Generate requests by output mode and HTTP status.", ["mode", "status"], registry=r
+            "onehop_engine_requests",
+            "Generate requests by output mode and HTTP status.",
+            ["mode", "status"],
+            registry=r,
         )
-        self.in_flight = Gauge("onehop_engine_in_flight_requests", "Generate requests running now.", ["mode"], registry=r)
+        self.in_flight = Gauge(
+            "onehop_engine_in_flight_requests", "Generate requests running now.", ["mode"], registry=r
+        )
         self.output_tokens = Counter(
             "onehop_engine_output_tokens", "Generated tokens by output mode.", ["mode"], registry=r
         )

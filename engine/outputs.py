@@ -18,16 +18,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from engine.backends.base import BackendOutput
-from engine.derender.chat import ChatDerender, ChatOptions, ReasoningField
+from engine.derender.chat import ChatDerender, ChatOptions
 from engine.derender.completion import CompletionDerender, CompletionOptions
 from engine.derender.logprobs import chat_logprobs
 from engine.derender.text import TextParams, TextPipeline
 from engine.derender.usage import derender_summary, open_choices, summary_of
-from engine.derender.vocab import TokenVocab
 from engine.openai_schema import ChatLogprobs, Usage
 from engine.protocol import (
     EngineSummary,
@@ -47,17 +45,7 @@ from engine.protocol import (
     public_request_id,
 )
 from engine.vllm_derender import VllmDerenderWriter
-
-
-@dataclass(frozen=True, slots=True)
-class WriterContext:
-    """What the engine knows beyond the request: its model, tokenizer and parsers."""
-
-    model: str
-    vocab: TokenVocab | None
-    reasoning_parser: str | None = None
-    tool_parser: str | None = None
-    reasoning_field: ReasoningField = "reasoning"
+from engine.writer_context import WriterContext as WriterContext  # make_writer's argument, for its callers
 
 
 class OutputWriter(Protocol):
@@ -182,7 +170,7 @@ class _ModeWriter:
         choice = self._stream_choice(output, *advanced)
         if choice is None:
             return None
-        chunk = self._stream_type(request_id=self._c.request.request_id, choices=[choice])  # type: ignore[list-item]
+        chunk = self._stream_type(request_id=self._c.request.request_id, choices=[choice])
         if self._c.continuous:
             chunk.usage = self._c.usage()
         return encode(chunk)
@@ -201,7 +189,7 @@ class _ModeWriter:
                 model=self._c.context.model,
                 created=int(time.time()),
                 usage=self._c.usage(),
-                choices=[self._choice(i, ids, wants_logprobs) for i, ids in enumerate(self._c.token_ids)],  # type: ignore[misc]
+                choices=[self._choice(i, ids, wants_logprobs) for i, ids in enumerate(self._c.token_ids)],
                 prompt_token_ids=list(request.token_ids) if request.return_token_ids else None,
                 kv_transfer_params=self._c.kv_transfer_params,
             )

@@ -11,7 +11,7 @@ from engine.backends.vllm_parsers import owners
 from engine.config import EngineConfig
 from engine.derender.vocab import TokenVocab
 from engine.metrics import EngineMetrics
-from engine.outputs import WriterContext
+from engine.writer_context import WriterContext
 from engine.telemetry import Tracing, TracingConfig
 
 

@@ -14,7 +14,7 @@ Non-streaming only, as in vLLM 0.33 (the contract refuses `stream: true`).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from engine.backends.base import BackendOutput
 from engine.derender.chat import ChatChoiceState, ChatDerender, ChatOptions
@@ -30,9 +30,7 @@ from engine.protocol import (
     ParseContext,
     encode,
 )
-
-if TYPE_CHECKING:
-    from engine.outputs import WriterContext
+from engine.writer_context import WriterContext
 
 FORM = "vllm"
 """The name of this derender form in the engine's capabilities (onehop's own is `onehop`)."""
@@ -46,11 +44,12 @@ def chat_request(context: ParseContext, logprobs: int | None) -> ChatCompletionR
     the prompt, which a prompt from vLLM's `/render` does not have.
     """
     choice = context.tool_choice
-    if isinstance(choice, NamedToolChoice):
-        if not any(tool.function.name == choice.function.name for tool in context.tools or ()):
-            raise BadRequest(
-                "The tool specified in `tool_choice` does not match any of the specified `tools`", param="tool_choice"
-            )
+    if isinstance(choice, NamedToolChoice) and not any(
+        tool.function.name == choice.function.name for tool in context.tools or ()
+    ):
+        raise BadRequest(
+            "The tool specified in `tool_choice` does not match any of the specified `tools`", param="tool_choice"
+        )
     if isinstance(choice, NamedToolChoice) or choice == "required":
         raise BadRequest(
             "this engine parses tool_choice 'auto' and 'none' in vLLM's derender form; use onehop's"

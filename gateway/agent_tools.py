@@ -144,7 +144,11 @@ def _custom_tools(tools: list[Tool] | None) -> list[tuple[Tool, str]]:
     found = [(tool, f"tools[{i}]") for i, tool in enumerate(tools or ()) if tool.type == "custom"]
     for i, namespace in enumerate(tools or ()):
         if namespace.type == "namespace":
-            found += [(tool, f"tools[{i}].tools[{j}]") for j, tool in enumerate(namespace.tools or ()) if tool.type == "custom"]
+            found += [
+                (tool, f"tools[{i}].tools[{j}]")
+                for j, tool in enumerate(namespace.tools or ())
+                if tool.type == "custom"
+            ]
     return found
 
 
@@ -157,7 +161,8 @@ def agent_tools(tools: list[Tool] | None, hosted: HostedTools) -> AgentTools:
         if tool.type in HOSTED_TYPES:
             if hosted == "refuse":
                 raise InvalidRequest(
-                    f"tools of type '{tool.type}' run on OpenAI's servers and are not served here", param=f"{where}.type"
+                    f"tools of type '{tool.type}' run on OpenAI's servers and are not served here",
+                    param=f"{where}.type",
                 )
             continue  # left out; the endpoint counts it (`hosted_types`)
         if tool.type == "namespace":
@@ -173,7 +178,9 @@ def _add_namespace(result: AgentTools, namespace: Tool, where: str) -> None:
     for index, tool in enumerate(namespace.tools):
         inner = f"{where}.tools[{index}]"
         if tool.type not in ("function", "custom"):
-            raise InvalidRequest(f"a namespace holds function and custom tools, not '{tool.type}'", param=f"{inner}.type")
+            raise InvalidRequest(
+                f"a namespace holds function and custom tools, not '{tool.type}'", param=f"{inner}.type"
+            )
         _add(result, tool, namespace.name, namespace.description, inner)
 
 
@@ -232,9 +239,8 @@ def custom_input(arguments: str) -> str:
         value = _LENIENT.decode(arguments)
     except ValueError:
         return arguments
-    if isinstance(value, dict) and isinstance(value.get("input"), str):
-        return value["input"]
-    return arguments
+    text = value.get("input") if isinstance(value, dict) else None
+    return text if isinstance(text, str) else arguments
 
 
 def custom_arguments(text: str) -> str:
@@ -318,7 +324,9 @@ GRAMMAR_KINDS = {"lark": "grammar", "regex": "regex"}
 """A custom tool's grammar syntax → the structured-output kind that enforces it."""
 
 
-def forced_constraint(tools: list[Tool] | None, name: str, namespace: str | None, enforced: frozenset[str]) -> dict[str, str] | None:
+def forced_constraint(
+    tools: list[Tool] | None, name: str, namespace: str | None, enforced: frozenset[str]
+) -> dict[str, str] | None:
     """`structured_outputs` that hold a forced custom tool's input to its grammar, when the
     engines enforce that kind; None for a tool without a grammar, or engines that do not.
 

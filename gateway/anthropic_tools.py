@@ -52,7 +52,10 @@ def _editor(commands: list[str]) -> tuple[str, dict[str, Any]]:
                 "path": {**_STRING, "description": "The absolute path of the file or directory."},
                 "file_text": {**_STRING, "description": "`create`: the new file's content."},
                 "old_str": {**_STRING, "description": "`str_replace`: the text to replace, exactly as in the file."},
-                "new_str": {**_STRING, "description": "`str_replace`: the text to put there; `insert`: the text to insert."},
+                "new_str": {
+                    **_STRING,
+                    "description": "`str_replace`: the text to put there; `insert`: the text to insert.",
+                },
                 "insert_line": _LINE,
                 "view_range": _RANGE,
             },

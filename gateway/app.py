@@ -15,7 +15,6 @@ import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import msgspec
 from aiohttp import web
@@ -33,7 +32,16 @@ from gateway.chat_template import ChatTemplateError
 from gateway.auth import OWNER_KEY, TENANT_KEY, check_key, keys_from_env, load_key_file, needs_key
 from gateway.config import ConfigError, EngineEndpoint, GatewayConfig, Limits, ModelConfig
 from gateway.engine_client import ABORT_TIMEOUT_S, EngineClient, EngineMismatch, Expected
-from gateway.errors import ERROR_BODIES, ERROR_KEY, REQUEST_ID_KEY, Handler, RouteNotFound, gateway_error_middleware, status_error_json
+from gateway.errors import (
+    ERROR_BODIES,
+    ErrorBody,
+    ERROR_KEY,
+    REQUEST_ID_KEY,
+    Handler,
+    RouteNotFound,
+    gateway_error_middleware,
+    status_error_json,
+)
 from gateway.feedback import EngineFeedback
 from gateway.observe import GONE_KEY, MODEL_KEY, OPERATIONS, SPAN_KEY, STARTED_KEY, TALLY_KEY, describe_outcome
 from gateway.outcome import CLIENT_GONE, Outcome, Tally
@@ -45,14 +53,14 @@ from gateway.routing import REASON_KEY, ROUTE_KEY
 from gateway.shared_responses import response_store
 from gateway.runtime import ModelRuntime
 from gateway.metrics import GatewayMetrics
-from gateway.policy import Policy, PolicyError, load_policy
+from gateway.policy import Policy, policy_for
 from gateway.pool import Pool
 from gateway.reload import WatchedFile
 from gateway.render import LocalRenderer
 from gateway.tokenizer_folder import TokenizerFolderError
 from gateway.state import GATEWAY, GatewayState
 from gateway.supervisor import Supervisor
-from gateway.workers import WORKER_HEADER, worker_index, worker_port
+from gateway.worker_env import WORKER_HEADER, worker_index, worker_port
 
 log = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode
@@ -91,7 +99,10 @@ async def _runtime(plan: _ModelPlan, limits: Limits) -> ModelRuntime:
     try:
         renderer = await asyncio.to_thread(
             functools.partial(
-                LocalRenderer, config.tokenizer, large_chars=limits.large_render_chars, large_workers=limits.large_render_workers
+                LocalRenderer,
+                config.tokenizer,
+                large_chars=limits.large_render_chars,
+                large_workers=limits.large_render_workers,
             )
         )
     except (TokenizerFolderError, ChatTemplateError) as exc:
@@ -105,7 +116,8 @@ async def _runtime(plan: _ModelPlan, limits: Limits) -> ModelRuntime:
             await asyncio.to_thread(check_tool_markers, vocab, config.tool_parser)
         except UnknownParser as exc:
             raise ConfigError(f"model {config.name}: tool parser {config.tool_parser!r}: {exc}") from exc
-    assert config.route is not None and config.render is not None and config.reasoning_field is not None  # defaults filled
+    # served_models() filled in the defaults.
+    assert config.route is not None and config.render is not None and config.reasoning_field is not None
     return ModelRuntime(
         name=config.name,
         renderer=renderer,
@@ -186,7 +198,12 @@ async def _lifecycle(app: web.Application, plans: list[_ModelPlan]) -> AsyncIter
     await state.tracing.shutdown()
 
 
-_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/responses": "responses", "/v1/messages": "messages"}
+_ENDPOINTS = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/responses": "responses",
+    "/v1/messages": "messages",
+}
 
 
 @web.middleware
@@ -297,7 +314,9 @@ def create_app(config: GatewayConfig) -> web.Application:
     middlewares = [observe_middleware, gateway_error_middleware, auth_middleware]
     app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
     app[ERROR_BODY] = status_error_json  # the HTTP parser's own refusals, in OpenAI's shape too
-    app[CONNECTION_LIMITS] = ConnectionLimits(keepalive_s=config.timeouts.keepalive_s, header_s=config.timeouts.client_header_s)
+    app[CONNECTION_LIMITS] = ConnectionLimits(
+        keepalive_s=config.timeouts.keepalive_s, header_s=config.timeouts.client_header_s
+    )
     tracing = Tracing(config.tracing, "onehop-gateway")
     metrics = GatewayMetrics()
 
@@ -333,7 +352,9 @@ def create_app(config: GatewayConfig) -> web.Application:
     gate = Gate(config.admission, metrics.admission_rejections.inc, metrics.admission_waiting.set)
     clients = [engines for plan in plans for engines in plan.clients()]
     decoding = [engines for plan in plans for engines in plan.clients() if engines is not plan.prefill]
-    feedback = EngineFeedback(lambda: [url for engines in decoding for url in engines.pool.urls()], config.feedback_interval_s)
+    feedback = EngineFeedback(
+        lambda: [url for engines in decoding for url in engines.pool.urls()], config.feedback_interval_s
+    )
     stored = config.response_store if config.auth.enabled else config.response_store.one_tenant()
     state = GatewayState(
         config=config, gate=gate, clients=clients, feedback=feedback, tracing=tracing, metrics=metrics,
@@ -356,7 +377,8 @@ def create_app(config: GatewayConfig) -> web.Application:
     app.router.add_delete("/v1/responses/{response_id}", handle_delete_response)
     app.router.add_post("/v1/messages", handle_messages)
     app.router.add_post("/v1/messages/count_tokens", handle_count_tokens)
-    app[ERROR_BODIES] = {"/v1/messages": messages_error_body}
+    own_shapes: dict[str, ErrorBody] = {"/v1/messages": messages_error_body}
+    app[ERROR_BODIES] = own_shapes
     app.router.add_get("/v1/models", handle_models)
     app.router.add_get("/v1/models/{model}", handle_model)
     for path in NOT_SERVED:
@@ -450,13 +472,3 @@ async def _reload_on_sighup(app: web.Application) -> None:
                 state.spawn(asyncio.to_thread(watched.reload))  # file reads stay off the loop
 
     asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload)
-
-
-def policy_for(path: Path, pools: set[str]) -> Policy:
-    """Load a policy and check that every pool its rules name is configured."""
-    policy = load_policy(path)
-    unknown = sorted({r.pool for r in policy.rules if r.pool is not None} - pools)
-    if unknown:
-        known = ", ".join(sorted(pools)) or "none"
-        raise PolicyError(f"{path}: rules name pools the gateway config does not define: {', '.join(unknown)} (defined: {known})")
-    return policy

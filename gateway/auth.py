@@ -107,7 +107,8 @@ OWNER_KEY = web.RequestKey("onehop_owner", str)
 
 def owner(request: web.Request) -> str:
     """The request's owner of stored responses (`Caller.owner`; `ANONYMOUS` with auth off)."""
-    return request.get(OWNER_KEY, ANONYMOUS)
+    found: str = request.get(OWNER_KEY, ANONYMOUS)  # aiohttp types get() as Any, whatever the key
+    return found
 
 
 def needs_key(request: web.Request, protect_metrics: bool) -> bool:

@@ -56,7 +56,8 @@ class _GenerationBlock(jinja2.ext.Extension):
     """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; here it
     renders its body unchanged."""
 
-    tags = {"generation"}
+    # jinja declares `tags` a plain attribute of Extension, so ClassVar would clash with its type.
+    tags = {"generation"}  # noqa: RUF012
 
     def parse(self, parser: Any) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno
@@ -80,7 +81,8 @@ class _Dict:
 class _Namespace(jinja2.utils.Namespace):
     """A `namespace()` whose attributes may not start with an underscore (no route to internals)."""
 
-    def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - jinja's signature, so `namespace(self=...)` works
+    # No `self` parameter: jinja's own signature, so `namespace(self=...)` works.
+    def __init__(*args: Any, **kwargs: Any) -> None:
         self, values = args[0], dict(*args[1:], **kwargs)
         for name in values:
             _Namespace._check(name)
@@ -100,17 +102,25 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | str | None = None, separators: Any = None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | str | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
     # jinja's own tojson escapes <, >, & and ' for HTML; prompts need the text as written.
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-def _strftime_now(format: str) -> str:  # noqa: A002 - the name templates call it with
+def _strftime_now(format: str) -> str:  # `format`: the name templates call it with
     return datetime.now().strftime(format)
 
 
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, dict=_Dict(), namespace=_Namespace)
     return env
@@ -149,7 +159,13 @@ class ChatTemplate:
         variables = {**(special_tokens or {}), **(kwargs or {})}
         final = self._mark_final(chat) if continue_final_message else None
         try:
-            text = self._template.render(messages=chat, tools=tools, documents=documents, add_generation_prompt=add_generation_prompt, **variables)
+            text = self._template.render(
+                messages=chat,
+                tools=tools,
+                documents=documents,
+                add_generation_prompt=add_generation_prompt,
+                **variables,
+            )
         except Exception as exc:  # template code can fail any way (a raise_exception, a bad comparison, a missing key)
             raise ChatTemplateError(str(exc) or type(exc).__name__) from exc
         return text if final is None else _cut_after(text, final)
@@ -210,4 +226,6 @@ def pick_template(templates: Mapping[str, ChatTemplate], *, tools: bool) -> Chat
         return templates["default"]
     if not templates:
         raise ChatTemplateError("the model folder has no chat template")
-    raise ChatTemplateError(f"the model folder has several chat templates and none is named default: {', '.join(sorted(templates))}")
+    raise ChatTemplateError(
+        f"the model folder has several chat templates and none is named default: {', '.join(sorted(templates))}"
+    )

@@ -92,18 +92,26 @@ def _add_engine(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="serve /inference/v1/generate (tokens, text, derender) over a backend",
         description="The engine: vLLM's generate API plus output_mode=derender, over hf, sim or vllm.",
     )
-    engine.add_argument("--backend", choices=["hf", "sim", "vllm"], default="hf", help="transformers, the simulator or vLLM")
+    engine.add_argument(
+        "--backend", choices=["hf", "sim", "vllm"], default="hf", help="transformers, the simulator or vLLM"
+    )
     engine.add_argument(
         "--model",
         default=None,
         help="model folder (hf, vllm) or tokenizer folder (sim); default: the tiny Qwen3 model, built on first use",
     )
-    engine.add_argument("--served-model-name", default=None, help="the model name answers carry (default: the folder's name)")
+    engine.add_argument(
+        "--served-model-name", default=None, help="the model name answers carry (default: the folder's name)"
+    )
     engine.add_argument("--host", default="127.0.0.1", help="address to listen on")
     engine.add_argument("--port", type=int, default=8100, help="port to listen on")
     engine.add_argument("--tokens-only", action="store_true", help="load no tokenizer: tokens mode only")
-    engine.add_argument("--reasoning-parser", default="auto", help="vLLM reasoning parser name, auto (from the model folder) or none")
-    engine.add_argument("--tool-parser", default="auto", help="vLLM tool-call parser name, auto (from the model folder) or none")
+    engine.add_argument(
+        "--reasoning-parser", default="auto", help="vLLM reasoning parser name, auto (from the model folder) or none"
+    )
+    engine.add_argument(
+        "--tool-parser", default="auto", help="vLLM tool-call parser name, auto (from the model folder) or none"
+    )
     engine.add_argument(
         "--reasoning-field",
         choices=["reasoning", "reasoning_content", "both"],
@@ -120,7 +128,10 @@ def _add_engine(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     # vLLM's flag names; unset (None) keeps EngineLimits' default, which the help repeats.
     engine.add_argument("--max-num-seqs", type=int, default=None, help="most choices (n) per request (default 256)")
     engine.add_argument(
-        "--max-logprobs", type=int, default=None, help="most logprobs per token, -1 for the whole vocabulary (default 20)"
+        "--max-logprobs",
+        type=int,
+        default=None,
+        help="most logprobs per token, -1 for the whole vocabulary (default 20)",
     )
     engine.set_defaults(func=_run_engine)
 
@@ -192,10 +203,14 @@ def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         description="Serve the OpenAI API on HOST:PORT, backed by an engine in the same process.",
     )
     serve.add_argument("--model", default=None, help="a local HF causal-LM folder (default: the tiny Qwen3 model)")
-    serve.add_argument("--backend", choices=["hf", "sim", "vllm"], default="hf", help="transformers, the simulator or vLLM")
+    serve.add_argument(
+        "--backend", choices=["hf", "sim", "vllm"], default="hf", help="transformers, the simulator or vLLM"
+    )
     serve.add_argument("--host", default="127.0.0.1", help="address the OpenAI API listens on")
     serve.add_argument("--port", type=int, default=8000, help="port the OpenAI API listens on")
-    serve.add_argument("--route", choices=["derender", "text", "tokens"], default="derender", help="how answers are assembled")
+    serve.add_argument(
+        "--route", choices=["derender", "text", "tokens"], default="derender", help="how answers are assembled"
+    )
     serve.add_argument(
         "--served-model-name", default=None, help="the model name clients send (default: the model folder's name)"
     )
@@ -204,10 +219,15 @@ def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         action="append",
         default=[],
         metavar="PATTERN",
-        help="another model name clients may send, or a glob pattern of names (repeatable, e.g. 'claude-*'; default: none)",
+        help="another model name clients may send, or a glob pattern of names"
+        " (repeatable, e.g. 'claude-*'; default: none)",
     )
-    serve.add_argument("--reasoning-parser", default="auto", help="vLLM reasoning parser name, auto (from the model folder) or none")
-    serve.add_argument("--tool-parser", default="auto", help="vLLM tool-call parser name, auto (from the model folder) or none")
+    serve.add_argument(
+        "--reasoning-parser", default="auto", help="vLLM reasoning parser name, auto (from the model folder) or none"
+    )
+    serve.add_argument(
+        "--tool-parser", default="auto", help="vLLM tool-call parser name, auto (from the model folder) or none"
+    )
     serve.add_argument(
         "--reasoning-field",
         choices=["reasoning", "reasoning_content", "both"],
@@ -250,7 +270,9 @@ def _add_gateway(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="the OpenAI gateway alone, against the engines in a YAML config",
         description="Serve the OpenAI API against engines listed in a YAML config (see configs/gateway.yaml).",
     )
-    gateway.add_argument("--config", type=Path, required=True, metavar="FILE", help="the gateway's YAML config (required)")
+    gateway.add_argument(
+        "--config", type=Path, required=True, metavar="FILE", help="the gateway's YAML config (required)"
+    )
     gateway.add_argument(
         "--workers",
         type=int,
@@ -265,7 +287,8 @@ def _run_gateway(args: argparse.Namespace) -> int:
     from gateway.app import serve
     from gateway.config import ConfigError, load_config
     from gateway.preflight import check_gateway
-    from gateway.workers import Supervisor, default_workers, serve_worker, worker_index
+    from gateway.worker_env import worker_index
+    from gateway.workers import Supervisor, default_workers, serve_worker
 
     if worker_index() is not None:
         return serve_worker(args.config)  # its supervisor checked the config

@@ -221,8 +221,8 @@ class ModelConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     route: Route | None = None
     render: Literal["local", "remote"] | None = None
     remote_url: str | None = None
-    reasoning_parser: str | None | msgspec.UnsetType = msgspec.UNSET
-    tool_parser: str | None | msgspec.UnsetType = msgspec.UNSET
+    reasoning_parser: str | msgspec.UnsetType | None = msgspec.UNSET
+    tool_parser: str | msgspec.UnsetType | None = msgspec.UNSET
     reasoning_field: Literal["reasoning", "reasoning_content", "both"] | None = None
 
     def names(self) -> list[str]:
@@ -310,14 +310,20 @@ class GatewayConfig(Struct, forbid_unknown_fields=True, kw_only=True):
                 check_url(model.remote_url, f"model {model.name!r}: remote_url")
             needs_remote = model.render == "remote" or model.route == "tokens-remote"
             if needs_remote and not model.remote_url:
-                raise ConfigError(f"model {model.name!r}: remote_url is required for render: remote or route: tokens-remote")
+                raise ConfigError(
+                    f"model {model.name!r}: remote_url is required for render: remote or route: tokens-remote"
+                )
 
     def served_models(self) -> list[ModelConfig]:
         """Every served model, with the top-level defaults filled in."""
         if not self.models:
             assert self.model is not None and self.tokenizer is not None
             single = ModelConfig(
-                name=self.model, tokenizer=self.tokenizer, engines=self.engines, pools=self.pools, prefill_engines=self.prefill_engines
+                name=self.model,
+                tokenizer=self.tokenizer,
+                engines=self.engines,
+                pools=self.pools,
+                prefill_engines=self.prefill_engines,
             )
             return [self._with_defaults(single)]
         return [self._with_defaults(model) for model in self.models]
@@ -328,7 +334,9 @@ class GatewayConfig(Struct, forbid_unknown_fields=True, kw_only=True):
             route=model.route or self.route,
             render=model.render or self.render,
             remote_url=model.remote_url or self.remote_url,
-            reasoning_parser=self.reasoning_parser if model.reasoning_parser is msgspec.UNSET else model.reasoning_parser,
+            reasoning_parser=(
+                self.reasoning_parser if model.reasoning_parser is msgspec.UNSET else model.reasoning_parser
+            ),
             tool_parser=self.tool_parser if model.tool_parser is msgspec.UNSET else model.tool_parser,
             reasoning_field=model.reasoning_field or self.reasoning_field,
         )

@@ -55,23 +55,23 @@ class _Strict(Struct, forbid_unknown_fields=True, frozen=True, tag_field="type")
     pass
 
 
-class InputTokens(_Strict, tag="input_tokens"):
+class InputTokens(_Strict, tag="input_tokens", frozen=True):
     value: _Count
 
 
-class ToolUses(_Strict, tag="tool_uses"):
+class ToolUses(_Strict, tag="tool_uses", frozen=True):
     value: _Count
 
 
-class ThinkingTurns(_Strict, tag="thinking_turns"):
+class ThinkingTurns(_Strict, tag="thinking_turns", frozen=True):
     value: _Count
 
 
-class AllTurns(_Strict, tag="all"):
+class AllTurns(_Strict, tag="all", frozen=True):
     pass
 
 
-class ClearThinking(_Strict, tag="clear_thinking_20251015", kw_only=True):
+class ClearThinking(_Strict, tag="clear_thinking_20251015", kw_only=True, frozen=True):
     keep: ThinkingTurns | AllTurns | Literal["all"] = ThinkingTurns(1)
 
     @property
@@ -79,7 +79,7 @@ class ClearThinking(_Strict, tag="clear_thinking_20251015", kw_only=True):
         return self.keep == "all" or isinstance(self.keep, AllTurns)
 
 
-class ClearToolUses(_Strict, tag="clear_tool_uses_20250919", kw_only=True):
+class ClearToolUses(_Strict, tag="clear_tool_uses_20250919", kw_only=True, frozen=True):
     trigger: InputTokens | ToolUses = InputTokens(100_000)
     keep: ToolUses = ToolUses(3)
     clear_at_least: InputTokens | None = None

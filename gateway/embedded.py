@@ -89,7 +89,12 @@ async def _serve_forever(engine: EngineConfig, host: str, port: int, route: Rout
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     async with embedded(engine, host=host, port=port, route=route, aliases=aliases) as running:
-        log.info("onehop serving %s (OpenAI base_url %s/v1, engine backend %s)", served_name(engine), running.url, engine.backend)
+        log.info(
+            "onehop serving %s (OpenAI base_url %s/v1, engine backend %s)",
+            served_name(engine),
+            running.url,
+            engine.backend,
+        )
         await stop.wait()
 
 

@@ -173,7 +173,9 @@ def decode(decoder: msgspec.json.Decoder[Any], body: bytes, what: str) -> Any:
         unknown = _UNKNOWN_FIELD.fullmatch(str(exc))
         if unknown is not None:  # OpenAI's words and code for it
             name = unknown.group(1)
-            raise InvalidRequest(f"Unrecognized request argument supplied: {name}", param=name, code="unknown_parameter") from exc
+            raise InvalidRequest(
+                f"Unrecognized request argument supplied: {name}", param=name, code="unknown_parameter"
+            ) from exc
         raise InvalidRequest(f"invalid {what} request: {exc}") from exc
     except RecursionError as exc:  # msgspec's own bound, far deeper than any we accept
         raise InvalidRequest(f"invalid {what} request: JSON nested too deeply") from exc
@@ -236,7 +238,12 @@ class Chat:
         return [rendered.token_ids + suffix]
 
     def features(
-        self, request: ChatCompletionRequest, model: str, prompts: list[list[int]], http: web.Request, sampling: dict[str, Any]
+        self,
+        request: ChatCompletionRequest,
+        model: str,
+        prompts: list[list[int]],
+        http: web.Request,
+        sampling: dict[str, Any],
     ) -> RequestFeatures:
         kwargs = request.chat_template_kwargs or {}
         return RequestFeatures(
@@ -339,7 +346,12 @@ class Completions:
         return [item.token_ids for item in rendered]
 
     def features(
-        self, request: CompletionRequest, model: str, prompts: list[list[int]], http: web.Request, sampling: dict[str, Any]
+        self,
+        request: CompletionRequest,
+        model: str,
+        prompts: list[list[int]],
+        http: web.Request,
+        sampling: dict[str, Any],
     ) -> RequestFeatures:
         return RequestFeatures(
             endpoint="completions",
@@ -367,7 +379,9 @@ class Completions:
     def chat_request(self, request: CompletionRequest) -> None:
         return None
 
-    def derender(self, request: CompletionRequest, answer: Answer, prompt: list[int], index: int) -> CompletionsDerender:
+    def derender(
+        self, request: CompletionRequest, answer: Answer, prompt: list[int], index: int
+    ) -> CompletionsDerender:
         n = request.n or 1
         return CompletionsDerender(
             answer.model.vocab,
@@ -386,7 +400,11 @@ class Completions:
     def remote_derender(self, answer: Answer, body: bytes, prompt: list[int]) -> remote.RemoteCompletionDerender:
         model = answer.model
         return remote.RemoteCompletionDerender(
-            model.engines.session, _remote_url(model), model=model.name, completion_request=body, prompt_token_ids=prompt
+            model.engines.session,
+            _remote_url(model),
+            model=model.name,
+            completion_request=body,
+            prompt_token_ids=prompt,
         )
 
 
@@ -492,7 +510,9 @@ CONTEXT_EDITS_KEY = web.RequestKey("onehop_context_edits", ContextManagementResp
 """What a Messages request's `context_management` edits did, for its answer."""
 
 
-def count_left_out(state: GatewayState, endpoint: str, dropped_tools: tuple[str, ...], ignored_edits: tuple[str, ...]) -> None:
+def count_left_out(
+    state: GatewayState, endpoint: str, dropped_tools: tuple[str, ...], ignored_edits: tuple[str, ...]
+) -> None:
     """Server tools left out of a Messages prompt and context edits ignored, counted."""
     for kind in dropped_tools:
         state.metrics.dropped_tools.labels(endpoint, kind).inc()

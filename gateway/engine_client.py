@@ -79,7 +79,12 @@ class _ErrorBody(msgspec.Struct):
 
 
 _ERROR_DECODER = msgspec.json.Decoder(_ErrorBody)
-_STATUS_ERRORS: dict[int, type[GatewayError]] = {400: InvalidRequest, 404: ModelNotFound, 413: PayloadTooLarge, 422: Unprocessable}
+_STATUS_ERRORS: dict[int, type[GatewayError]] = {
+    400: InvalidRequest,
+    404: ModelNotFound,
+    413: PayloadTooLarge,
+    422: Unprocessable,
+}
 
 
 def engine_error(status: int, body: bytes, retry_after: str | None = None) -> GatewayError:
@@ -101,7 +106,9 @@ def engine_error(status: int, body: bytes, retry_after: str | None = None) -> Ga
         return busy
     kind = _STATUS_ERRORS.get(status)
     if kind is not None:
-        return with_context_code(kind(message or f"the engine refused the request ({status})", status=status if status != 422 else None))
+        return with_context_code(
+            kind(message or f"the engine refused the request ({status})", status=status if status != 422 else None)
+        )
     return EngineFailed(f"the engine failed ({status}): {message}")
 
 
@@ -161,7 +168,9 @@ class Expected:
     def mismatch(self, url: str, caps: _Capabilities) -> str | None:
         """Why the engine at `url` does not serve what is expected; None when it does."""
         if caps.model is not None and caps.model not in self.names:
-            return f"the engine at {url} serves model {caps.model!r}, but this pool is configured for model {self.model!r}"
+            return (
+                f"the engine at {url} serves model {caps.model!r}, but this pool is configured for model {self.model!r}"
+            )
         if not (self.parsers and caps.tokenizer):
             return None
         engine = (caps.reasoning_parser, caps.tool_parser)
@@ -266,7 +275,9 @@ class EngineClient:
                 endpoint = other
                 continue
             if not routes:
-                raise EngineUnavailable(f"no engine serves the generate API (refused with 403: {', '.join(sorted(self._off))})")
+                raise EngineUnavailable(
+                    f"no engine serves the generate API (refused with 403: {', '.join(sorted(self._off))})"
+                )
             raise InvalidRequest(
                 f"no engine of this model enforces structured_outputs.{constraint}"
                 f" ({'engines: ' + ', '.join(sorted(tried))})",
@@ -342,7 +353,12 @@ class EngineClient:
             except EngineDied as exc:
                 # The request may be what killed it: it is not replayed on another engine.
                 self.pool.failed(current)
-                log.warning("engine %s failed while serving request %s (%s); not retried", current.url, public_request_id(request_id), exc)
+                log.warning(
+                    "engine %s failed while serving request %s (%s); not retried",
+                    current.url,
+                    public_request_id(request_id),
+                    exc,
+                )
                 raise
             except (EngineUnavailable, EngineFailed) as exc:
                 if answered:
@@ -397,7 +413,7 @@ class EngineClient:
             try:
                 async with asyncio.timeout(limit):
                     if stream and StreamPool.serves(url):  # read in the socket's callbacks (engine_stream)
-                        response = await self._streams.post(url + GENERATE_PATH, body, headers)
+                        response: EngineAnswer = await self._streams.post(url + GENERATE_PATH, body, headers)
                     else:
                         response = await self.session.post(
                             url + GENERATE_PATH,
@@ -419,7 +435,8 @@ class EngineClient:
             span.set_attribute("http.response.status_code", response.status)
             try:
                 if response.status != 200:
-                    raise engine_error(response.status, await response.read(), response.headers.get("retry-after"))  # lower-case: either kind of headers
+                    # "retry-after" lower-case: either kind of headers finds it.
+                    raise engine_error(response.status, await response.read(), response.headers.get("retry-after"))
                 yield response
             finally:
                 response.release()
@@ -452,7 +469,9 @@ class EngineClient:
             return known
         modes, constraints = await self._probe(url)
         self._constraints[url] = constraints
-        routes = {"tokens"} | ({"text"} if "text" in modes else set()) | ({"derender"} if "derender" in modes else set())
+        routes = (
+            {"tokens"} | ({"text"} if "text" in modes else set()) | ({"derender"} if "derender" in modes else set())
+        )
         if self._remote:
             routes.add("tokens-remote")
         self._routes[url] = frozenset(routes)

@@ -28,7 +28,16 @@ def _common_sampling(request: ChatCompletionRequest | CompletionRequest, max_tok
     sampling: dict[str, Any] = {"n": request.n or 1}
     if max_tokens is not None:
         sampling["max_tokens"] = max_tokens
-    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+    for name in (
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+    ):
         value = getattr(request, name)
         if value is not None:
             sampling[name] = value
@@ -74,13 +83,16 @@ def structured_outputs(given: dict[str, Any] | None, response_format: dict[str, 
         spec = response_format.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
-            raise InvalidRequest("response_format.json_schema.schema must be a JSON schema object", param="response_format")
+            raise InvalidRequest(
+                "response_format.json_schema.schema must be a JSON schema object", param="response_format"
+            )
         overrides = {"json": schema}
     elif kind == "structural_tag":
         raise InvalidRequest("response_format type 'structural_tag' is not supported", param="response_format")
     else:
         raise InvalidRequest(
-            f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}", param="response_format"
+            f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+            param="response_format",
         )
     return {**(given or {}), **overrides}
 

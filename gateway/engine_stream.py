@@ -214,8 +214,8 @@ class EngineResponse:
         reason = f": {exc}" if exc is not None else ""
         self.fail(
             EngineDied(
-                f"the engine stream broke: the engine failed while serving this request (the connection closed {where}{reason});"
-                " it is not retried on another engine"
+                "the engine stream broke: the engine failed while serving this request"
+                f" (the connection closed {where}{reason}); it is not retried on another engine"
             )
         )
 
@@ -280,7 +280,9 @@ class EngineResponse:
             try:
                 self._remaining = int(headers["content-length"])
             except ValueError:
-                raise EngineFailed(f"the engine's answer has a broken Content-Length: {headers['content-length']!r}") from None
+                raise EngineFailed(
+                    f"the engine's answer has a broken Content-Length: {headers['content-length']!r}"
+                ) from None
             self._framing = _LENGTH
             self._state = _DATA if self._remaining else _DONE
         else:
@@ -313,7 +315,7 @@ class EngineResponse:
                     return out
                 out.append(data[pos:end])
                 pos, self._state = end, _DATA_END
-            elif state == _SIZE or state == _TRAILER:
+            elif state in (_SIZE, _TRAILER):
                 end = data.find(b"\r\n", pos)
                 if end < 0:
                     if size - pos > MAX_LINE_BYTES:
@@ -468,7 +470,9 @@ class StreamPool:
                 try:
                     connection = await self._connect(host, port, key)
                 except EngineUnavailable as refused:
-                    raise EngineDied(f"{exc.message}; then it refused a new connection ({refused.message})") from refused
+                    raise EngineDied(
+                        f"{exc.message}; then it refused a new connection ({refused.message})"
+                    ) from refused
                 response = connection.send(request)
                 await _head(response)
                 return response

@@ -55,7 +55,9 @@ class GatewayError(Exception):
     close_connection = False
     """The connection cannot serve another request (its body was never read to the end)."""
 
-    def __init__(self, message: str, *, param: str | None = None, status: int | None = None, code: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, param: str | None = None, status: int | None = None, code: str | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
@@ -165,7 +167,9 @@ class EngineDied(EngineFailed):
 
 
 def error_json(error: GatewayError) -> bytes:
-    return _encode(ErrorResponse(error=ErrorInfo(message=error.message, type=error.type, param=error.param, code=error.code)))
+    return _encode(
+        ErrorResponse(error=ErrorInfo(message=error.message, type=error.type, param=error.param, code=error.code))
+    )
 
 
 def status_error_json(status: int, message: str) -> bytes:
@@ -243,7 +247,7 @@ async def gateway_error_middleware(request: web.Request, handler: Handler) -> we
 
 
 ErrorBody = Callable[[GatewayError], bytes]
-ERROR_BODIES = web.AppKey("onehop_error_bodies", dict[str, ErrorBody])
+ERROR_BODIES: web.AppKey[dict[str, ErrorBody]] = web.AppKey("onehop_error_bodies")
 """Path prefixes whose API has its own error shape (Anthropic's on /v1/messages), and its writer."""
 
 

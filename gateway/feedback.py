@@ -76,7 +76,9 @@ def load_between(before: Sample, after: Sample) -> Load:
     elapsed = after.at - before.at
     if elapsed <= 0:
         return Load(in_flight=after.in_flight)
-    return Load(output_cpu_cores=max(0.0, (after.cpu_seconds - before.cpu_seconds) / elapsed), in_flight=after.in_flight)
+    return Load(
+        output_cpu_cores=max(0.0, (after.cpu_seconds - before.cpu_seconds) / elapsed), in_flight=after.in_flight
+    )
 
 
 class EngineFeedback:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -451,7 +451,9 @@ def _turns(messages: list[MessageParam]) -> list[tuple[str, list[Block]]]:
     templates that insist on alternating roles would refuse them otherwise)."""
     turns: list[tuple[str, list[Block]]] = []
     for message in messages:
-        blocks: list[Block] = [TextBlock(message.content)] if isinstance(message.content, str) else list(message.content)
+        blocks: list[Block] = (
+            [TextBlock(message.content)] if isinstance(message.content, str) else list(message.content)
+        )
         if turns and turns[-1][0] == message.role:
             turns[-1][1].extend(blocks)
         else:
@@ -505,10 +507,17 @@ def _tools(tools: list[Tool], hosted: str) -> tuple[list[ChatTool] | None, list[
             out.append(_custom_tool(index, tool))
         elif kind in CLIENT_TOOLS:  # run by the client: a function tool with Anthropic's schema
             description, schema = CLIENT_TOOLS[kind]
-            out.append(ChatTool(function=FunctionDefinition(name=tool.name, description=tool.description or description, parameters=schema)))
+            out.append(
+                ChatTool(
+                    function=FunctionDefinition(
+                        name=tool.name, description=tool.description or description, parameters=schema
+                    )
+                )
+            )
         elif is_computer(kind):
             raise InvalidRequest(
-                f"tools[{index}].type: {kind!r} is not served: computer use works from screenshots, and media is not served",
+                f"tools[{index}].type: {kind!r} is not served: computer use works from screenshots,"
+                " and media is not served",
                 param=f"tools[{index}].type",
             )
         elif hosted == "refuse":
@@ -550,7 +559,10 @@ def _output_config(config: OutputConfig) -> dict[str, Any]:
     if config.effort is not None:
         fields["reasoning_effort"] = config.effort
     if config.format is not None:  # Anthropic's structured outputs are OpenAI's json_schema
-        fields["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": config.format.schema}}
+        fields["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "output", "schema": config.format.schema},
+        }
     return fields
 
 
@@ -637,7 +649,9 @@ class ErrorResponse(_Typed, tag="error"):
     error: ErrorObject
 
 
-Event = MessageStart | ContentBlockStart | ContentBlockDelta | ContentBlockStop | MessageDelta | MessageStop | ErrorResponse
+Event = (
+    MessageStart | ContentBlockStart | ContentBlockDelta | ContentBlockStop | MessageDelta | MessageStop | ErrorResponse
+)
 
 _ERROR_TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
@@ -811,11 +825,11 @@ class MessagesPresenter:
         )
 
     async def stream(
-        self, turn: Turn[MessagesRequest], meta: Presented, chunks: AsyncIterator[ChatCompletionChunk]
-    ) -> AsyncIterator[bytes]:
+        self, turn: Turn[MessagesRequest], meta: Presented, chunks: AsyncGenerator[ChatCompletionChunk, None]
+    ) -> AsyncGenerator[bytes, object]:
         blocks = _Blocks()
         started = False
-        async with aclosing(chunks):  # type: ignore[type-var]
+        async with aclosing(chunks):
             async for chunk in chunks:  # hot loop: one write per chunk
                 out = [] if started else [self._start(meta)]
                 started = True
@@ -834,5 +848,7 @@ class MessagesPresenter:
 
     @staticmethod
     def _start(meta: Presented) -> bytes:
-        message = Message(id=meta.response_id, model=meta.model, content=[], usage=MessagesUsage(meta.prompt_tokens, 0, 0, 0))
+        message = Message(
+            id=meta.response_id, model=meta.model, content=[], usage=MessagesUsage(meta.prompt_tokens, 0, 0, 0)
+        )
         return _frame(MessageStart(message))

@@ -54,22 +54,31 @@ class GatewayMetrics:
             ["stage"], buckets=_STAGE_BUCKETS, registry=r,
         )
         self.derender_cpu = Counter(
-            "onehop_gateway_derender_cpu_seconds", "Gateway CPU spent derendering engine output, by route.", ["route"], registry=r
+            "onehop_gateway_derender_cpu_seconds",
+            "Gateway CPU spent derendering engine output, by route.",
+            ["route"],
+            registry=r,
         )
         self.e2e = Histogram(
             "onehop_gateway_request_duration_seconds", "From request arrival to the last byte, by route.",
             ["route"], buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.time_to_first_token = Histogram(
-            "onehop_gateway_time_to_first_token_seconds", "Streams: from request arrival to the first content sent, by route.",
-            ["route"], buckets=_LATENCY_BUCKETS, registry=r,
+            "onehop_gateway_time_to_first_token_seconds",
+            "Streams: from request arrival to the first content sent, by route.",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.inter_token_latency = Histogram(
             "onehop_gateway_inter_token_latency_seconds", "Streams: gap between two writes to the client, by route.",
             ["route"], buckets=_GAP_BUCKETS, registry=r,
         )
         self.disconnects = Counter(
-            "onehop_gateway_client_disconnects", "Clients that left before the answer was complete, by route.", ["route"], registry=r
+            "onehop_gateway_client_disconnects",
+            "Clients that left before the answer was complete, by route.",
+            ["route"],
+            registry=r,
         )
         self.background_restarts = Counter(
             "onehop_gateway_background_restarts",
@@ -90,7 +99,8 @@ class GatewayMetrics:
             ["engine"], registry=r,
         )
         self.admission_rejections = Counter(
-            "onehop_gateway_admission_rejections", "Requests refused with a 429: no slot, the wait queue full or timed out.",
+            "onehop_gateway_admission_rejections",
+            "Requests refused with a 429: no slot, the wait queue full or timed out.",
             registry=r,
         )
         self.admission_waiting = Gauge(
@@ -105,8 +115,10 @@ class GatewayMetrics:
         )
         self.dropped_tools = Counter(
             "onehop_gateway_dropped_tools",
-            "Hosted tools (web_search, ...) left out of the prompt (agents.hosted_tools: drop), by endpoint and tool type.",
-            ["endpoint", "type"], registry=r,
+            "Hosted tools (web_search, ...) left out of the prompt (agents.hosted_tools: drop),"
+            " by endpoint and tool type.",
+            ["endpoint", "type"],
+            registry=r,
         )
         self.context_edits_ignored = Counter(
             "onehop_gateway_context_edits_ignored",
@@ -153,7 +165,7 @@ class GatewayMetrics:
         if folder is None:
             return generate_latest(self.registry)
         every_worker = CollectorRegistry()
-        MultiProcessCollector(every_worker, path=folder)
+        MultiProcessCollector(every_worker, path=folder)  # type: ignore[no-untyped-call]  # unannotated upstream
         return generate_latest(every_worker)
 
 
@@ -175,7 +187,7 @@ class LocalHistogram:
 
     @classmethod
     def like(cls, child: Histogram) -> LocalHistogram:
-        return cls(child._upper_bounds)  # noqa: SLF001 (prometheus-client keeps the bounds there)
+        return cls(child._upper_bounds)  # prometheus-client keeps the bounds there
 
     def observe(self, value: float) -> None:
         self._counts[bisect_left(self._bounds, value)] += 1  # `value <= bound`, as Histogram.observe
@@ -188,7 +200,7 @@ class LocalHistogram:
             return
         for index, count in enumerate(counts):
             if count:
-                child._buckets[index].inc(count)  # noqa: SLF001
-        child._sum.inc(self._sum)  # noqa: SLF001
+                child._buckets[index].inc(count)
+        child._sum.inc(self._sum)
         self._counts = [0] * len(counts)
         self._sum = 0.0

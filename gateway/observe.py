@@ -187,7 +187,18 @@ class DerenderWork:
     per-route counter, and the client-visible outcome on the server span.
     """
 
-    __slots__ = ("_countdown", "_first", "_first_s", "_http", "_mark", "_route", "_sampled", "_sampled_s", "_span", "_untimed")
+    __slots__ = (
+        "_countdown",
+        "_first",
+        "_first_s",
+        "_http",
+        "_mark",
+        "_route",
+        "_sampled",
+        "_sampled_s",
+        "_span",
+        "_untimed",
+    )
 
     def __init__(self, http: web.Request, route: str) -> None:
         self._http = http

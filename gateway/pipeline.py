@@ -22,12 +22,11 @@ import asyncio
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import aiohttp
 import msgspec
 from aiohttp import web
 from msgspec import UNSET
@@ -40,8 +39,24 @@ from gateway.endpoints import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Answer, En
 from gateway.engine_client import Target
 from gateway.engine_request import generate_body
 from gateway.engine_stream import EngineAnswer
-from gateway.errors import REQUEST_ID_KEY, ClientGone, InvalidRequest, PayloadTooLarge, RequestTimeout, UnsupportedMediaType
-from gateway.observe import GONE_KEY, MODEL_KEY, SPAN_KEY, DerenderWork, describe_model, describe_request, measured, tally
+from gateway.errors import (
+    REQUEST_ID_KEY,
+    ClientGone,
+    InvalidRequest,
+    PayloadTooLarge,
+    RequestTimeout,
+    UnsupportedMediaType,
+)
+from gateway.observe import (
+    GONE_KEY,
+    MODEL_KEY,
+    SPAN_KEY,
+    DerenderWork,
+    describe_model,
+    describe_request,
+    measured,
+    tally,
+)
 from gateway.outcome import Tokens
 from gateway.relay import (
     derender_answer,
@@ -105,8 +120,12 @@ async def serve(http: web.Request, endpoint: Endpoint[Any]) -> web.StreamRespons
     described = endpoint.describe(request)
     if not described.stream:
         check_buffered_answer(
-            n=described.n, max_tokens=described.max_tokens, top_logprobs=described.top_logprobs, prompts=described.prompts,
-            max_model_len=model.engines.max_model_len(), most=state.config.limits.max_buffered_tokens,
+            n=described.n,
+            max_tokens=described.max_tokens,
+            top_logprobs=described.top_logprobs,
+            prompts=described.prompts,
+            max_model_len=model.engines.max_model_len(),
+            most=state.config.limits.max_buffered_tokens,
         )
     describe_request(
         server, max_tokens=described.max_tokens, temperature=described.temperature, top_p=described.top_p,
@@ -123,7 +142,9 @@ async def serve(http: web.Request, endpoint: Endpoint[Any]) -> web.StreamRespons
         features = endpoint.features(request, model.name, prompts, http, sampling)
         target = await choose_route(state, model, http, features, prompts[0])
         forwarded = endpoint.forwarded(request, body)
-        exchange = Exchange(http, state, model, endpoint, request, forwarded, prompts, sampling, target, response_id, session)
+        exchange = Exchange(
+            http, state, model, endpoint, request, forwarded, prompts, sampling, target, response_id, session
+        )
         return await guard_disconnect(http, state, model, exchange.legs, exchange.run)
 
 
@@ -304,7 +325,12 @@ class Exchange:
         engines, server = self.target.engines, self.http[SPAN_KEY]
         body = self._engine_body(leg)
         async with engines.open(
-            self.target.endpoint, body, stream=self.stream, request_id=leg.request_id, parent=server, session=self.session
+            self.target.endpoint,
+            body,
+            stream=self.stream,
+            request_id=leg.request_id,
+            parent=server,
+            session=self.session,
         ) as (url, response):
             leg.sent_to = url
             yield response
@@ -387,7 +413,7 @@ class Exchange:
 
     # ------------------------------------------------------------ several engine requests
 
-    async def _chunks(self, leg: Leg) -> AsyncIterator[Any]:
+    async def _chunks(self, leg: Leg) -> AsyncGenerator[Any, None]:
         """One leg's OpenAI chunk objects (its usage chunk included), for merging or presenting."""
         first = self.target.engines.timeouts
         async with self._open(leg) as engine:
@@ -403,7 +429,7 @@ class Exchange:
                 async for chunk in chunks:
                     yield chunk
 
-    async def _tallied(self, chunks: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async def _tallied(self, chunks: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]:
         """`chunks` as they come; their finish reasons and usage recorded for the request's outcome."""
         reasons: dict[int, str] = {}
         async with aclosing(chunks):
@@ -428,13 +454,13 @@ class Exchange:
         assert self.work is not None
         return derender_answer(raw, self._new_derender(leg), self.mode, self.work)
 
-    async def _merged(self, chunks: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async def _merged(self, chunks: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]:
         """Several legs' chunks as one stream: one id, usage summed into one last chunk."""
         rid, created = self.answer.response_id, self.answer.created
         usages: list[Usage] = []
         last_usage: Any = None
         reasons: dict[int, str | None] = {}
-        async with aclosing(chunks):  # type: ignore[type-var]
+        async with aclosing(chunks):
             async for chunk in chunks:
                 if not chunk.choices:
                     if chunk.usage not in (None, UNSET):
@@ -481,15 +507,15 @@ class _Failed:
 _END = object()
 
 
-async def merged(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[T]:
+async def merged(streams: Sequence[AsyncGenerator[T, None]]) -> AsyncGenerator[T, None]:
     """The items of several streams as they come, at the reader's pace: the queue holds at
     most one item per stream, so a stream whose item is unread waits (and so does its
     engine, through TCP). The first failure of any stream ends the whole, and stops the rest."""
     queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=len(streams))
 
-    async def pump(stream: AsyncIterator[T]) -> None:
+    async def pump(stream: AsyncGenerator[T, None]) -> None:
         try:
-            async with aclosing(stream):  # type: ignore[type-var]
+            async with aclosing(stream):
                 async for item in stream:
                     await queue.put(item)
         except Exception as exc:  # handed to the reader, which raises it in its own task

@@ -304,7 +304,8 @@ def _child(node: yaml.Node, seg: str | int) -> yaml.Node | None:
     if isinstance(node, yaml.MappingNode) and isinstance(seg, str):
         return next((v for k, v in node.value if getattr(k, "value", None) == seg), None)
     if isinstance(node, yaml.SequenceNode) and isinstance(seg, int) and seg < len(node.value):
-        return node.value[seg]
+        item = node.value[seg]
+        return item if isinstance(item, yaml.Node) else None
     return None
 
 
@@ -368,6 +369,18 @@ def load_policy(path: str | Path) -> Policy:
     except OSError as exc:
         raise PolicyError(f"{path}: {exc.strerror or exc}") from exc
     return policy_from_text(text, str(path))
+
+
+def policy_for(path: Path, pools: set[str]) -> Policy:
+    """Load a policy and check that every pool its rules name is configured."""
+    policy = load_policy(path)
+    unknown = sorted({r.pool for r in policy.rules if r.pool is not None} - pools)
+    if unknown:
+        known = ", ".join(sorted(pools)) or "none"
+        raise PolicyError(
+            f"{path}: rules name pools the gateway config does not define: {', '.join(unknown)} (defined: {known})"
+        )
+    return policy
 
 
 # CLI bodies; the lead wires `onehop policy check|explain` to these.

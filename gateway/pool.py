@@ -124,7 +124,9 @@ class Pool:
         engine that is not over `load_factor` × the mean outstanding (+1, so an idle pool
         still concentrates a prefix)."""
         prefix = array("I", prompt[: self.balancing.prefix_tokens]).tobytes()
-        ranked = sorted(candidates, key=lambda e: hashlib.blake2b(e.url.encode() + b"\0" + prefix, digest_size=8).digest())
+        ranked = sorted(
+            candidates, key=lambda e: hashlib.blake2b(e.url.encode() + b"\0" + prefix, digest_size=8).digest()
+        )
         bound = self.balancing.load_factor * sum(e.outstanding for e in candidates) / len(candidates) + 1
         return next((e for e in ranked if e.outstanding < bound), min(ranked, key=lambda e: e.outstanding))
 
@@ -154,7 +156,8 @@ class Pool:
             except OSError as exc:
                 log.warning("cannot resolve %s, keeping the pool as it is: %s", url.host, exc)
                 return
-            for address in sorted({info[4][0] for info in infos}):
+            hosts = {info[4][0] for info in infos}
+            for address in sorted(host for host in hosts if isinstance(host, str)):  # IPv4 and IPv6 give a str
                 host = f"[{address}]" if ":" in address else address
                 urls.append(f"{url.scheme}://{host}:{port}")
         self._set_urls(urls)

@@ -68,7 +68,13 @@ def startup_errors(host: str, port: int) -> Iterator[None]:
             raise StartupError(port_error(host, port, exc)) from exc
         raise
     except (
-        BackendError, EngineConfigError, UnknownParser, ChatTemplateError, ConfigError, TokenizerFolderError, PolicyError,
+        BackendError,
+        EngineConfigError,
+        UnknownParser,
+        ChatTemplateError,
+        ConfigError,
+        TokenizerFolderError,
+        PolicyError,
         KeyFileError,
     ) as exc:
         raise StartupError(str(exc)) from exc
@@ -96,9 +102,8 @@ def check_gateway(config: GatewayConfig) -> None:
 
 
 def _check_files(config: GatewayConfig) -> None:
-    from gateway.app import policy_for
     from gateway.auth import KeyFileError, keys_from_env, load_key_file
-    from gateway.policy import PolicyError
+    from gateway.policy import PolicyError, policy_for
 
     try:
         if config.policy is not None:

@@ -21,13 +21,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from typing import Any, Protocol
 
 import aiohttp
 import msgspec
 from aiohttp import web
+from aiohttp.http_writer import StreamWriter
 
 from engine.derender.errors import DerenderError
 from engine.derender.text import OutputFinished
@@ -57,7 +58,7 @@ from gateway.config import Timeouts as StreamTimeouts
 from gateway.observe import STARTED_KEY, DerenderWork, StreamTimer, tally
 from gateway.outcome import Tally, Tokens
 from gateway.remote import RemoteChatDerender, RemoteCompletionDerender, RemoteServiceError
-from gateway.splice import can_splice, splice
+from gateway.splice import splice, spliceable
 from gateway.sse import DONE, DONE_FRAME, MAX_EVENT_BYTES, SSEError, SSEReader, frame
 from gateway.state import GATEWAY
 
@@ -71,9 +72,20 @@ class Derender(Protocol):
 
     def start(self) -> list[Any]: ...
 
-    def step(self, index: int, token_ids: Any, logprobs: Any = None, *, finish_reason: Any = None, stop_reason: Any = None) -> Any: ...
+    def step(
+        self, index: int, token_ids: Any, logprobs: Any = None, *, finish_reason: Any = None, stop_reason: Any = None
+    ) -> Any: ...
 
-    def step_text(self, index: int, text: str, token_ids: Any = (), logprobs: Any = None, *, finish_reason: Any = None, stop_reason: Any = None) -> Any: ...
+    def step_text(
+        self,
+        index: int,
+        text: str,
+        token_ids: Any = (),
+        logprobs: Any = None,
+        *,
+        finish_reason: Any = None,
+        stop_reason: Any = None,
+    ) -> Any: ...
 
     def usage_chunk(self) -> Any: ...
 
@@ -86,7 +98,18 @@ class ClientStream:
     measured at its socket, not by how long a write waits, which the kernel's send buffer
     hides)."""
 
-    __slots__ = ("_chunked", "_direct", "_high", "_protocol", "_stall_s", "_timer", "_transport", "_watch", "_writer", "response")
+    __slots__ = (
+        "_chunked",
+        "_direct",
+        "_high",
+        "_protocol",
+        "_stall_s",
+        "_timer",
+        "_transport",
+        "_watch",
+        "_writer",
+        "response",
+    )
 
     def __init__(self, http: web.Request, response: web.StreamResponse, timer: StreamTimer, stall_s: float) -> None:
         self.response = response
@@ -95,8 +118,10 @@ class ClientStream:
         self._protocol = http.protocol
         self._high = http.transport.get_write_buffer_limits()[1] if http.transport is not None else 0
         self._stall_s = stall_s
-        self._writer = http.writer
-        self._chunked = http.writer.chunked
+        writer = http.writer
+        assert isinstance(writer, StreamWriter)  # the server's; the abstract writer has no `chunked`
+        self._writer = writer
+        self._chunked = writer.chunked
         self._direct = 0
         """Bytes `write_now` put on the transport itself (aiohttp's writer counts them at the end)."""
         transport = http.transport
@@ -226,7 +251,8 @@ def _deadline(http: web.Request, limit_s: float | None) -> float | None:
     """`stream_deadline_s` counted from the request's arrival, on the loop's clock."""
     if limit_s is None:
         return None
-    waited = time.perf_counter() - http.get(STARTED_KEY, time.perf_counter())
+    started: float = http.get(STARTED_KEY, time.perf_counter())  # aiohttp types get() as Any, whatever the key
+    waited = time.perf_counter() - started
     return asyncio.get_running_loop().time() + limit_s - waited
 
 
@@ -257,7 +283,7 @@ _ENGINE_DATA_ERRORS = (DerenderError, OutputFinished)
 """What the derender raises for engine output that breaks the protocol."""
 
 
-async def pieces(engine: EngineAnswer, timeouts: StreamTimeouts) -> AsyncIterator[bytes]:
+async def pieces(engine: EngineAnswer, timeouts: StreamTimeouts) -> AsyncGenerator[bytes, None]:
     """Raw bytes of an engine stream: the first within `first_token_s` of the request,
     each later one within `idle_s` of the one before. Only the reads are timed: a client
     that is slow to take what was read is not the engine's stall."""
@@ -285,7 +311,7 @@ class ReadDeadline:
     `EngineTimeout`, as `asyncio.timeout` would raise TimeoutError.
     """
 
-    __slots__ = ("_deadline", "_first_s", "_handle", "_idle", "_loop", "_started", "_reading", "_task", "expired")
+    __slots__ = ("_deadline", "_first_s", "_handle", "_idle", "_loop", "_reading", "_started", "_task", "expired")
 
     def __init__(self, first_s: float, idle_s: float) -> None:
         self._loop = asyncio.get_running_loop()
@@ -459,17 +485,18 @@ async def spliced(
     """An engine stream through `events` to the client: up to the first output on the request's
     task (a failure before it is still a status), the rest spliced from the engine's socket to the
     client's, then the `tail`."""
+    direct = spliceable(engine)
     stream: ClientStream | None = None
     async with aclosing(pieces(engine, timeouts)) as reads:
         async for piece in reads:
             out = events.feed(piece)
             if out:
                 sent = yield out
-                if sent is not None and can_splice(engine):
+                if sent is not None and direct is not None:
                     stream = sent
                     break
-    if stream is not None:  # after [DONE] too: the body is read to its end, so the connection is reused
-        await splice(engine, events, stream, timeouts.idle_s)
+    if stream is not None and direct is not None:  # after [DONE] too: read to its end, the connection is reused
+        await splice(direct, events, stream, timeouts.idle_s)
     tail = events.tail()
     if tail:
         yield tail
@@ -527,7 +554,7 @@ async def relay_json(http: web.Request, engine: EngineAnswer) -> web.Response:
     return web.Response(body=body, content_type="application/json")
 
 
-async def engine_batches(engine: EngineAnswer, timeouts: StreamTimeouts) -> AsyncIterator[list[bytes]]:
+async def engine_batches(engine: EngineAnswer, timeouts: StreamTimeouts) -> AsyncGenerator[list[bytes], None]:
     """The `data:` payloads of an engine stream, up to its `[DONE]`, in the batches they
     arrived in (one read: when the gateway is behind, several events); a stream that ends
     without `[DONE]` was cut short (an empty or partial answer must not pass for a whole one)."""
@@ -551,7 +578,7 @@ async def engine_batches(engine: EngineAnswer, timeouts: StreamTimeouts) -> Asyn
     raise EngineFailed("the engine stream ended before [DONE]")
 
 
-async def engine_payloads(engine: EngineAnswer, timeouts: StreamTimeouts) -> AsyncIterator[bytes]:
+async def engine_payloads(engine: EngineAnswer, timeouts: StreamTimeouts) -> AsyncGenerator[bytes, None]:
     """`engine_batches`, one payload at a time."""
     async with aclosing(engine_batches(engine, timeouts)) as batches:
         async for batch in batches:
@@ -653,7 +680,9 @@ class Derendered:
             if timed:
                 self._work.end()
         if not self._started:
-            self._started = True  # the role chunk goes with the first output (once it is known good), as the engine's does
+            self._started = (
+                True  # the role chunk goes with the first output (once it is known good), as the engine's does
+            )
             chunks = [*self._derender.start(), *chunks]
         return chunks
 
@@ -689,7 +718,7 @@ def _frames(chunks: list[Any]) -> bytes:
 
 async def derendered_batches(
     engine: EngineAnswer, derender: Derender, mode: str, timeouts: StreamTimeouts, work: DerenderWork
-) -> AsyncIterator[list[Any]]:
+) -> AsyncGenerator[list[Any], None]:
     """The text and token routes as chunk objects, one list per engine read (for merging or presenting)."""
     events = Derendered(derender, mode, work)
     async with aclosing(pieces(engine, timeouts)) as reads:
@@ -713,7 +742,7 @@ async def derendered_stream(
 
 async def derendered(
     engine: EngineAnswer, derender: Derender, mode: str, timeouts: StreamTimeouts, work: DerenderWork
-) -> AsyncIterator[Any]:
+) -> AsyncGenerator[Any, None]:
     """`derendered_batches`, one chunk at a time (for merging or presenting)."""
     async with aclosing(derendered_batches(engine, derender, mode, timeouts, work)) as batches:
         async for batch in batches:
@@ -721,7 +750,7 @@ async def derendered(
                 yield chunk
 
 
-async def encoded(chunks: AsyncGenerator[Any, None]) -> AsyncIterator[bytes]:
+async def encoded(chunks: AsyncGenerator[Any, None]) -> AsyncGenerator[bytes, object]:
     """OpenAI chunk objects → SSE frames (closing `chunks` when closed, so what feeds them stops at once)."""
     async with aclosing(chunks):
         async for chunk in chunks:
@@ -730,7 +759,7 @@ async def encoded(chunks: AsyncGenerator[Any, None]) -> AsyncIterator[bytes]:
 
 async def relayed_chunks(
     engine: EngineAnswer, timeouts: StreamTimeouts, decoder: msgspec.json.Decoder[Any]
-) -> AsyncIterator[Any]:
+) -> AsyncGenerator[Any, None]:
     """The derender route's chunks as objects, for answers merged from several engine requests."""
     async for payload in engine_payloads(engine, timeouts):
         try:
@@ -773,7 +802,9 @@ def relayed_answer(raw: bytes, decoder: msgspec.json.Decoder[Any]) -> Any:
 RemoteDerender = RemoteChatDerender | RemoteCompletionDerender
 
 
-async def _remote_payloads(engine: EngineAnswer, remote: RemoteDerender, timeouts: StreamTimeouts) -> AsyncIterator[bytes]:
+async def _remote_payloads(
+    engine: EngineAnswer, remote: RemoteDerender, timeouts: StreamTimeouts
+) -> AsyncGenerator[bytes, None]:
     """The tokens-remote route: every engine chunk through vLLM's stateless derender, its answers' JSON."""
     async for payload in engine_payloads(engine, timeouts):
         if payload.startswith(b'{"error"'):
@@ -789,7 +820,9 @@ async def remote_stream(
     return await respond_stream(http, "tokens-remote", request_id, _remote_frames(engine, remote, timeouts))
 
 
-async def _remote_frames(engine: EngineAnswer, remote: RemoteDerender, timeouts: StreamTimeouts) -> AsyncIterator[bytes]:
+async def _remote_frames(
+    engine: EngineAnswer, remote: RemoteDerender, timeouts: StreamTimeouts
+) -> AsyncGenerator[bytes, object]:
     async with aclosing(_remote_payloads(engine, remote, timeouts)) as payloads:
         async for chunk in payloads:
             yield frame(chunk)
@@ -797,7 +830,7 @@ async def _remote_frames(engine: EngineAnswer, remote: RemoteDerender, timeouts:
 
 async def remote_chunks(
     engine: EngineAnswer, remote: RemoteDerender, timeouts: StreamTimeouts, decoder: msgspec.json.Decoder[Any]
-) -> AsyncIterator[Any]:
+) -> AsyncGenerator[Any, None]:
     """The tokens-remote route's chunks as objects, for answers presented in another shape."""
     async with aclosing(_remote_payloads(engine, remote, timeouts)) as payloads:
         async for payload in payloads:

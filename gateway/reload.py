@@ -49,7 +49,13 @@ class WatchedFile(Generic[T]):
             value = self._load(self.path)
         except Exception as exc:  # any failure keeps the last good value: a watcher must not stop
             self.rejected += 1
-            log.error("%s not reloaded from %s, keeping the previous one: %s: %s", self._what, self.path, type(exc).__name__, exc)
+            log.error(
+                "%s not reloaded from %s, keeping the previous one: %s: %s",
+                self._what,
+                self.path,
+                type(exc).__name__,
+                exc,
+            )
             return False
         self.current = value
         self.reloads += 1

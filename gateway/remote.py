@@ -442,7 +442,9 @@ class RemoteCompletionDerender(_StatelessDerender):
 
 
     def _whole_body(self, generate_response: bytes) -> bytes:
-        return _completions_body(self._model, self._request, [self._prompt_ids], [self._prompt_count], [generate_response])
+        return _completions_body(
+            self._model, self._request, [self._prompt_ids], [self._prompt_count], [generate_response]
+        )
 
 
 def _completions_body(

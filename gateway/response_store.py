@@ -59,7 +59,12 @@ class ResponseStorage(Protocol):
     """Where finished responses are kept: `ResponseStore`, or the one workers share."""
 
     def put(
-        self, owner: str, response_id: str, response: bytes, conversation: list[ChatMessageParam], session: str | None = None
+        self,
+        owner: str,
+        response_id: str,
+        response: bytes,
+        conversation: list[ChatMessageParam],
+        session: str | None = None,
     ) -> bool:
         """`response`: the encoded Response. False when the entry alone is over the owner's
         share: it is not kept."""
@@ -107,7 +112,12 @@ class ResponseStore:
         return share.bytes if share is not None else 0
 
     def put(
-        self, owner: str, response_id: str, response: bytes, conversation: list[ChatMessageParam], session: str | None = None
+        self,
+        owner: str,
+        response_id: str,
+        response: bytes,
+        conversation: list[ChatMessageParam],
+        session: str | None = None,
     ) -> bool:
         history = _encode(conversation)
         size = entry_size(response, history, session)

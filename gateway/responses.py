@@ -22,8 +22,9 @@ scoped to its caller, so that `previous_response_id` continues it without the cl
 it again.
 
 Names follow the `openai` SDK's types. An unknown top-level request field is ignored or refused
-by name, as `agents.unknown_fields` says (`gateway.unknown_fields`); items, tools and the small config objects are not, because clients send
-back the items of earlier answers with fields OpenAI keeps adding.
+by name, as `agents.unknown_fields` says (`gateway.unknown_fields`); items, tools and the small
+config objects are not, because clients send back the items of earlier answers with fields
+OpenAI keeps adding.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable
 from contextlib import aclosing
 from typing import Annotated, Any, Literal
 
@@ -275,7 +276,9 @@ def to_chat(
     )
 
 
-def _chat_tool_choice(choice: ResponsesToolChoice | None, tools: AgentTools, policy: ToolPolicy) -> ToolChoice | UnsetType:
+def _chat_tool_choice(
+    choice: ResponsesToolChoice | None, tools: AgentTools, policy: ToolPolicy
+) -> ToolChoice | UnsetType:
     """A forced built-in tool is forced no more when the tool is dropped: the model answers
     as with `auto` (an agent's run goes on); `agents.hosted_tools: refuse` makes it a 400."""
     if choice is None:
@@ -410,7 +413,7 @@ class Response(Struct, kw_only=True):
     id: str
     object: Literal["response"] = "response"
     created_at: int
-    status: Literal["in_progress", "completed", "incomplete"]
+    status: ItemStatus
     background: bool = False
     completed_at: int | None = None
     error: dict[str, Any] | None = None
@@ -461,7 +464,7 @@ def _response(
 ) -> Response:
     """`finish`: the chat finish reason, None while the answer is still to come."""
     reason = _INCOMPLETE.get(finish or "")
-    status = "in_progress" if finish is None else "incomplete" if reason else "completed"
+    status: ItemStatus = "in_progress" if finish is None else "incomplete" if reason else "completed"
     return Response(
         id=meta.response_id, created_at=meta.created, status=status, model=meta.model, output=output, usage=usage,
         completed_at=int(time.time()) if status == "completed" else None,
@@ -486,9 +489,14 @@ def _output(
         items.append(ReasoningItem(id=_item_id("rs"), content=[ReasoningText(reasoning)]))
     if text_call is not None:
         namespace = text_call.namespace if text_call.namespace is not None else UNSET
-        text = message.content or ""
-        call = CustomToolCallItem(id=_item_id("ctc"), call_id=_item_id("call"), name=text_call.name, input=text, namespace=namespace)
-        return [*items, call]
+        custom_call = CustomToolCallItem(
+            id=_item_id("ctc"),
+            call_id=_item_id("call"),
+            name=text_call.name,
+            input=message.content or "",
+            namespace=namespace,
+        )
+        return [*items, custom_call]
     if message.content:
         text = OutputText(text=message.content, logprobs=_logprobs(_tokens(logprobs), with_bytes=True))
         items.append(MessageItem(id=_item_id("msg"), status="completed", content=[text]))
@@ -502,7 +510,9 @@ def _call_item(tools: AgentTools, call_id: str, flat: str, arguments: str, statu
     callee = tools.callee(flat)
     namespace = callee.namespace if callee.namespace is not None else UNSET
     if callee.custom:
-        return CustomToolCallItem(id=_item_id("ctc"), call_id=call_id, name=callee.name, input=custom_input(arguments), namespace=namespace)
+        return CustomToolCallItem(
+            id=_item_id("ctc"), call_id=call_id, name=callee.name, input=custom_input(arguments), namespace=namespace
+        )
     return FunctionCallItem(
         id=_item_id("fc"), call_id=call_id, name=callee.name, arguments=arguments, status=status, namespace=namespace
     )
@@ -675,7 +685,8 @@ class _StreamedCall(_Streamed):
     def opened(self) -> list[_Event]:
         return [self._item_event("added", self._item("", "in_progress"))]
 
-    def delta(self, text: str, tokens: list[ChatLogprobToken]) -> _Event:
+    def delta(self, text: str, tokens: list[ChatLogprobToken]) -> _Event | None:
+        """The event for `text`; None where a subclass has nothing to show yet."""
         return self._delta_event("function_call_arguments", text)
 
     def closed(self, status: ItemStatus) -> tuple[OutputItem, list[_Event]]:
@@ -709,7 +720,9 @@ class _StreamedCustomCall(_StreamedCall):
         shown = "".join(self.shown)
         rest = item.input[len(shown):] if item.input.startswith(shown) else ""  # arguments not streamed: all of it
         events: list[_Event] = [self._input_delta(rest)] if rest else []
-        done = DoneEvent(type="response.custom_tool_call_input.done", item_id=self.id, output_index=self.index, input=item.input)
+        done = DoneEvent(
+            type="response.custom_tool_call_input.done", item_id=self.id, output_index=self.index, input=item.input
+        )
         return item, [*events, done, self._item_event("done", item)]
 
     def opened(self) -> list[_Event]:
@@ -717,7 +730,9 @@ class _StreamedCustomCall(_StreamedCall):
 
     def _input_delta(self, text: str) -> DeltaEvent:
         self.shown.append(text)
-        return DeltaEvent(type="response.custom_tool_call_input.delta", item_id=self.id, output_index=self.index, delta=text)
+        return DeltaEvent(
+            type="response.custom_tool_call_input.delta", item_id=self.id, output_index=self.index, delta=text
+        )
 
     def _custom(self, text: str, status: ItemStatus) -> CustomToolCallItem:
         return CustomToolCallItem(
@@ -729,13 +744,15 @@ class _StreamedCustomCall(_StreamedCall):
 class _StreamedTextCall(_StreamedCustomCall):
     """A forced custom tool's call that is the turn's text (see `forced_constraint`)."""
 
-    def delta(self, text: str, tokens: list[ChatLogprobToken]) -> _Event | None:
+    def delta(self, text: str, tokens: list[ChatLogprobToken]) -> _Event:
         self.pieces.append(text)
         return self._input_delta(text)
 
     def closed(self, status: ItemStatus) -> tuple[OutputItem, list[_Event]]:
         item = self._custom("".join(self.pieces), status)
-        done = DoneEvent(type="response.custom_tool_call_input.done", item_id=self.id, output_index=self.index, input=item.input)
+        done = DoneEvent(
+            type="response.custom_tool_call_input.done", item_id=self.id, output_index=self.index, input=item.input
+        )
         return item, [done, self._item_event("done", item)]
 
 
@@ -782,7 +799,9 @@ class _StreamedOutput:
         if callee is None:
             events = self._to("message", lambda index: _StreamedMessage("msg", index, "message"))
         else:
-            events = self._to("text call", lambda index: _StreamedTextCall("ctc", index, "text call", _item_id("call"), callee))
+            events = self._to(
+                "text call", lambda index: _StreamedTextCall("ctc", index, "text call", _item_id("call"), callee)
+            )
         return events + self._delta(content, tokens)
 
     def _delta(self, text: str, tokens: list[ChatLogprobToken]) -> list[_Event]:
@@ -840,15 +859,15 @@ class ResponsesPresenter:
         return response
 
     async def stream(
-        self, turn: Turn[ResponsesRequest], meta: Presented, chunks: AsyncIterator[ChatCompletionChunk]
-    ) -> AsyncIterator[bytes]:
+        self, turn: Turn[ResponsesRequest], meta: Presented, chunks: AsyncGenerator[ChatCompletionChunk, None]
+    ) -> AsyncGenerator[bytes, object]:
         started = _response(turn.original, meta, [], None, None)
         opening: list[_Event] = [
             LifecycleEvent(type="response.created", response=started),
             LifecycleEvent(type="response.in_progress", response=started),
         ]
         output, finish, usage = _StreamedOutput(self._tools(turn), _text_call(turn)), "stop", None
-        async with aclosing(chunks):  # type: ignore[type-var]
+        async with aclosing(chunks):
             async for chunk in chunks:  # hot loop: one write per chunk
                 events, opening = opening, []
                 usage = chunk.usage or usage

@@ -193,7 +193,10 @@ def with_instructions(instructions: str | None, messages: list[ChatMessageParam]
     if not instructions:
         return messages
     if messages and messages[0].role == "system":
-        return [ChatMessageParam(role="system", content=instructions + _SYSTEM_JOIN + str(messages[0].content or "")), *messages[1:]]
+        return [
+            ChatMessageParam(role="system", content=instructions + _SYSTEM_JOIN + str(messages[0].content or "")),
+            *messages[1:],
+        ]
     return [ChatMessageParam(role="system", content=instructions), *messages]
 
 

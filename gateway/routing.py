@@ -75,7 +75,7 @@ def _decide(
         if wanted not in available:
             raise InvalidRequest(f"route {wanted!r} is not available on this engine", param=ROUTE_HEADER)
         http[ROUTE_KEY], http[REASON_KEY] = wanted, f"{ROUTE_HEADER} header"
-        return wanted, "header", None  # type: ignore[return-value]
+        return wanted, "header", None
     load = state.feedback.load(url)
     engine = EngineState(routes=available, output_cpu_cores=load.output_cpu_cores, in_flight=load.in_flight)
     policy = state.policy(model)
@@ -87,7 +87,9 @@ def _decide(
     basis = decision.rule if decision.rule is not None else ("cost" if policy.default == "cost" else "default")
     pool = decision.pool
     if pool is not None and pool not in model.pools:
-        raise EngineUnavailable(f"policy rule {decision.rule!r} sends to pool {pool!r}, which model {model.name!r} does not have")
+        raise EngineUnavailable(
+            f"policy rule {decision.rule!r} sends to pool {pool!r}, which model {model.name!r} does not have"
+        )
     if pool is not None and model.pools[pool] is engines:
         pool = None  # already there
     return decision.route, basis, pool

@@ -36,7 +36,9 @@ MAX_KEY_CHARS = 128
 def session_key(http: web.Request, request: Any) -> str | None:
     """`request`: the decoded request (chat, completion, or a translated API's `Turn`)."""
     header = http.headers.get(_HEADERS[0])
-    body = getattr(request, "session_id", None) if isinstance(request, ChatCompletionRequest | CompletionRequest) else None
+    body = (
+        getattr(request, "session_id", None) if isinstance(request, ChatCompletionRequest | CompletionRequest) else None
+    )
     found = header or body or next((value for name in _HEADERS[1:] if (value := http.headers.get(name))), None)
     found = found or _from_body(request.original if isinstance(request, Turn) else None)
     found = found or getattr(request.original if isinstance(request, Turn) else request, "user", None)

@@ -19,7 +19,7 @@ import msgspec
 from engine.openai_schema import ChatMessageParam
 from gateway.config import ResponseStoreConfig
 from gateway.response_store import ResponseStore, StoredResponse, entry_size
-from gateway.workers import run_dir
+from gateway.worker_env import run_dir
 
 _encode = msgspec.json.Encoder().encode
 _CONVERSATION = msgspec.json.Decoder(list[ChatMessageParam])
@@ -54,7 +54,12 @@ class SharedResponseStore:
         return int(self._db.execute("SELECT COUNT(*) FROM responses").fetchone()[0])
 
     def put(
-        self, owner: str, response_id: str, response: bytes, conversation: list[ChatMessageParam], session: str | None = None
+        self,
+        owner: str,
+        response_id: str,
+        response: bytes,
+        conversation: list[ChatMessageParam],
+        session: str | None = None,
     ) -> bool:
         history = _encode(conversation)
         size = entry_size(response, history, session)
@@ -96,7 +101,9 @@ class SharedResponseStore:
         self._evict_past(bounds.max_entries, bounds.max_bytes, "", ())
 
     def _evict_past(self, max_entries: int, max_bytes: int, where: str, args: tuple[str, ...]) -> None:
-        count, total = self._db.execute(f"SELECT COUNT(*), COALESCE(SUM(size), 0) FROM responses {where}", args).fetchone()
+        count, total = self._db.execute(
+            f"SELECT COUNT(*), COALESCE(SUM(size), 0) FROM responses {where}", args
+        ).fetchone()
         while count > max_entries or total > max_bytes:
             oldest = self._db.execute(f"SELECT id, size FROM responses {where} ORDER BY used LIMIT 1", args).fetchone()
             self._db.execute("DELETE FROM responses WHERE id = ?", (oldest[0],))

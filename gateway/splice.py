@@ -19,19 +19,28 @@ reads would.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from gateway.engine_stream import EngineResponse
 from gateway.errors import EngineTimeout
-
-if TYPE_CHECKING:
-    from gateway.relay import ClientStream
 
 
 class Events(Protocol):
     """The check or derender of the engine's bytes: what of `data` goes to the client."""
 
     def feed(self, data: bytes) -> bytes: ...
+
+
+class ClientSink(Protocol):
+    """The client's stream, as a splice writes to it (`relay.ClientStream`)."""
+
+    def write_now(self, data: bytes) -> bool:
+        """Write `data` at once if the client keeps up; False when it is behind."""
+        ...
+
+    async def send(self, data: bytes) -> None:
+        """Write `data`, waiting for the client."""
+        ...
 
 
 class Tap:
@@ -42,7 +51,7 @@ class Tap:
         "failure", "finished", "pending", "wake",
     )
 
-    def __init__(self, engine: EngineResponse, events: Events, stream: ClientStream, idle_s: float) -> None:
+    def __init__(self, engine: EngineResponse, events: Events, stream: ClientSink, idle_s: float) -> None:
         self._engine = engine
         self._events = events
         self._stream = stream
@@ -116,12 +125,13 @@ class Tap:
             self._end(EngineTimeout(f"the engine stream stalled: nothing for idle_s={self._idle_s} s"))
 
 
-def can_splice(engine: object) -> bool:
-    """Answers read by this module's client can; aiohttp's (TLS engines) are read on the task."""
-    return isinstance(engine, EngineResponse)
+def spliceable(engine: object) -> EngineResponse | None:
+    """The answer if it can be spliced: those read by this module's client can; aiohttp's
+    (TLS engines) are read on the task, so None."""
+    return engine if isinstance(engine, EngineResponse) else None
 
 
-async def splice(engine: EngineResponse, events: Events, stream: ClientStream, idle_s: float) -> None:
+async def splice(engine: EngineResponse, events: Events, stream: ClientSink, idle_s: float) -> None:
     """The rest of `engine`'s body to `stream`, from the engine connection's callbacks; returns at
     its end, raises what broke it."""
     tap = Tap(engine, events, stream, idle_s)

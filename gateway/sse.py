@@ -34,7 +34,13 @@ class SSEReader:
         self._limit = max_event_bytes
 
     def feed(self, data: bytes) -> list[bytes]:
-        if not self._parts and not self._cr and data.startswith(b"data: ") and data.find(b"\n") == len(data) - 2 and data.endswith(b"\n\n"):
+        if (
+            not self._parts
+            and not self._cr
+            and data.startswith(b"data: ")
+            and data.find(b"\n") == len(data) - 2
+            and data.endswith(b"\n\n")
+        ):
             return [data[6:-2]]  # the usual read: one whole one-line event
         if self._cr:  # a CR held back from the previous piece, in case an LF follows
             data, self._cr = b"\r" + data, False

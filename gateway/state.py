@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections.abc import Coroutine
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiohttp import web
 
@@ -46,7 +48,7 @@ class GatewayState:
     """Each served model under every exact name it answers to; built once at start."""
     patterns: list[tuple[re.Pattern[str], ModelRuntime]] = field(default_factory=list)
     """Alias patterns (`claude-*`), in config order: tried when no exact name matches."""
-    background: set[asyncio.Task[None]] = field(default_factory=set)
+    background: set[asyncio.Task[object]] = field(default_factory=set)
     """Aborts sent after a client left; kept referenced until done."""
     responses: ResponseStorage = field(default_factory=response_store)
     """Responses API answers kept for `previous_response_id` and `GET /v1/responses/{id}`:
@@ -88,8 +90,8 @@ class GatewayState:
         self.metrics.engine_aborts.inc()
         self.spawn(engines.abort(url, request_id))
 
-    def spawn(self, coro: object) -> None:
-        task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+    def spawn(self, coro: Coroutine[Any, Any, object]) -> None:
+        task = asyncio.ensure_future(coro)
         self.background.add(task)
         task.add_done_callback(self.background.discard)
 

@@ -121,7 +121,11 @@ def _template_variables(config: dict[str, Any], named: dict[str, Any]) -> dict[s
 
 def _added_token(entry: Any, *, special: bool | None = None) -> AddedToken:
     """An AddedToken from a config entry; a plain string is normalized unless special (tokenizers' default)."""
-    fields = {key: entry[key] for key in _ADDED_TOKEN_FIELDS if key in entry} if isinstance(entry, dict) else {"content": str(entry)}
+    fields: dict[str, Any] = (
+        {key: entry[key] for key in _ADDED_TOKEN_FIELDS if key in entry}
+        if isinstance(entry, dict)
+        else {"content": str(entry)}
+    )
     if special is not None:
         fields["special"] = special
     return AddedToken(**fields)
@@ -143,7 +147,9 @@ def _add_tokens(tokenizer: Tokenizer, config: dict[str, Any], named: dict[str, A
     if missing:
         tokenizer.add_tokens(missing)
     # Special tokens given as plain strings are re-added unnormalized, as transformers does after load.
-    resolved = [token if isinstance(token, dict) else {"content": str(token), "normalized": False} for token in specials]
+    resolved = [
+        token if isinstance(token, dict) else {"content": str(token), "normalized": False} for token in specials
+    ]
     if resolved:
         tokenizer.add_special_tokens([_added_token(token, special=True) for token in resolved])
 

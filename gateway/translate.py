@@ -10,7 +10,7 @@ derender (on the engine or in the gateway), whatever the route.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -64,7 +64,9 @@ class Presented:
 
 
 class Presenter(Protocol[F]):
-    def stream(self, turn: Turn[F], meta: Presented, chunks: AsyncIterator[ChatCompletionChunk]) -> AsyncIterator[bytes]:
+    def stream(
+        self, turn: Turn[F], meta: Presented, chunks: AsyncGenerator[ChatCompletionChunk, None]
+    ) -> AsyncGenerator[bytes, object]:
         """The chat chunks of one choice (the usage chunk last) as this API's SSE frames,
         its closing event included (no `[DONE]` unless the API sends one)."""
         ...

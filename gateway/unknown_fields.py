@@ -77,7 +77,9 @@ class IgnoredFields:
             counter.labels(endpoint, label).inc()
             if label != OTHER and (endpoint, label) not in self.logged:
                 self.logged.add((endpoint, label))
-                log.info("ignored the unknown request field %r on /v1/%s (agents.unknown_fields: ignore)", label, endpoint)
+                log.info(
+                    "ignored the unknown request field %r on /v1/%s (agents.unknown_fields: ignore)", label, endpoint
+                )
 
     def _label(self, name: str) -> str:
         if len(name) > MAX_NAME_CHARS or not name.isprintable():

@@ -41,10 +41,22 @@ _CHAT: list[_Rule] = [
     ("documents", lambda r: r.documents is not None, "documents are not supported"),
     ("messages", lambda r: _has_media(r), "only text message content is supported"),
     ("tool_choice", lambda r: _tool_choice_without_tools(r), "tool_choice needs tools"),
-    ("tool_choice", lambda r: _named(r) and r.tool_choice.function.name not in _tool_names(r), "the named function is not among the tools"),
-    ("response_format", lambda r: _forced_call(r) and _constrained(r), "a forced tool call (tool_choice 'required' or named) cannot be combined with structured outputs"),
+    (
+        "tool_choice",
+        lambda r: _named(r) and r.tool_choice.function.name not in _tool_names(r),
+        "the named function is not among the tools",
+    ),
+    (
+        "response_format",
+        lambda r: _forced_call(r) and _constrained(r),
+        "a forced tool call (tool_choice 'required' or named) cannot be combined with structured outputs",
+    ),
     ("functions", lambda r: r.functions is not None, "the legacy functions field is not supported: send tools"),
-    ("function_call", lambda r: r.function_call is not None, "the legacy function_call field is not supported: send tool_choice"),
+    (
+        "function_call",
+        lambda r: r.function_call is not None,
+        "the legacy function_call field is not supported: send tool_choice",
+    ),
     ("audio", lambda r: r.audio is not None, "audio output is not supported"),
     ("modalities", lambda r: r.modalities not in (None, ["text"]), "only the text modality is supported"),
     ("prediction", lambda r: r.prediction is not None, "predicted outputs are not supported"),
@@ -108,7 +120,9 @@ def _check_counts(n: int | None, top_logprobs: int | None) -> None:
     if n is not None and not 1 <= n <= MAX_N:
         raise InvalidRequest(f"n must be between 1 and {MAX_N}, got {n}", param="n")
     if top_logprobs is not None and not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
-        raise InvalidRequest(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {top_logprobs}", param="top_logprobs")
+        raise InvalidRequest(
+            f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {top_logprobs}", param="top_logprobs"
+        )
 
 
 def check_metadata(metadata: dict[str, str] | None) -> None:
@@ -170,7 +184,8 @@ def check_chat_limits(request: ChatCompletionRequest, limits: Limits) -> None:
     _check_max_tokens(request.max_completion_tokens, "max_completion_tokens", limits)
     if len(request.messages) > limits.max_messages:
         raise InvalidRequest(
-            f"messages holds {len(request.messages)} messages, at most {limits.max_messages} are accepted", param="messages"
+            f"messages holds {len(request.messages)} messages, at most {limits.max_messages} are accepted",
+            param="messages",
         )
     _check_grammar(request, limits)
 
@@ -203,7 +218,9 @@ def check_completion_limits(request: CompletionRequest, limits: Limits) -> None:
     _check_max_tokens(request.max_tokens, "max_tokens", limits)
     prompts = prompt_count(request)
     if prompts > limits.max_prompts:
-        raise InvalidRequest(f"prompt holds {prompts} prompts, at most {limits.max_prompts} are accepted", param="prompt")
+        raise InvalidRequest(
+            f"prompt holds {prompts} prompts, at most {limits.max_prompts} are accepted", param="prompt"
+        )
 
 
 def check_buffered_answer(
@@ -217,11 +234,15 @@ def check_buffered_answer(
         return
     size = prompts * (n or 1) * tokens * (1 + top_logprobs)
     if size > most:
-        said = f"max_tokens={max_tokens}" if max_tokens is not None else f"max_tokens (not given: the context, {tokens})"
-        shape = f"n={n or 1} × {said} × (1 + top_logprobs={top_logprobs})" + (f" × {prompts} prompts" if prompts > 1 else "")
+        said = (
+            f"max_tokens={max_tokens}" if max_tokens is not None else f"max_tokens (not given: the context, {tokens})"
+        )
+        shape = f"n={n or 1} × {said} × (1 + top_logprobs={top_logprobs})" + (
+            f" × {prompts} prompts" if prompts > 1 else ""
+        )
         raise InvalidRequest(
-            f"a non-streamed answer of {shape} = {size} tokens is over limits.max_buffered_tokens={most} on this gateway:"
-            " stream it (stream: true), or lower n, max_tokens or top_logprobs",
+            f"a non-streamed answer of {shape} = {size} tokens is over limits.max_buffered_tokens={most}"
+            " on this gateway: stream it (stream: true), or lower n, max_tokens or top_logprobs",
             param="max_tokens",
         )
 
@@ -233,7 +254,9 @@ def check_token_ids(sampling: dict[str, Any], vocab_size: int) -> None:
         ids = sampling.get(name)
         for token_id in ids or ():
             if not 0 <= token_id < vocab_size:
-                raise InvalidRequest(f"{name}: token id {token_id} is not in the vocabulary (0..{vocab_size - 1})", param=name)
+                raise InvalidRequest(
+                    f"{name}: token id {token_id} is not in the vocabulary (0..{vocab_size - 1})", param=name
+                )
 
 
 def check_text_size(chars: int, max_model_len: int | None, max_chars_per_token: int) -> None:

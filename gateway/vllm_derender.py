@@ -19,7 +19,13 @@ from typing import Any
 from msgspec import UNSET
 
 from engine.derender.chat import ReasoningField
-from engine.openai_schema import ChatCompletion, ChatCompletionChoice, ChatCompletionMessage, ChatCompletionRequest, Usage
+from engine.openai_schema import (
+    ChatCompletion,
+    ChatCompletionChoice,
+    ChatCompletionMessage,
+    ChatCompletionRequest,
+    Usage,
+)
 from engine.protocol import (
     EngineError,
     GenerateDerenderChoice,
@@ -107,7 +113,9 @@ def chat_completion(
     )
 
 
-def _choice(choice: GenerateDerenderChoice, reasoning_field: ReasoningField, return_token_ids: bool) -> ChatCompletionChoice:
+def _choice(
+    choice: GenerateDerenderChoice, reasoning_field: ReasoningField, return_token_ids: bool
+) -> ChatCompletionChoice:
     return ChatCompletionChoice(
         index=choice.index,
         message=_message(choice.message, reasoning_field),

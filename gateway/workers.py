@@ -56,21 +56,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gateway.preflight import EXIT_CONFIG, StartupError, port_error, startup_errors
+from gateway.worker_env import PORT_ENV, RUN_DIR_ENV, WORKER_ENV, run_dir, worker_port
 
 log = logging.getLogger(__name__)
 
-WORKER_ENV = "ONEHOP_GATEWAY_WORKER"
-"""A worker's index (0..N-1): set in the workers only."""
-RUN_DIR_ENV = "ONEHOP_GATEWAY_RUN_DIR"
-"""The folder the workers of one run share (metrics files, the Responses store)."""
-PORT_ENV = "ONEHOP_GATEWAY_PORT"
-"""The port the supervisor bound: it overrides the config's (which may be 0)."""
 METRICS_ENV = "PROMETHEUS_MULTIPROC_DIR"
 """prometheus-client's multiprocess mode: read when prometheus_client is first imported."""
 PARENT_FD_ENV = "ONEHOP_GATEWAY_PARENT_FD"
 """A worker's read end of a pipe whose write end only the supervisor holds: end of file
 means the supervisor is gone, however it died."""
-WORKER_HEADER = "onehop-worker"
 START_ERROR_FILE = "start-error"
 """In the run directory: why a worker could not start (`EXIT_CONFIG`), for the supervisor to print."""
 PR_SET_PDEATHSIG = 1
@@ -101,21 +95,6 @@ def _cgroup_cpus(path: Path = Path("/sys/fs/cgroup/cpu.max")) -> int | None:
     if quota == "max":
         return None
     return max(1, math.ceil(int(quota) / int(period)))
-
-
-def worker_index() -> int | None:
-    value = os.environ.get(WORKER_ENV)
-    return int(value) if value is not None else None
-
-
-def run_dir() -> Path | None:
-    value = os.environ.get(RUN_DIR_ENV)
-    return Path(value) if value else None
-
-
-def worker_port(configured: int) -> int:
-    value = os.environ.get(PORT_ENV)
-    return int(value) if value else configured
 
 
 def serve_worker(config: Path) -> int:
@@ -251,7 +230,9 @@ class Supervisor:
                 sys.stderr.write(_read_start_error(env[RUN_DIR_ENV]))
                 return 2
             if self._quick_deaths >= GIVE_UP:
-                log.error("gateway workers died %d times in a row within %.0f s of their start: giving up", GIVE_UP, STABLE_S)
+                log.error(
+                    "gateway workers died %d times in a row within %.0f s of their start: giving up", GIVE_UP, STABLE_S
+                )
                 return 1
             time.sleep(0.1)
         return 0
@@ -315,4 +296,4 @@ def _mark_dead(pid: int, metrics: Path) -> None:
     """Drop a dead worker's live gauges (in-flight, waiting) from the sums."""
     from prometheus_client import multiprocess
 
-    multiprocess.mark_process_dead(pid, str(metrics))
+    multiprocess.mark_process_dead(pid, str(metrics))  # type: ignore[no-untyped-call]  # unannotated upstream

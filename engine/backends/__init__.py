@@ -10,7 +10,7 @@ from engine.backends.base import Backend
 from engine.config import EngineConfig, convert_backend_config
 
 
-def _sim_formats(config: EngineConfig) -> dict[str, str]:
+def _sim_formats(config: EngineConfig) -> dict[str, str | None]:
     """The simulator writes in the engine's parser families, where it knows how to."""
     from engine.derender.parsers import REASONING_PARSERS, TOOL_PARSERS
 
@@ -38,7 +38,11 @@ def make_backend(config: EngineConfig) -> Backend:
     if config.backend == "hf":
         from engine.backends.hf import HFBackend, HFBackendConfig
 
-        return HFBackend(convert_backend_config(config, HFBackendConfig, {"model": config.model, "served_model_name": name}))
+        return HFBackend(
+            convert_backend_config(config, HFBackendConfig, {"model": config.model, "served_model_name": name})
+        )
     from engine.backends.vllm import VLLMBackend, VLLMBackendConfig
 
-    return VLLMBackend(convert_backend_config(config, VLLMBackendConfig, {"model": config.model, "served_model_name": name}))
+    return VLLMBackend(
+        convert_backend_config(config, VLLMBackendConfig, {"model": config.model, "served_model_name": name})
+    )

@@ -15,7 +15,7 @@ for it. `abort()` does the same by id from outside the generator.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
@@ -96,7 +96,7 @@ class Backend(Protocol):
         """The awaited checks and work before `generate` (the hf backend compiles a grammar,
         off the event loop); a BackendRequestError here is a 400 before any byte is sent."""
 
-    def generate(self, request: BackendRequest) -> AsyncIterator[list[BackendOutput]]:
+    def generate(self, request: BackendRequest) -> AsyncGenerator[list[BackendOutput], None]:
         """Yield batches of per-choice outputs until every choice has a finish_reason."""
 
     async def abort(self, request_id: str) -> None:

@@ -11,9 +11,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # a TypedDict of the stubs only
 
 from engine.backends.base import BackendRequestError
 from engine.protocol import StructuredOutputs
@@ -49,7 +52,7 @@ def compile_grammar(constraint: StructuredOutputs) -> str:
     take the engine down (`grammar_check`), or after such a call passed on a smaller stack."""
     if constraint.kind not in CONSTRAINTS:
         raise BackendRequestError(f"the hf backend cannot enforce structured_outputs.{constraint.kind}")
-    flexible = {"whitespace_flexible": not constraint.disable_any_whitespace}
+    flexible: JsonCompileOptions = {"whitespace_flexible": not constraint.disable_any_whitespace}
     try:
         if constraint.json is not None:
             schema = json.loads(constraint.json) if isinstance(constraint.json, str) else constraint.json

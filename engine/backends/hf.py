@@ -173,7 +173,7 @@ def load_model(config: HFBackendConfig) -> tuple[Any, torch.device]:
     dtype = _pick_dtype(config.dtype, device)
     model = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype, local_files_only=True)
     model.to(device)  # type: ignore[arg-type]  # transformers wraps .to() in a decorator mypy misreads
-    model.eval()
+    model.eval()  # type: ignore[no-untyped-call]  # transformers leaves its eval() unannotated
     layers = DynamicCache(config=model.config).layers
     # Joins pad and concatenate whole key/value tensors; sliding-window and
     # linear-attention layers keep other state that this cannot line up.
@@ -539,7 +539,7 @@ def _race_in_pool(
     if nucleus_only:
         pooled = values[nucleus_only, : min(TOP_P_POOL, vocab)].logsumexp(dim=-1)
         mass = (pooled - logits[nucleus_only].logsumexp(dim=-1)).exp().tolist()
-        wider = [j for j, held in zip(nucleus_only, mass) if held < plans[j].top_p]
+        wider = [j for j, held in zip(nucleus_only, mass, strict=True) if held < plans[j].top_p]
         if wider:
             for j in wider:
                 widths[j] = vocab
@@ -587,7 +587,7 @@ def _entry(token: int, value: float, rank: int, top_ids: list[int], top_values: 
     top = [GenerateLogProb(token_id=token, logprob=value, rank=rank)]
     top += [
         GenerateLogProb(token_id=t, logprob=v, rank=place)
-        for place, (t, v) in enumerate(zip(top_ids, top_values), start=1)
+        for place, (t, v) in enumerate(zip(top_ids, top_values, strict=True), start=1)
         if t != token
     ]
     return GenerateLogProbsContent(token_id=token, logprob=value, rank=rank, top_logprobs=top)
@@ -921,7 +921,12 @@ class HFBackend:
             logprobs = [item.logprobs] if item.logprobs is not None else None
             owner.outbox.put(
                 BackendOutput(
-                    item.row.index, [item.token], logprobs, item.finish_reason, item.stop_reason, queued_s=owner.queued_s
+                    item.row.index,
+                    [item.token],
+                    logprobs,
+                    item.finish_reason,
+                    item.stop_reason,
+                    queued_s=owner.queued_s,
                 )
             )
             item.row.reported = item.finish_reason is not None
@@ -959,7 +964,7 @@ class HFBackend:
             # The cache may be half updated: drop the whole batch.
             self._fail_batch(result, exc, [row.owner for row in batch.rows])
             return
-        result.emitted.extend(_accept(row, t, lp) for row, t, lp in zip(batch.rows, tokens, logprobs))
+        result.emitted.extend(_accept(row, t, lp) for row, t, lp in zip(batch.rows, tokens, logprobs, strict=True))
 
     def _fail_batch(self, result: _StepResult, error: Exception, owners: list[_Request]) -> None:
         for owner in owners + [row.owner for row in self._batch.rows]:
@@ -973,7 +978,7 @@ class HFBackend:
             out = self._model(input_ids=state.prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
             logits = self._logits(out.logits).expand(len(state.rows), -1)
             tokens, logprobs = _sample(logits, state.rows)
-            result.emitted.extend(_accept(row, t, lp) for row, t, lp in zip(state.rows, tokens, logprobs))
+            result.emitted.extend(_accept(row, t, lp) for row, t, lp in zip(state.rows, tokens, logprobs, strict=True))
             going_on = [i for i, row in enumerate(state.rows) if not row.finished]
             if not going_on:
                 return None

@@ -138,7 +138,7 @@ import random
 import uuid
 import zlib
 from array import array
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -174,8 +174,13 @@ SIM_CONSTRAINTS = frozenset({"json", "json_object", "choice"})
 _RANK_STEP = 1.5
 _TAIL_WINDOW = 8  # prompt tokens decoded to find the generation prompt (3 tokens in Qwen3)
 
-_ASCII_WORDS = tuple(
-    ["the", "a", "of", "to", "and", "in", "request", "token", "stream", "latency", "queue", "batch", "prefill", "decode", "cache", "model", "server", "client", "load", "test", "engine", "router", "shard", "replica", "budget", "window", "chunk", "step", "signal", "metric", "trace", "span", "sample", "output", "prompt", "context", "reply", "answer", "result", "value", "simple", "steady", "quick", "quiet", "bright", "plain", "river", "mountain", "harbor", "garden", "lantern", "copper", "marble", "amber", "violet", "meadow", "orbit", "pixel", "vector", "kernel", "packet", "socket", "buffer"]
+_ASCII_WORDS = (
+    "the", "a", "of", "to", "and", "in", "request", "token", "stream", "latency", "queue", "batch", "prefill",
+    "decode", "cache", "model", "server", "client", "load", "test", "engine", "router", "shard", "replica", "budget",
+    "window", "chunk", "step", "signal", "metric", "trace", "span", "sample", "output", "prompt", "context", "reply",
+    "answer", "result", "value", "simple", "steady", "quick", "quiet", "bright", "plain", "river", "mountain",
+    "harbor", "garden", "lantern", "copper", "marble", "amber", "violet", "meadow", "orbit", "pixel", "vector",
+    "kernel", "packet", "socket", "buffer",
 )
 # Multi-byte words: split across byte-level tokens, they exercise UTF-8 reassembly.
 _EXOTIC_WORDS = ("世界", "🫠", "𓀀", "café", "naïve", "Ωmega")
@@ -353,7 +358,10 @@ class _PromptReader:
         chatml = self._start in ids
         tail = self.decode(ids[-_TAIL_WINDOW:]) if chatml else ""
         return _Prompt(
-            ids=ids, thinking_open=tail.endswith(_GENERATION_PROMPT), tools=self._tools(ids), open_call=self._open_call(ids)
+            ids=ids,
+            thinking_open=tail.endswith(_GENERATION_PROMPT),
+            tools=self._tools(ids),
+            open_call=self._open_call(ids),
         )
 
     def _open_call(self, ids: list[int]) -> str | None:
@@ -781,7 +789,7 @@ class SimBackend:
     async def prepare(self, request: BackendRequest) -> BackendRequest:
         return request  # a constraint is read when its answer is written: nothing compiles
 
-    async def generate(self, request: BackendRequest) -> AsyncIterator[list[BackendOutput]]:
+    async def generate(self, request: BackendRequest) -> AsyncGenerator[list[BackendOutput], None]:
         if self._closed:
             raise BackendError("the sim backend is closed")
         prompt = self._check(request)

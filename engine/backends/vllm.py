@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import math
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -41,7 +41,13 @@ from engine.backends.base import (
     FinishReason,
 )
 from engine.derender.logprobs import LOGPROB_FLOOR
-from engine.protocol import CONSTRAINT_KINDS, GenerateLogProb, GenerateLogProbsContent, SamplingParams, StructuredOutputs
+from engine.protocol import (
+    CONSTRAINT_KINDS,
+    GenerateLogProb,
+    GenerateLogProbsContent,
+    SamplingParams,
+    StructuredOutputs,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -134,7 +140,7 @@ class VLLMBackend:
     async def prepare(self, request: BackendRequest) -> BackendRequest:
         return request  # vLLM compiles grammars in its own engine-core process
 
-    async def generate(self, request: BackendRequest) -> AsyncIterator[list[BackendOutput]]:
+    async def generate(self, request: BackendRequest) -> AsyncGenerator[list[BackendOutput], None]:
         llm = self._started()
         rid = request.request_id
         params = vllm_sampling_params(request, self.info.eos_token_ids)
@@ -244,7 +250,9 @@ def _structured_outputs(constraint: StructuredOutputs | None) -> Any:
         return None
     from vllm.sampling_params import StructuredOutputsParams
 
-    fields = {f: getattr(constraint, f) for f in constraint.__struct_fields__ if f not in ("backend", "backend_was_auto")}
+    fields = {
+        f: getattr(constraint, f) for f in constraint.__struct_fields__ if f not in ("backend", "backend_was_auto")
+    }
     try:
         return StructuredOutputsParams(**fields)
     except (ValueError, TypeError) as exc:

@@ -105,7 +105,7 @@ def compose_parser(tokenizer: Any, reasoning: str | None, tool: str | None, mode
         )
     except TypeError as exc:  # vLLM's way of saying unregistered, or not for this tokenizer
         raise UnknownParser(f"vLLM cannot parse reasoning {reasoning!r}, tool {tool!r}: {exc}") from exc
-    if parser_cls is None:
+    if not isinstance(parser_cls, type):  # None: no parser by these names
         raise UnknownParser(f"vLLM has no parser for reasoning {reasoning!r}, tool {tool!r}")
     return parser_cls
 
@@ -139,18 +139,18 @@ class VLLMStream:
     """One choice's vLLM `Parser`: pending text and ids in, onehop's deltas out."""
 
     __slots__ = (
-        "parser",
-        "_request",
-        "_prompt",
-        "_text",
-        "token_ids",
-        "_sent",
-        "_finishing",
         "_done",
-        "_new_id",
-        "_single",
-        "_index",
+        "_finishing",
         "_held",
+        "_index",
+        "_new_id",
+        "_prompt",
+        "_request",
+        "_sent",
+        "_single",
+        "_text",
+        "parser",
+        "token_ids",
     )
 
     def __init__(
@@ -267,7 +267,7 @@ class VLLMParserSet:
     these names) and vLLM's parsers read text, so stop strings may cut anywhere.
     """
 
-    __slots__ = ("marker_ids", "atomic_ids", "_tokenizer", "_model_config", "_cls", "_forced_cls")
+    __slots__ = ("_cls", "_forced_cls", "_model_config", "_tokenizer", "atomic_ids", "marker_ids")
 
     def __init__(self, tokenizer: Any, reasoning: str | None, tool: str | None, *, model_config: Any = None) -> None:
         self.marker_ids: Mapping[str, int] = {}

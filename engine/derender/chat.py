@@ -162,23 +162,23 @@ class ChatChoiceState:
     """One choice's derender state for the life of the request."""
 
     __slots__ = (
-        "index",
-        "_vocab",
-        "_options",
-        "_text",
-        "_parsers",
-        "_splitter",
-        "_parser",
-        "_reasoning",
-        "_content",
-        "_calls",
-        "_logprobs",
-        "_whole",
         "_called",
-        "token_ids",
+        "_calls",
+        "_content",
+        "_logprobs",
+        "_options",
+        "_parser",
+        "_parsers",
+        "_reasoning",
+        "_splitter",
+        "_text",
+        "_vocab",
+        "_whole",
         "completion_tokens",
         "finish_reason",
+        "index",
         "stop_reason",
+        "token_ids",
     )
 
     def __init__(

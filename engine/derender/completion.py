@@ -58,19 +58,19 @@ class CompletionOptions:
 
 class CompletionChoiceState:
     __slots__ = (
-        "index",
-        "_vocab",
-        "_options",
-        "_text",
-        "_parts",
-        "_offset",
         "_echo",
         "_logprobs",
+        "_offset",
+        "_options",
+        "_parts",
+        "_text",
+        "_vocab",
         "_whole",
-        "token_ids",
         "completion_tokens",
         "finish_reason",
+        "index",
         "stop_reason",
+        "token_ids",
     )
 
     def __init__(
@@ -269,7 +269,9 @@ class CompletionDerender:
         finish_reason: str | None = None,
         stop_reason: int | str | None = None,
     ) -> CompletionChunk | None:
-        choice = self.choices[index].feed_text(text, token_ids, logprobs, finish_reason=finish_reason, stop_reason=stop_reason)
+        choice = self.choices[index].feed_text(
+            text, token_ids, logprobs, finish_reason=finish_reason, stop_reason=stop_reason
+        )
         if choice is None:
             return None
         chunk = CompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])

@@ -44,7 +44,7 @@ class ByteLevelDetokenizer:
     table lookup while nothing is pending).
     """
 
-    __slots__ = ("_bytes", "_text", "_added", "_skipped", "_utf8", "_pending", "_held")
+    __slots__ = ("_added", "_bytes", "_held", "_pending", "_skipped", "_text", "_utf8")
 
     def __init__(self, vocab: TokenVocab, *, skip_special_tokens: bool = True) -> None:
         self._bytes = vocab.token_bytes

@@ -28,7 +28,9 @@ def chat_logprobs(vocab: TokenVocab, entries: Sequence[GenerateLogProbsContent],
             for c in entry.top_logprobs[:top_n]
             for p in (piece(c.token_id),)
         ]
-        out.append(ChatLogprobToken(token=token, logprob=max(entry.logprob, LOGPROB_FLOOR), bytes=raw, top_logprobs=top))
+        out.append(
+            ChatLogprobToken(token=token, logprob=max(entry.logprob, LOGPROB_FLOOR), bytes=raw, top_logprobs=top)
+        )
     return out
 
 

@@ -57,10 +57,7 @@ class MarkerSplitter:
         return [(held, -1)] if held else []
 
     def _may_hold_marker(self, text: str) -> bool:
-        for first in self._firsts:
-            if first in text:
-                return True
-        return False
+        return any(map(text.__contains__, self._firsts))  # map: no generator frame per token
 
     def _partial_suffix(self, text: str) -> int:
         for size in range(min(len(text), self._longest), 0, -1):

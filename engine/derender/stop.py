@@ -39,16 +39,16 @@ class StopStrings:
     """Per-choice stop-string state."""
 
     __slots__ = (
-        "_stops",
-        "_include",
-        "_min_tokens",
         "_atomic",
+        "_include",
+        "_max_hold",
+        "_min_end",
+        "_min_tokens",
         "_pending",
         "_pending_len",
         "_released",
+        "_stops",
         "_tokens",
-        "_min_end",
-        "_max_hold",
     )
 
     def __init__(

@@ -53,7 +53,7 @@ def ends_on_stop_token(finish_reason: str | None, stop_reason: int | str | None)
 
 
 class TextPipeline:
-    __slots__ = ("_vocab", "_detok", "_stop", "_include_stop", "finished")
+    __slots__ = ("_detok", "_include_stop", "_stop", "_vocab", "finished")
 
     def __init__(
         self,
@@ -96,10 +96,14 @@ class TextPipeline:
         self._vocab.check_ids(token_ids)
         decoded = token_ids
         silent: int | None = None  # the EOS / stop token: its id is kept, its text is not
-        if finish_reason is not None and token_ids and not self._include_stop:
-            if ends_on_stop_token(finish_reason, stop_reason):
-                decoded = token_ids[:-1]
-                silent = token_ids[-1]
+        if (
+            finish_reason is not None
+            and token_ids
+            and not self._include_stop
+            and ends_on_stop_token(finish_reason, stop_reason)
+        ):
+            decoded = token_ids[:-1]
+            silent = token_ids[-1]
         step = self._detok.step
         if len(decoded) == 1:  # the usual step: one token
             pieces: list[Piece] = [(step(decoded[0]), decoded[0])]

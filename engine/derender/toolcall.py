@@ -28,20 +28,20 @@ class ToolCallBody:
     """State of one tool call body; feed text, then read `name` / `take_arguments()`."""
 
     __slots__ = (
-        "name",
-        "has_arguments",
-        "arguments_done",
-        "closed",
-        "_depth",
-        "_in_string",
-        "_escape",
-        "_expect",
-        "_key",
-        "_string_role",
-        "_buffer",
         "_args_depth",
         "_args_out",
+        "_buffer",
+        "_depth",
+        "_escape",
+        "_expect",
+        "_in_string",
+        "_key",
         "_scalar",
+        "_string_role",
+        "arguments_done",
+        "closed",
+        "has_arguments",
+        "name",
     )
 
     def __init__(self) -> None:
@@ -73,10 +73,7 @@ class ToolCallBody:
         pos = 0
         end = len(text)
         while pos < end and not self.closed:
-            if self._in_string:
-                pos = self._feed_string(text, pos)
-            else:
-                pos = self._feed_outside(text, pos)
+            pos = self._feed_string(text, pos) if self._in_string else self._feed_outside(text, pos)
         return pos
 
     def _feed_string(self, text: str, pos: int) -> int:

@@ -39,7 +39,7 @@ def _unicode_to_byte() -> dict[str, int]:
             printable.append(byte)
             codepoints.append(256 + extra)
             extra += 1
-    return {chr(cp): byte for byte, cp in zip(printable, codepoints)}
+    return {chr(cp): byte for byte, cp in zip(printable, codepoints, strict=True)}
 
 
 def _byte_level_bytes(backend: Tokenizer, token: str, token_id: int) -> bytes:
@@ -61,15 +61,15 @@ class TokenVocab:
     """
 
     __slots__ = (
+        "_complete",
+        "_pieces",
+        "added_text",
         "backend",
         "byte_level",
-        "token_bytes",
-        "added_text",
-        "special_ids",
-        "size",
         "parsers",
-        "_pieces",
-        "_complete",
+        "size",
+        "special_ids",
+        "token_bytes",
     )
 
     def __init__(

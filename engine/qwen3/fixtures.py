@@ -104,10 +104,8 @@ def _ensure(target: Path, required: tuple[str, ...], build: Callable[[Path], Non
 def _discard(folder: Path) -> None:
     # Move it aside first so no reader ever sees a folder half deleted.
     doomed = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old.", dir=folder.parent))
-    try:
+    with contextlib.suppress(FileNotFoundError):  # another builder discarded it first
         folder.rename(doomed / folder.name)
-    except FileNotFoundError:
-        pass  # another builder discarded it first
     shutil.rmtree(doomed, ignore_errors=True)
 
 
@@ -218,12 +216,12 @@ def _quiet_progress_bars() -> Iterator[None]:
     from transformers.utils import logging as hf_logging
 
     was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # unannotated in transformers
     try:
         yield
     finally:
         if was_enabled:
-            hf_logging.enable_progress_bar()
+            hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]  # unannotated in transformers
 
 
 def write_tiny_model(out: Path, tokenizer_dir: Path) -> None:

@@ -68,7 +68,7 @@ class BoundParsers(Protocol):
 class ParserSet:
     """Reasoning and tool families bound to one vocabulary."""
 
-    __slots__ = ("reasoning", "tools", "marker_ids", "atomic_ids")
+    __slots__ = ("atomic_ids", "marker_ids", "reasoning", "tools")
 
     def __init__(self, reasoning: BoundReasoning | None, tools: BoundTools | None) -> None:
         self.reasoning = reasoning
@@ -142,7 +142,7 @@ def check_tool_markers(vocab: TokenVocab, name: str) -> None:
 class ChoiceParser:
     """Reasoning + tool-call parsing of one choice. Feed pieces, drain deltas."""
 
-    __slots__ = ("_reasoning", "_tools", "_strays", "_reasoning_out", "_content_out", "_index", "_closer", "_finished")
+    __slots__ = ("_closer", "_content_out", "_finished", "_index", "_reasoning", "_reasoning_out", "_strays", "_tools")
 
     def __init__(
         self, reasoning: ReasoningParser | None, tools: ToolParser | None, strays: Mapping[int, str]

@@ -15,7 +15,7 @@ from __future__ import annotations
 class ContentText:
     """Content of one choice while a tool parser is on."""
 
-    __slots__ = ("out", "_held")
+    __slots__ = ("_held", "out")
 
     def __init__(self) -> None:
         self.out: list[str] = []

@@ -22,8 +22,8 @@ Reasoning is `ThinkReasoning` with DeepSeek's rules (vLLM's
 
 Tool calls sit in a section; every marker is a single token:
 
-    V3:   <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜>
-          (calls joined by "\\n") <｜tool▁calls▁end｜>
+    V3:   <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```
+          <｜tool▁call▁end｜> (calls joined by "\\n") <｜tool▁calls▁end｜>
     V3.1: <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>
 
 States of one choice:
@@ -175,22 +175,22 @@ class DeepSeekToolParser(ToolParser):
     """One choice's V3 (`fenced`) or V3.1 tool-call parsing."""
 
     __slots__ = (
-        "_kinds",
-        "_fenced",
-        "_options",
         "_content",
         "_deltas",
-        "_section",
-        "_section_called",
+        "_fenced",
+        "_has_arguments",
+        "_header_sent",
+        "_held",
+        "_index",
+        "_kinds",
+        "_name",
+        "_options",
         "_pending",
         "_phase",
         "_raw",
+        "_section",
+        "_section_called",
         "_space",
-        "_name",
-        "_held",
-        "_index",
-        "_header_sent",
-        "_has_arguments",
         "calls",
     )
 
@@ -212,7 +212,8 @@ class DeepSeekToolParser(ToolParser):
         self._deltas: list[ToolDelta] = []
         self._section = False
         self._section_called = False  # a call was made in the open section
-        self._pending: list[str] = []  # the space before the section, its opening, the space after, until text or a call
+        # The space before the section, its opening, the space after, until text or a call.
+        self._pending: list[str] = []
         self._phase = _NONE
         self._raw: list[str] = []  # the open call's text until its header, given back if it never gets one
         self._space: list[str] = []  # whitespace held when the call began

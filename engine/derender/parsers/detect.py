@@ -69,7 +69,7 @@ def detect(facts: ModelFacts) -> Detected:
     """The (reasoning, tool) family of a model; (None, None) when nothing is recognised."""
     tokens, template, kind = facts.added_tokens, facts.chat_template, facts.model_type
     think = "<think>" in tokens and "</think>" in tokens
-    if "<|channel|>" in tokens and "<|message|>" in tokens or kind == "gpt_oss":
+    if ("<|channel|>" in tokens and "<|message|>" in tokens) or kind == "gpt_oss":
         return Detected("openai_gptoss", "openai", "Harmony tokens (<|channel|>, <|message|>)")
     if "<｜tool▁calls▁begin｜>" in tokens:
         tool = "deepseek_v3" if "function<｜tool▁sep｜>" in template else "deepseek_v31"

@@ -139,7 +139,7 @@ def format_reasoning_47(text: str) -> str:
 
 
 class GlmReasoning(ReasoningParser):
-    __slots__ = ("_by_id", "_think", "_state", "_in_call", "_held", "reasoning_tokens")
+    __slots__ = ("_by_id", "_held", "_in_call", "_state", "_think", "reasoning_tokens")
 
     def __init__(self, bound: BoundGlmThink, state: int, *, track_calls: bool) -> None:
         by_id = {bound.start: (_OPEN, THINK_START), bound.end: (_CLOSE, THINK_END)}
@@ -283,7 +283,7 @@ def forced_prefix_47(name: str | None) -> str:
 class CallContent:
     """Content around calls, whitespace as vLLM's non-streamed answer has it (see the module doc)."""
 
-    __slots__ = ("out", "_held", "_emitted")
+    __slots__ = ("_emitted", "_held", "out")
 
     def __init__(self) -> None:
         self.out: list[str] = []
@@ -322,24 +322,24 @@ class CallContent:
 
 class GlmToolParser(ToolParser):
     __slots__ = (
-        "_start",
-        "_end",
-        "_stray",
-        "_options",
-        "_names",
+        "_args",
         "_content",
         "_deltas",
-        "_state",
-        "_pending",
-        "_name",
-        "_key",
+        "_end",
         "_gap",
-        "_value",
-        "_types",
-        "_properties",
         "_index",
-        "_args",
+        "_key",
         "_made",
+        "_name",
+        "_names",
+        "_options",
+        "_pending",
+        "_properties",
+        "_start",
+        "_state",
+        "_stray",
+        "_types",
+        "_value",
         "calls",
     )
 
@@ -396,7 +396,7 @@ class GlmToolParser(ToolParser):
         if not text:
             return
         state = self._state
-        if state == _NONE or state == _RAW:
+        if state in (_NONE, _RAW):
             self._content.add(text, calls=self._made)
             return
         while text:  # hot loop inside a call: one tag search per state change

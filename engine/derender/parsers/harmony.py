@@ -57,6 +57,7 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from enum import Enum, auto
 
 from engine.derender.parsers.base import (
     BoundReasoning,
@@ -89,13 +90,23 @@ ROLES = frozenset(("user", "assistant", "system", "developer", "tool"))
 BUILTIN_TOOLS = frozenset(("python", "browser", "container"))
 FUNCTIONS = "functions."
 # Rust's `char::is_whitespace` (Unicode White_Space), which the header grammar trims with.
-_WHITESPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680" + "".join(map(chr, range(0x2000, 0x200B))) + "\u2028\u2029\u202f\u205f\u3000"
+_WHITESPACE = (
+    "\t\n\x0b\x0c\r \x85\xa0\u1680" + "".join(map(chr, range(0x2000, 0x200B))) + "\u2028\u2029\u202f\u205f\u3000"
+)
 _CHANNEL_END = re.compile(f"[<{re.escape(_WHITESPACE)}]")
 # Rust's `split_ascii_whitespace` (no vertical tab).
 _ASCII_SPLIT = re.compile(r"[ \t\n\x0c\r]+")
 
-REASONING, CONTENT, TOOL, IGNORE = range(4)
 _EXPECT, _HEADER, _CONTENT = range(3)
+
+
+class MessageKind(Enum):
+    """Where a message's text goes: reasoning, content, a tool call, or nowhere."""
+
+    REASONING = auto()
+    CONTENT = auto()
+    TOOL = auto()
+    IGNORE = auto()
 
 
 class HeaderError(ValueError):
@@ -191,16 +202,16 @@ def function_name(recipient: str | None) -> str | None:
     return recipient
 
 
-def message_kind(header: Header) -> int:
+def message_kind(header: Header) -> MessageKind:
     if function_name(header.recipient) is not None:
-        return TOOL if header.role == "assistant" else IGNORE
+        return MessageKind.TOOL if header.role == "assistant" else MessageKind.IGNORE
     if header.role != "assistant":
-        return IGNORE
+        return MessageKind.IGNORE
     if header.channel == "analysis":
-        return REASONING
+        return MessageKind.REASONING
     if header.channel == "final" or (header.channel == "commentary" and header.recipient is None):
-        return CONTENT
-    return IGNORE
+        return MessageKind.CONTENT
+    return MessageKind.IGNORE
 
 
 def counts_as_reasoning(header: Header) -> bool:
@@ -247,7 +258,7 @@ def _call_opening(name: str) -> str:
 class _HarmonyMachine:
     """Harmony's message structure over pieces; the stages route what it finds."""
 
-    __slots__ = ("_by_id", "_state", "_role", "_header", "_raw", "_marked", "_kind", "_joined", "_started")
+    __slots__ = ("_by_id", "_header", "_joined", "_kind", "_marked", "_raw", "_role", "_started", "_state")
 
     def __init__(self, markers: Markers) -> None:
         self._by_id = markers.by_id
@@ -258,7 +269,7 @@ class _HarmonyMachine:
         """The plain text of headers since the last message opened (for a header the output ends inside)."""
         self._marked = False
         """Whether a Harmony marker token (stop tokens aside) came since the last message opened."""
-        self._kind = IGNORE
+        self._kind = MessageKind.IGNORE
         self._joined = [False, False]
         """Whether a reasoning / content message with text came before (the "\\n" join)."""
         self._started = False
@@ -386,7 +397,7 @@ class BoundHarmonyReasoning(BoundReasoning):
 class HarmonyReasoning(_HarmonyMachine, ReasoningParser):
     """Analysis text to reasoning; the rest passed on (Harmony tool stage) or as clean content."""
 
-    __slots__ = ("_specials", "_passthrough", "_counting", "_reasoning", "_out", "reasoning_tokens")
+    __slots__ = ("_counting", "_out", "_passthrough", "_reasoning", "_specials", "reasoning_tokens")
 
     def __init__(self, bound: BoundHarmonyReasoning, *, passthrough: bool) -> None:
         super().__init__(bound.markers)
@@ -421,14 +432,14 @@ class HarmonyReasoning(_HarmonyMachine, ReasoningParser):
         if self._counting and token_id >= 0 and token_id not in self._specials:
             self.reasoning_tokens += 1
         kind = self._kind
-        if kind == REASONING:
+        if kind is MessageKind.REASONING:
             if text:
                 if not self._started and self._join(0):
                     self._reasoning.append("\n")
                 self._reasoning.append(text)
         elif self._passthrough:
             self._out.append((text, token_id))
-        elif kind == CONTENT and text:
+        elif kind is MessageKind.CONTENT and text:
             if not self._started and self._join(1):
                 self._out.append(("\n", -1))
             self._out.append((text, -1))
@@ -459,7 +470,7 @@ class BoundHarmonyTools(BoundTools):
 class HarmonyTools(_HarmonyMachine, ToolParser):
     """Content messages to content, function messages to tool calls; analysis dropped."""
 
-    __slots__ = ("_options", "_content", "_deltas", "_index", "_has_arguments", "calls")
+    __slots__ = ("_content", "_deltas", "_has_arguments", "_index", "_options", "calls")
 
     def __init__(self, markers: Markers, options: ParseOptions) -> None:
         super().__init__(markers)
@@ -486,7 +497,7 @@ class HarmonyTools(_HarmonyMachine, ToolParser):
 
     def _open(self, header: Header) -> None:
         self._index = -1
-        if self._kind != TOOL or (self.calls and not self._options.parallel_tool_calls):
+        if self._kind is not MessageKind.TOOL or (self.calls and not self._options.parallel_tool_calls):
             return  # parallel_tool_calls=false keeps the first call only
         name = function_name(header.recipient)
         assert name is not None
@@ -501,7 +512,7 @@ class HarmonyTools(_HarmonyMachine, ToolParser):
         if self._index >= 0:
             self._has_arguments = True
             self._deltas.append(ToolDelta(index=self._index, arguments=text))
-        elif self._kind == CONTENT:
+        elif self._kind is MessageKind.CONTENT:
             if not self._started and self._join(1):
                 self._content.append("\n")
             self._content.append(text)

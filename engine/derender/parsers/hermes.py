@@ -56,17 +56,17 @@ def forced_prefix(name: str | None) -> str:
 
 class HermesParser(ToolParser):
     __slots__ = (
-        "_start",
-        "_end",
-        "_stray",
-        "_options",
-        "_content",
-        "_deltas",
         "_call",
         "_call_index",
         "_call_raw",
         "_call_space",
+        "_content",
+        "_deltas",
+        "_end",
         "_header_sent",
+        "_options",
+        "_start",
+        "_stray",
         "calls",
     )
 

@@ -38,17 +38,17 @@ class ArgumentsText:
     """One call's arguments text: `feed` the model's text, `take` what may be streamed."""
 
     __slots__ = (
-        "_properties",
-        "_out",
-        "_lead",
-        "_state",
-        "_key",
-        "_prop",
-        "_held",
         "_depth",
-        "_in_string",
         "_escape",
+        "_held",
+        "_in_string",
+        "_key",
+        "_lead",
         "_literal",
+        "_out",
+        "_prop",
+        "_properties",
+        "_state",
     )
 
     def __init__(self, properties: Mapping[str, Any] | None) -> None:

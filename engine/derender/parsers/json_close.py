@@ -48,7 +48,7 @@ _NUM_NEEDS_DIGIT = frozenset((_NUM_SIGN, _NUM_DOT, _NUM_E, _NUM_ESIGN))
 class JsonCloser:
     """One call's arguments text: `feed` what the family streamed, `close` at the cut."""
 
-    __slots__ = ("_state", "_stack", "_key", "_hex", "_number", "_literal", "_held", "_comma", "_seen")
+    __slots__ = ("_comma", "_held", "_hex", "_key", "_literal", "_number", "_seen", "_stack", "_state")
 
     def __init__(self) -> None:
         self._state = _VALUE
@@ -113,7 +113,7 @@ class JsonCloser:
     def close(self) -> str:
         """The suffix that makes everything streamed valid JSON; `""` when it already is (or never can be)."""
         state = self._state
-        if state == _BROKEN or state == _DONE:
+        if state in (_BROKEN, _DONE):
             return ""
         if not self._seen:
             return "{}"

@@ -160,7 +160,7 @@ class BoundKimiReasoning(BoundReasoning):
 
 
 class KimiReasoning(ReasoningParser):
-    __slots__ = ("_kinds", "_done", "_tools_on", "_space", "reasoning_tokens")
+    __slots__ = ("_done", "_kinds", "_space", "_tools_on", "reasoning_tokens")
 
     def __init__(self, kinds: Kinds, *, in_reasoning: bool, tools_on: bool) -> None:
         self._kinds = kinds
@@ -264,7 +264,7 @@ def call_header(header: str) -> tuple[str, str] | None:
 
 
 class KimiToolParser(MarkerToolParser):
-    __slots__ = ("_header", "_gap")
+    __slots__ = ("_gap", "_header")
 
     def __init__(self, kinds: Kinds, options: ParseOptions) -> None:
         super().__init__(kinds, options)

@@ -98,17 +98,17 @@ FACTORY = ToolFactory("llama3_json", BoundLlama3, format_calls, forced_prefix)
 
 class Llama3JsonParser(ToolParser):
     __slots__ = (
-        "_tag",
-        "_stray",
-        "_options",
-        "_state",
-        "_out",
-        "_held",
-        "_deltas",
         "_call",
-        "_call_raw",
         "_call_index",
+        "_call_raw",
+        "_deltas",
         "_header_sent",
+        "_held",
+        "_options",
+        "_out",
+        "_state",
+        "_stray",
+        "_tag",
         "calls",
     )
 

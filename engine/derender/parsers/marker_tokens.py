@@ -45,7 +45,9 @@ def add_specials(vocab: TokenVocab, kinds: dict[int, tuple[int, str]]) -> None:
             kinds[token_id] = (DROP, vocab.added_text.get(token_id, ""))
 
 
-def with_kinds(kinds: Kinds, cache: dict[tuple[tuple[int, str], ...], Kinds], extra: Mapping[int, str], kind: int) -> Kinds:
+def with_kinds(
+    kinds: Kinds, cache: dict[tuple[tuple[int, str], ...], Kinds], extra: Mapping[int, str], kind: int
+) -> Kinds:
     """`kinds` with the other family's markers (`extra`, id → text) as `kind`, built once per set."""
     if not extra:
         return kinds
@@ -83,7 +85,7 @@ def add_held(text: str, reasoning: list[str], space: list[str]) -> None:
 class MarkerToolParser(ToolParser):
     """One choice's tool parsing over a `Kinds` table; subclasses give the grammar."""
 
-    __slots__ = ("_kinds", "_options", "_content", "_deltas", "_state", "_args", "_index", "_space", "calls")
+    __slots__ = ("_args", "_content", "_deltas", "_index", "_kinds", "_options", "_space", "_state", "calls")
 
     def __init__(self, kinds: Kinds, options: ParseOptions) -> None:
         self._kinds = kinds

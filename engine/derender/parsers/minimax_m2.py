@@ -189,7 +189,7 @@ def forced_prefix(name: str | None) -> str:
 
 
 class MinimaxToolParser(XmlCallParser):
-    __slots__ = ("_offered", "_invoke", "_named")
+    __slots__ = ("_invoke", "_named", "_offered")
 
     _START = START
     _END = END

@@ -108,7 +108,7 @@ def _add_kind(vocab: TokenVocab, kinds: dict[int, tuple[int, str]], text: str, k
 class BoundMistralReasoning(BoundReasoning):
     def __init__(self, vocab: TokenVocab) -> None:
         optional = tuple(text for text in (TOOL_CALLS, ARGS) if optional_id(vocab, text) >= 0)
-        self.markers = Markers(vocab, (THINK_START, THINK_END) + optional)
+        self.markers = Markers(vocab, (THINK_START, THINK_END, *optional))
         self.strays = {}  # a stray `[/THINK]` is dropped here, not by the tool stage
         kinds: dict[int, tuple[int, str]] = {
             self.markers.id(THINK_START): (_THINK_START, THINK_START),
@@ -210,7 +210,7 @@ class JsonValueEnd:
     `{` or `[` (not JSON a model calls with) never closes.
     """
 
-    __slots__ = ("_started", "_dead", "_depth", "_in_string", "_escape")
+    __slots__ = ("_dead", "_depth", "_escape", "_in_string", "_started")
 
     def __init__(self) -> None:
         self._started = False
@@ -308,7 +308,7 @@ def call_id(seed: str) -> str:
 
 
 class MistralToolParser(MarkerToolParser):
-    __slots__ = ("_name", "_end")
+    __slots__ = ("_end", "_name")
 
     def __init__(self, kinds: Kinds, options: ParseOptions) -> None:
         super().__init__(kinds, options)

@@ -152,7 +152,8 @@ def _value(node: ast.expr) -> Any:
     if isinstance(node, ast.Dict):
         if not all(isinstance(key, ast.Constant) for key in node.keys):
             raise BadValue(ast.dump(node))
-        return {key.value: _value(value) for key, value in zip(node.keys, node.values) if isinstance(key, ast.Constant)}
+        pairs = zip(node.keys, node.values, strict=True)
+        return {key.value: _value(value) for key, value in pairs if isinstance(key, ast.Constant)}
     if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
         return [_value(item) for item in node.elts]
     if isinstance(node, ast.JoinedStr) and all(isinstance(part, ast.Constant) for part in node.values):
@@ -268,30 +269,30 @@ def _is_marker(text: str, marker: str) -> str | None:
 
 class PythonicParser(ToolParser):
     __slots__ = (
-        "_options",
-        "_start",
-        "_end",
-        "_strays",
+        "_args",
         "_content",
         "_deltas",
-        "_state",
-        "_raw",
-        "_mark",
-        "_name",
-        "_key",
-        "_held",
-        "_quote",
-        "_escape",
         "_depth",
-        "_triple",
-        "_opening",
-        "_run",
-        "_index",
+        "_end",
+        "_escape",
         "_header",
-        "_members",
-        "_args",
-        "_opened",
+        "_held",
+        "_index",
+        "_key",
         "_lead",
+        "_mark",
+        "_members",
+        "_name",
+        "_opened",
+        "_opening",
+        "_options",
+        "_quote",
+        "_raw",
+        "_run",
+        "_start",
+        "_state",
+        "_strays",
+        "_triple",
         "calls",
     )
 
@@ -327,7 +328,7 @@ class PythonicParser(ToolParser):
     def feed(self, pieces: Sequence[Piece]) -> None:
         start, end, strays = self._start, self._end, self._strays
         for text, token_id in pieces:  # hot loop: one iteration per content token
-            if token_id >= 0 and (token_id == start or token_id == end):
+            if token_id >= 0 and token_id in (start, end):
                 head = _is_marker(text, PYTHON_START if token_id == start else PYTHON_END)
                 if head is not None:
                     self._marker(head, token_id == start, text)
@@ -418,7 +419,7 @@ class PythonicParser(ToolParser):
     # -- call names ---------------------------------------------------------------
 
     def _at_call(self, char: str, text: str, pos: int) -> int:
-        if char.isascii() and char.isalpha() or self._opened and (char.isalpha() or char == "_"):
+        if (char.isascii() and char.isalpha()) or (self._opened and (char.isalpha() or char == "_")):
             self._name = [char]
             self._state = _NAME
             return pos + 1
@@ -441,7 +442,7 @@ class PythonicParser(ToolParser):
     # -- keywords -----------------------------------------------------------------
 
     def _at_argument(self, char: str, text: str, pos: int) -> int:
-        if char.isascii() and char.isalpha() or (self._opened or self._members) and (char.isalpha() or char == "_"):
+        if (char.isascii() and char.isalpha()) or ((self._opened or self._members) and (char.isalpha() or char == "_")):
             self._key = [char]
             self._state = _KEY
             return pos + 1

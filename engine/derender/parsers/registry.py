@@ -64,7 +64,9 @@ def reasoning_factory(name: str) -> ReasoningFactory:
     try:
         return REASONING_PARSERS[name]
     except KeyError:
-        raise UnknownParser(f"unknown reasoning parser {name!r}; known: {', '.join(sorted(REASONING_PARSERS))}") from None
+        raise UnknownParser(
+            f"unknown reasoning parser {name!r}; known: {', '.join(sorted(REASONING_PARSERS))}"
+        ) from None
 
 
 def tool_factory(name: str) -> ToolFactory:

@@ -88,7 +88,7 @@ _START, _END, _TOOL = range(3)
 
 
 class ThinkReasoning(ReasoningParser):
-    __slots__ = ("_by_id", "_uncounted", "_done", "_space", "reasoning_tokens")
+    __slots__ = ("_by_id", "_done", "_space", "_uncounted", "reasoning_tokens")
 
     def __init__(
         self,

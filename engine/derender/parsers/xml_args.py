@@ -58,16 +58,16 @@ class ArgsJson:
     """
 
     __slots__ = (
-        "out",
-        "_properties",
         "_count",
-        "_name",
-        "_types",
-        "_typed",
-        "_written",
-        "_trim",
         "_lead",
+        "_name",
         "_newline",
+        "_properties",
+        "_trim",
+        "_typed",
+        "_types",
+        "_written",
+        "out",
     )
 
     def __init__(self, properties: Mapping[str, Any] | None, out: list[str], *, trim: bool = True) -> None:
