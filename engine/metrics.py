@@ -1,6 +1,6 @@
 """The engine's Prometheus metrics, one registry per app (no global state).
 
-Names are documented in the README. `onehop_engine_output_cpu_seconds_total`
+Names are documented in docs/engine.md. `onehop_engine_output_cpu_seconds_total`
 is the number the gateway's cost policy reads: CPU the engine spent turning
 ids into text or OpenAI objects and writing them, by output mode (how it is
 measured: `engine.generate._Times.output_s`).

@@ -1,4 +1,4 @@
-"""The gateway's Prometheus metrics, one registry per app. Names are in the README.
+"""The gateway's Prometheus metrics, one registry per app. Names are in docs/operations.md.
 
 Under `onehop gateway --workers N` (prometheus-client's multiprocess mode, on
 when `PROMETHEUS_MULTIPROC_DIR` is set before the client is imported) every

@@ -118,7 +118,7 @@ class Rule(Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 def _us_per_token() -> dict[EngineMode, float]:
-    # Engine output-processing CPU per 1k tokens by mode, README Performance:
+    # Engine output-processing CPU per 1k tokens by mode, docs/performance.md:
     # tokens 0.0011 s, text 0.0025 s, derender 0.0032 s.
     return {"tokens": 1.1, "text": 2.5, "derender": 3.2}
 
@@ -130,7 +130,7 @@ def _gateway_us_per_token() -> dict[Route, float]:
 class CostModel(Struct, forbid_unknown_fields=True, kw_only=True):
     engine_us_per_token: dict[EngineMode, NonNegFloat] = msgspec.field(default_factory=_us_per_token)
     engine_us_per_logprob_entry: NonNegFloat = 0.4
-    """README: derender with top_logprobs=20 is 0.0112 s per 1k tokens, (11.2 - 3.2) / 20."""
+    """docs/performance.md: derender with top_logprobs=20 is 0.0112 s per 1k tokens, (11.2 - 3.2) / 20."""
     gateway_us_per_token: dict[Route, NonNegFloat] = msgspec.field(default_factory=_gateway_us_per_token)
     engine_budget_cores: NonNegFloat = 0.25
     """CPU the engine pod's frontend may spend on output processing."""

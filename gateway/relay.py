@@ -398,7 +398,7 @@ class EngineEvents:
         if self._broken is not None:
             raise self._broken
         parts = self._parts
-        if not parts and data.find(b"\n\n") == len(data) - 2:  # the usual read: one whole event
+        if not parts and len(data) > 1 and data.find(b"\n\n") == len(data) - 2:  # one whole event (usual)
             if data.startswith(b"data: {") and not self.done:  # a chunk (its trailing \n\n is JSON whitespace)
                 try:
                     _JSON_OBJECT.decode(data[6:])

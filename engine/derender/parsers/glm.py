@@ -51,7 +51,7 @@ call is dropped; leading whitespace of content that began before any call
 has gone out already and stays.
 
 Where vLLM 0.32 loses text or writes invalid JSON, onehop keeps what the
-model wrote (each case is listed in the README against vLLM's two answers):
+model wrote (each case is listed in docs/derender.md against vLLM's two answers):
 a call to a function that was not offered (or with no name) is content
 (vLLM drops it); text after a call is content (vLLM's full answer drops it);
 a value still open when the call ends is closed as far as it arrived (vLLM
