@@ -51,6 +51,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +73,10 @@ TAIL = (
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
     '<tool_call>\n{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}\n</tool_call>'
 )
-WORDS = "the user asks about weather in Paris so check the city and time zone 天气 巴黎 🫠 café 42 (x + y)".split()
+WORDS = [
+    "the", "user", "asks", "about", "weather", "in", "Paris", "so", "check", "the", "city", "and", "time", "zone",
+    "天气", "巴黎", "🫠", "café", "42", "(x", "+", "y)",
+]
 MODES = {
     "tokens": {"output_mode": "tokens"},
     "text": {"output_mode": "text"},
@@ -139,6 +143,11 @@ async def stream_once(session: aiohttp.ClientSession, url: str, body: dict[str, 
     return events
 
 
+async def gated_stream(gate: asyncio.Semaphore, session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> None:
+    async with gate:
+        await stream_once(session, url, body)
+
+
 async def output_cpu(session: aiohttp.ClientSession, base: str) -> tuple[dict[str, float], dict[str, float]]:
     async with session.get(base + "/metrics") as resp:
         text = await resp.text()
@@ -177,12 +186,7 @@ async def measure(requests: int, concurrency: int, words: int) -> dict[str, Any]
                 cpu_before, tokens_before = await output_cpu(session, base)
                 proc_before = process_cpu(engine.pid)
                 gate = asyncio.Semaphore(concurrency)
-
-                async def one() -> None:
-                    async with gate:
-                        await stream_once(session, url, body)
-
-                await asyncio.gather(*(one() for _ in range(requests)))
+                await asyncio.gather(*(gated_stream(gate, session, url, body) for _ in range(requests)))
                 proc = process_cpu(engine.pid) - proc_before
                 cpu_after, tokens_after = await output_cpu(session, base)
                 key = mode["output_mode"]
@@ -314,32 +318,37 @@ def measure_overhead(rounds: int, words: int) -> dict[str, Any]:
     context = WriterContext(model="sim", vocab=vocab_for(tokenizer), reasoning_parser="qwen3", tool_parser="hermes")
     messages = [{"role": "user", "content": "Weather and time in Paris?"}]
     prompt = list(tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=True)["input_ids"])
-    ids = tokenizer.encode(script_text(words)) + [IM_END_ID]
+    ids = [*tokenizer.encode(script_text(words)), IM_END_ID]
     old_itl = Histogram("old_itl", "f66ad7d's inter-token histogram", ["mode"], buckets=_GAP_BUCKETS, registry=CollectorRegistry())
+
+    def variants_for(mode: dict[str, Any]) -> dict[str, Callable[[], tuple[Any, Any]]]:
+        """One mode's three ways to stream the same steps: no metering, the old metering, the new one."""
+        body = request_body(prompt, mode)
+        steps = backend_steps(ids, mode.get("logprobs"))
+
+        def request() -> Any:
+            return decode_generate_request(msgspec.json.encode(body))
+
+        def bare() -> tuple[None, Any]:
+            return None, _drive_bare(make_writer(request(), context), _replay(steps))
+
+        def before() -> tuple[Any, Any]:
+            times = _Times(arrived=time.monotonic())
+            writer = _StepTimed(make_writer(request(), context))
+            return writer, _drive_before(old_itl, mode["output_mode"], writer, _replay(steps), times)
+
+        def after() -> tuple[Any, Any]:
+            times = _Times(arrived=time.monotonic())
+            generate = request()
+            return times, _drive(EngineMetrics(), generate, make_writer(generate, context), _replay(steps), times)
+
+        return {"bare": bare, "before": before, "after": after}
+
     loop = asyncio.new_event_loop()
     rows = []
     try:
         for label, mode in MODES.items():
-            body = request_body(prompt, mode)
-            steps = backend_steps(ids, mode.get("logprobs"))
-
-            def request() -> Any:
-                return decode_generate_request(msgspec.json.encode(body))
-
-            def bare() -> tuple[None, Any]:
-                return None, _drive_bare(make_writer(request(), context), _replay(steps))
-
-            def before() -> tuple[Any, Any]:
-                times = _Times(arrived=time.monotonic())
-                writer = _StepTimed(make_writer(request(), context))
-                return writer, _drive_before(old_itl, mode["output_mode"], writer, _replay(steps), times)
-
-            def after() -> tuple[Any, Any]:
-                times = _Times(arrived=time.monotonic())
-                generate = request()
-                return times, _drive(EngineMetrics(), generate, make_writer(generate, context), _replay(steps), times)
-
-            variants = {"bare": bare, "before": before, "after": after}
+            variants = variants_for(mode)
             runs: dict[str, list[float]] = {name: [] for name in variants}
             metered: list[float] = []
             for turn in range(rounds):

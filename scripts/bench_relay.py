@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -295,10 +296,8 @@ def tree_rss_kb(pid: int) -> int:
             total += int(line.split()[1])
     for task in Path(f"/proc/{pid}/task").iterdir():
         for child in (task / "children").read_text().split():
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 total += tree_rss_kb(int(child))
-            except FileNotFoundError:
-                pass
     return total
 
 

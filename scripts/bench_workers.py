@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import sys
 import tempfile
@@ -78,10 +79,8 @@ def tree_cpu(pid: int) -> float:
     total = process_cpu(pid)
     for task in Path(f"/proc/{pid}/task").iterdir():
         for child in (task / "children").read_text().split():
-            try:
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # it exited meanwhile
                 total += tree_cpu(int(child))
-            except (FileNotFoundError, ProcessLookupError):
-                pass  # it exited meanwhile
     return total
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from vllm_parse_oracle import Case, build_env, engine_request, make_parser  # noqa: E402
+from vllm_parse_oracle import Case, build_env, engine_request, make_parser
 
 
 def cost(raw: dict[str, Any]) -> dict[str, Any]:

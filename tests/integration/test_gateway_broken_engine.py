@@ -158,10 +158,12 @@ async def broken_engine(upstream: str) -> AsyncIterator[tuple[str, BrokenEngine]
 
 @pytest.fixture
 async def setup(qwen3_tokenizer_dir: Path) -> AsyncIterator[tuple[str, BrokenEngine]]:
-    async with engine_server(qwen3_tokenizer_dir) as (engine_url, _):
-        async with broken_engine(engine_url) as (proxy_url, proxy):
-            async with gateway_server(qwen3_tokenizer_dir, proxy_url, timeouts=TIMEOUTS, health=HEALTH) as (base, _):
-                yield base, proxy
+    async with (
+        engine_server(qwen3_tokenizer_dir) as (engine_url, _),
+        broken_engine(engine_url) as (proxy_url, proxy),
+        gateway_server(qwen3_tokenizer_dir, proxy_url, timeouts=TIMEOUTS, health=HEALTH) as (base, _),
+    ):
+        yield base, proxy
 
 
 def _body(stream: bool) -> dict[str, Any]:

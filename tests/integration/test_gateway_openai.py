@@ -327,7 +327,7 @@ async def test_gateway_metrics_after_real_requests(gateway: Any) -> None:
     import aiohttp
     from prometheus_client.parser import text_string_to_metric_families
 
-    client, state = gateway
+    client, _ = gateway
     for name in ROUTES:
         await client.chat.completions.create(model="sim", messages=MESSAGES, max_tokens=4, **route(name))
     streamed: dict[str, int] = {}

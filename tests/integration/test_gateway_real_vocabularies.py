@@ -89,13 +89,15 @@ async def served(request: Any) -> AsyncIterator[Served]:
     folder = case.folder()
     parsers = {"reasoning_parser": case.reasoning, "tool_parser": case.tool}
     options = {"mode": "script", "script": [case.output]}
-    async with engine_server(folder, backend_options=options, **parsers) as (engine_url, _):
-        async with gateway_server(folder, engine_url, **parsers) as (base_url, _):
-            client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
-            try:
-                yield Served(case, client, Tokenizer.from_file(str(folder / "tokenizer.json")))
-            finally:
-                await client.close()
+    async with (
+        engine_server(folder, backend_options=options, **parsers) as (engine_url, _),
+        gateway_server(folder, engine_url, **parsers) as (base_url, _),
+    ):
+        client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
+        try:
+            yield Served(case, client, Tokenizer.from_file(str(folder / "tokenizer.json")))
+        finally:
+            await client.close()
 
 
 def _extra(case: Case, route: str) -> dict[str, Any]:

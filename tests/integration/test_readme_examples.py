@@ -69,10 +69,12 @@ def serve(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 
 async def test_the_curl_example_answers_with_content(serve: str) -> None:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=ANSWER_S)) as session:
-        async with session.post(serve + "/v1/chat/completions", json=_curl_body()) as response:
-            assert response.status == 200, await response.text()
-            answer = await response.json()
+    async with (
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=ANSWER_S)) as session,
+        session.post(serve + "/v1/chat/completions", json=_curl_body()) as response,
+    ):
+        assert response.status == 200, await response.text()
+        answer = await response.json()
     content = answer["choices"][0]["message"]["content"]
     assert isinstance(content, str) and content.strip(), answer
 

@@ -44,7 +44,7 @@ class Person(BaseModel):
 async def gateway(qwen3_tokenizer_dir: Path) -> Any:
     async with (
         engine_server(qwen3_tokenizer_dir) as (engine_url, _),
-        gateway_server(qwen3_tokenizer_dir, engine_url) as (base, state),
+        gateway_server(qwen3_tokenizer_dir, engine_url) as (base, _),
         openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0) as client,
     ):
         yield client, base

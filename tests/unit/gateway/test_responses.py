@@ -416,7 +416,7 @@ def test_unknown_fields_are_ignored_and_named_unless_refused() -> None:
 
 def test_malformed_json_is_a_400() -> None:
     with pytest.raises(InvalidRequest):
-        decode_request(b'{"input": ').request
+        decode_request(b'{"input": ')
 
 
 # ------------------------------------------------------------ the whole answer
@@ -680,8 +680,7 @@ def test_namespace_and_custom_calls_come_back_as_their_items() -> None:
     assert (note.type, note.name, note.namespace, note.input) == ("custom_tool_call", "note", "multi_agent_v1", "not an object")
     assert [tool.type for tool in response.tools] == ["function", "namespace", "custom"]  # web_search was left out
     stored = store.get(OWNER, META.response_id)
-    assert stored is not None and stored.conversation[-1].tool_calls == AGENT_CALLS[:2] + [
-        ToolCall(id="call_3", function=FunctionCall("multi_agent_v1__note", json.dumps({"input": "not an object"})))]
+    assert stored is not None and stored.conversation[-1].tool_calls == [*AGENT_CALLS[:2], ToolCall(id="call_3", function=FunctionCall("multi_agent_v1__note", json.dumps({"input": "not an object"})))]
     plain = sdk_response(ResponsesPresenter(None, OWNER).whole(turn_of(**ASKED), META, completion()))
     assert "namespace" not in msgspec.json.decode(msgspec.json.encode(plain.output[2].model_dump(exclude_none=True)))
 
