@@ -29,10 +29,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench_gateway import (  # noqa: E402
+from scripts.bench_gateway import (  # noqa: E402
     Plan,
     Requests,
     client_session,

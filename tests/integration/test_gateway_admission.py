@@ -8,13 +8,14 @@ from pathlib import Path
 
 import aiohttp
 import openai
+from openai.types.chat import ChatCompletionMessageParam
 import pytest
 
 from gateway.config import Admission, Auth, Limits
 from tests.support.engine import engine_server
 from tests.support.gateway import gateway_server
 
-MESSAGES = [{"role": "user", "content": "Tell me a story."}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me a story."}]
 
 
 async def _stream_all(client: openai.AsyncOpenAI) -> float:

@@ -21,6 +21,7 @@ from typing import Any
 
 import aiohttp
 import openai
+from openai.types.chat import ChatCompletionMessageParam
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
@@ -29,7 +30,7 @@ from gateway.config import Health, Timeouts
 from tests.support.engine import engine_server
 from tests.support.gateway import gateway_server
 
-MESSAGES = [{"role": "user", "content": "Tell me a story."}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me a story."}]
 OUT_OF_VOCABULARY = 10_000_000
 STALL_S = 3.0
 # Short engine timeouts so a stall ends fast; a circuit that never opens so every case reaches the engine.

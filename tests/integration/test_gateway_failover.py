@@ -20,13 +20,14 @@ from pathlib import Path
 
 import aiohttp
 import openai
+from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import Health
 from tests.support.engine import wait_healthy
 from tests.support.gateway import gateway_server
 
-MESSAGES = [{"role": "user", "content": "Tell me a long story."}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me a long story."}]
 
 
 def _free_port() -> int:

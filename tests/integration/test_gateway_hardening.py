@@ -14,6 +14,7 @@ from typing import Any
 
 import aiohttp
 import openai
+from openai.types.chat import ChatCompletionMessageParam
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -21,7 +22,7 @@ from gateway.config import Admission, Timeouts
 from tests.support.engine import engine_server, sse_payloads
 from tests.support.gateway import gateway_server
 
-MESSAGES = [{"role": "user", "content": "Tell me a long story."}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me a long story."}]
 
 
 def _host_port(base: str) -> tuple[str, int]:

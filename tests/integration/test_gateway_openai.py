@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import openai
+from openai.types.chat import ChatCompletionMessageParam
 import pytest
 
 from engine.config import EngineConfig
@@ -31,7 +32,7 @@ TOOLS = [
         },
     }
 ]
-MESSAGES = [
+MESSAGES: list[ChatCompletionMessageParam] = [
     {"role": "system", "content": "You are terse."},
     {"role": "user", "content": "Weather in Paris?"},
 ]

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import openai
+from openai.types.chat import ChatCompletionMessageParam
 import pytest
 from tokenizers import Tokenizer
 
@@ -28,7 +29,7 @@ from tests.support.real_vocabularies import deepseek_dir, o200k_harmony_dir, tek
 from tests.support.tools import WEATHER_TOOLS
 
 ROUTES = ["derender", "text", "tokens"]
-MESSAGES = [{"role": "user", "content": "Weather in Zürich?"}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Weather in Zürich?"}]
 ARGUMENTS = {"city": "Zürich 世界 🫠", "days": 2}
 
 

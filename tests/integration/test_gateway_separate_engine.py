@@ -9,6 +9,7 @@ from typing import Any
 
 import aiohttp
 import openai
+from openai.types.chat import ChatCompletionMessageParam
 import pytest
 from aiohttp.test_utils import TestServer
 
@@ -16,7 +17,7 @@ from gateway.app import create_app
 from gateway.config import EngineEndpoint, GatewayConfig, Timeouts
 from tests.support.engine import engine_server
 
-MESSAGES = [{"role": "user", "content": "Hello"}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hello"}]
 
 
 @asynccontextmanager

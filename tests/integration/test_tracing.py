@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import openai
+from openai.types.chat import ChatCompletionMessageParam
 import pytest
 
 from engine.config import EngineConfig
@@ -14,7 +15,7 @@ from gateway.embedded import embedded
 from tests.support.otlp import Receiver, ReceivedSpan, otlp_receiver
 
 SECRET = "zebra-quartz-secret-prompt"
-MESSAGES = [{"role": "user", "content": f"Say hello. {SECRET}"}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": f"Say hello. {SECRET}"}]
 ENGINE_SPAN = "POST /inference/v1/generate"
 
 
