@@ -53,7 +53,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -64,7 +64,10 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from engine.qwen3.fixtures import ensure_tokenizer  # noqa: E402
 
-TOOLS = [
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+TOOLS: list[dict[str, Any]] = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}},
     {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}}}},
 ]
@@ -77,12 +80,21 @@ WORDS = [
     "the", "user", "asks", "about", "weather", "in", "Paris", "so", "check", "the", "city", "and", "time", "zone",
     "天气", "巴黎", "🫠", "café", "42", "(x", "+", "y)",
 ]
-MODES = {
+MODES: dict[str, dict[str, Any]] = {
     "tokens": {"output_mode": "tokens"},
     "text": {"output_mode": "text"},
     "derender": {"output_mode": "derender"},
     "derender, top_logprobs=20": {"output_mode": "derender", "logprobs": 20},
 }
+
+
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]]) -> list[int]:
+    from transformers import BatchEncoding
+
+    # [*TOOLS]: a list built for the parameter, typed list[dict | Callable] (invariant) by transformers.
+    encoded = tokenizer.apply_chat_template(messages, tools=[*TOOLS], add_generation_prompt=True, tokenize=True)
+    assert isinstance(encoded, BatchEncoding)  # tokenize=True answers a dict of ids and mask
+    return list(encoded["input_ids"])
 
 
 def script_text(words: int) -> str:
@@ -168,7 +180,7 @@ async def measure(requests: int, concurrency: int, words: int) -> dict[str, Any]
     tokenizer_dir = ensure_tokenizer()
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     messages = [{"role": "user", "content": "Weather and time in Paris?"}]
-    prompt = list(tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=True)["input_ids"])
+    prompt = prompt_ids(tokenizer, messages)
     script = script_text(words)
     output_tokens = len(tokenizer.encode(script)) + 1
     port = free_port()
@@ -239,18 +251,18 @@ class _StepTimed:
         self.cpu_s = 0.0
 
     def head(self) -> list[bytes]:
-        return self._writer.head()  # type: ignore[no-any-return]
+        return self._writer.head()
 
     def tail(self) -> list[bytes]:
-        return self._writer.tail()  # type: ignore[no-any-return]
+        return self._writer.tail()
 
     def open_choices(self) -> list[int]:
-        return self._writer.open_choices()  # type: ignore[no-any-return]
+        return self._writer.open_choices()
 
     def step(self, output: Any) -> bytes | None:
         start = time.thread_time()
         try:
-            return self._writer.step(output)  # type: ignore[no-any-return]
+            return self._writer.step(output)
         finally:
             self.cpu_s += time.thread_time() - start
 
@@ -317,7 +329,7 @@ def measure_overhead(rounds: int, words: int) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(ensure_tokenizer())
     context = WriterContext(model="sim", vocab=vocab_for(tokenizer), reasoning_parser="qwen3", tool_parser="hermes")
     messages = [{"role": "user", "content": "Weather and time in Paris?"}]
-    prompt = list(tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=True)["input_ids"])
+    prompt = prompt_ids(tokenizer, messages)
     ids = [*tokenizer.encode(script_text(words)), IM_END_ID]
     old_itl = Histogram("old_itl", "f66ad7d's inter-token histogram", ["mode"], buckets=_GAP_BUCKETS, registry=CollectorRegistry())
 

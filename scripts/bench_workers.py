@@ -83,7 +83,7 @@ def tree_cpu(pid: int) -> float:
     return total
 
 
-async def one_round(session, requests: Requests, route: str, count: int, pid: int, totals: Totals | None) -> None:  # type: ignore[no-untyped-def]
+async def one_round(session, requests: Requests, route: str, count: int, pid: int, totals: Totals | None) -> None:
     issued = iter(range(count))
     url, body, headers = requests.url(route), requests.body(route), requests.headers(route)
 

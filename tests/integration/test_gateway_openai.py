@@ -266,7 +266,7 @@ async def test_models_and_errors(gateway: Any) -> None:
         await client.chat.completions.create(model="sim", messages=MESSAGES, extra_body={"use_beam_search": True})
     with pytest.raises(openai.BadRequestError, match="response_format"):  # a json_schema without its schema
         await client.chat.completions.create(
-            model="sim", messages=MESSAGES, response_format={"type": "json_schema", "json_schema": {"name": "x"}}  # type: ignore[typeddict-item]
+            model="sim", messages=MESSAGES, response_format={"type": "json_schema", "json_schema": {"name": "x"}}
         )
     with pytest.raises(openai.BadRequestError, match="temperature"):
         await client.chat.completions.create(model="sim", messages=MESSAGES, temperature=7)

@@ -76,7 +76,7 @@ async def test_text_answer_streamed_and_not_agree(client: openai.AsyncOpenAI, ro
     assert "response.reasoning_text.delta" in kinds and "response.output_text.delta" in kinds
     assert [event.sequence_number for event in events] == list(range(len(events)))
     streamed = "".join(event.delta for event in events if event.type == "response.output_text.delta")
-    final = events[-1].response  # type: ignore[union-attr]
+    final = events[-1].response
     assert streamed == final.output_text == whole.output_text  # the sim's answer depends on the prompt alone
     assert final.usage is not None and final.usage.output_tokens == whole.usage.output_tokens
 
@@ -202,13 +202,13 @@ def codex_body(tools: list[Any], **fields: Any) -> dict[str, Any]:
 
 
 async def events_of(client: openai.AsyncOpenAI, body: dict[str, Any], route: str) -> list[Any]:
-    stream = await client.responses.create(**{k: v for k, v in body.items() if k != "client_metadata"},  # type: ignore[call-overload]
+    stream = await client.responses.create(**{k: v for k, v in body.items() if k != "client_metadata"},
                                            extra_body={"client_metadata": body["client_metadata"]}, **_route(route))
     return [event async for event in stream]
 
 
 def dropped(state: GatewayState, kind: str) -> float:
-    return state.metrics.dropped_tools.labels("responses", kind)._value.get()  # type: ignore[no-any-return]
+    return state.metrics.dropped_tools.labels("responses", kind)._value.get()
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -263,7 +263,7 @@ async def test_custom_tool_call_round_trip(client: openai.AsyncOpenAI, route: st
 @pytest.mark.parametrize("route", ROUTES)
 async def test_a_forced_custom_tool_on_an_engine_without_grammars_is_a_forced_call(client: openai.AsyncOpenAI, route: str) -> None:
     answer = await client.responses.create(
-        model="sim", input="Patch it.", tools=[WEATHER, PATCH], tool_choice={"type": "custom", "name": "apply_patch"},  # type: ignore[list-item]
+        model="sim", input="Patch it.", tools=[WEATHER, PATCH], tool_choice={"type": "custom", "name": "apply_patch"},
         **_route(route))
     assert [(item.type, item.name) for item in answer.output] == [("custom_tool_call", "apply_patch")]
 
@@ -298,7 +298,7 @@ async def test_input_tokens_counts_the_prompt_create_renders(client: openai.Asyn
 @pytest.mark.parametrize("route", ROUTES)
 async def test_a_forced_call_with_a_json_format_is_answered_with_the_call(client: openai.AsyncOpenAI, route: str) -> None:
     answer = await client.responses.create(
-        model="sim", input="Weather in Paris?", tools=[WEATHER], tool_choice="required",  # type: ignore[list-item]
+        model="sim", input="Weather in Paris?", tools=[WEATHER], tool_choice="required",
         text={"format": {"type": "json_schema", "name": "city", "schema": City.model_json_schema()}}, **_route(route))
     assert [item.type for item in answer.output] == ["function_call"] and answer.output[0].name == "get_weather"
     assert answer.text is not None and answer.text.format is not None and answer.text.format.type == "json_schema"
@@ -332,7 +332,7 @@ async def test_harmony_calls_of_every_tool_kind(
     harmony: openai.AsyncOpenAI, route: str, tool: dict[str, Any], kind: str, name: str, namespace: str | None
 ) -> None:
     body = codex_body([tool], stream=False)
-    whole = await harmony.responses.create(**{k: v for k, v in body.items() if k != "client_metadata"}, **_route(route))  # type: ignore[call-overload]
+    whole = await harmony.responses.create(**{k: v for k, v in body.items() if k != "client_metadata"}, **_route(route))
     call = whole.output[-1]
     assert (call.type, call.name, call.namespace) == (kind, name, namespace)
     assert call.type == "function_call" or not call.input.startswith("{")  # a custom tool's text itself
@@ -342,5 +342,5 @@ async def test_harmony_calls_of_every_tool_kind(
     assert final.output[-1].model_dump(exclude={"id", "call_id"}) == call.model_dump(exclude={"id", "call_id"})  # the prompt decides it
     output = {"type": "function_call_output" if kind == "function_call" else "custom_tool_call_output", "call_id": call.call_id, "output": "ok"}
     sent_back = call.model_dump(exclude={"id", "status"}, exclude_none=True)
-    again = await harmony.responses.create(model="sim", input=[*body["input"], sent_back, output], tools=[tool], **_route(route))  # type: ignore[arg-type,list-item]
+    again = await harmony.responses.create(model="sim", input=[*body["input"], sent_back, output], tools=[tool], **_route(route))
     assert again.status == "completed"

@@ -128,5 +128,5 @@ async def test_a_forced_custom_tools_grammar_holds_on_an_engine_that_enforces_it
             assert call.name == "apply_patch" and re.fullmatch(PATCHED, call.input), (route, call.input)
             events = [event async for event in await client.responses.create(model=model, stream=True, extra_headers=headers, **asked)]
             streamed = "".join(event.delta for event in events if event.type == "response.custom_tool_call_input.delta")
-            final = events[-1].response.output[-1]  # type: ignore[union-attr]
+            final = events[-1].response.output[-1]
             assert final.type == "custom_tool_call" and streamed == final.input and re.fullmatch(PATCHED, streamed), (route, streamed)

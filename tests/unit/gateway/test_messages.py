@@ -410,7 +410,7 @@ async def test_leaving_the_stream_closes_the_chunks() -> None:
             closed.append(True)
 
     frames = MessagesPresenter().stream(turn_of(stream=True), META, endless())
-    await anext(frames)  # type: ignore[call-overload]
+    await anext(frames)
     await frames.aclose()  # type: ignore[attr-defined]
     assert closed == [True]
 

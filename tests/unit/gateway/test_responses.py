@@ -437,7 +437,7 @@ def completion(finish: str = "tool_calls", **message: Any) -> ChatCompletion:
     return ChatCompletion(model="sim", choices=[choice], usage=USAGE)
 
 
-ASKED = {
+ASKED: dict[str, Any] = {
     "input": "Weather in Paris?",
     "instructions": "Be brief.",
     "tools": [WEATHER],
