@@ -84,35 +84,35 @@ def stream_of(answer: Response | AsyncStream[ResponseStreamEvent]) -> AsyncStrea
 
 @pytest.mark.parametrize("route", ROUTES)
 async def test_text_answer_streamed_and_not_agree(client: openai.AsyncOpenAI, route: str) -> None:
-    whole = await client.responses.create(model="sim", input="Say something.", instructions="Be brief.", **_route(route))
+    whole = of(Response, await client.responses.create(model="sim", input="Say something.", instructions="Be brief.", **_route(route)))
     assert whole.status == "completed" and whole.id.startswith("resp_")
     assert [item.type for item in whole.output] == ["reasoning", "message"]  # the sim thinks first
     assert whole.output_text and whole.usage is not None and whole.usage.output_tokens > 0
     assert whole.usage.total_tokens == whole.usage.input_tokens + whole.usage.output_tokens
-    events = [event async for event in await client.responses.create(
-        model="sim", input="Say something.", instructions="Be brief.", stream=True, **_route(route))]
+    events = [event async for event in stream_of(await client.responses.create(
+        model="sim", input="Say something.", instructions="Be brief.", stream=True, **_route(route)))]
     kinds = [event.type for event in events]
     assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
     assert "response.reasoning_text.delta" in kinds and "response.output_text.delta" in kinds
     assert [event.sequence_number for event in events] == list(range(len(events)))
     streamed = "".join(event.delta for event in events if event.type == "response.output_text.delta")
-    final = events[-1].response
+    final = of(ResponseCompletedEvent, events[-1]).response
     assert streamed == final.output_text == whole.output_text  # the sim's answer depends on the prompt alone
     assert final.usage is not None and final.usage.output_tokens == whole.usage.output_tokens
 
 
 @pytest.mark.parametrize("route", ROUTES)
 async def test_function_tool_round_trip_by_previous_response_id(client: openai.AsyncOpenAI, route: str) -> None:
-    first = await client.responses.create(model="sim", input="Weather in Paris?", tools=[WEATHER], **_route(route))  # type: ignore[list-item]
+    first = of(Response, await client.responses.create(model="sim", input="Weather in Paris?", tools=[WEATHER], **_route(route)))  # type: ignore[list-item]
     calls = [item for item in first.output if item.type == "function_call"]
     assert len(calls) == 1 and calls[0].name == "get_weather" and "city" in calls[0].arguments
-    second = await client.responses.create(
+    second = of(Response, await client.responses.create(
         model="sim",
         previous_response_id=first.id,
         input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny"}],
         tools=[WEATHER],  # type: ignore[list-item]
         **_route(route),
-    )
+    ))
     assert second.status == "completed" and second.previous_response_id == first.id
     # The stored turn reached the model: the prompt grew by the first answer and the tool output.
     assert second.usage is not None and first.usage is not None
@@ -221,10 +221,10 @@ def codex_body(tools: list[Any], **fields: Any) -> dict[str, Any]:
     }
 
 
-async def events_of(client: openai.AsyncOpenAI, body: dict[str, Any], route: str) -> list[Any]:
+async def events_of(client: openai.AsyncOpenAI, body: dict[str, Any], route: str) -> list[ResponseStreamEvent]:
     stream = await client.responses.create(**{k: v for k, v in body.items() if k != "client_metadata"},
                                            extra_body={"client_metadata": body["client_metadata"]}, **_route(route))
-    return [event async for event in stream]
+    return [event async for event in stream_of(stream)]
 
 
 def dropped(state: GatewayState, kind: str) -> float:
@@ -239,11 +239,12 @@ async def test_codex_namespace_call_and_its_output_without_call_id(agents: Agent
     assert events[-1].type == "response.completed" and dropped(state, "web_search") == before + 1
     added = [event.item for event in events if event.type == "response.output_item.added" and event.item.type == "function_call"]
     done = [event for event in events if event.type == "response.function_call_arguments.done"]
-    call = next(item for item in events[-1].response.output if item.type == "function_call")
+    final = of(ResponseCompletedEvent, events[-1]).response
+    call = next(item for item in final.output if item.type == "function_call")
     assert [(item.name, item.namespace) for item in added] == [("spawn_agent", "multi_agent_v1")]
     assert (call.name, call.namespace) == ("spawn_agent", "multi_agent_v1") and "task" in call.arguments
     assert done[0].arguments == call.arguments and done[0].model_extra == {"name": "spawn_agent"}
-    assert [tool.type for tool in events[-1].response.tools] == ["namespace"]
+    assert [tool.type for tool in final.tools] == ["namespace"]
     # Codex sends the call back with its namespace, and (after its goal tools) an output with none.
     body = codex_body([AGENTS])
     body["input"] += [
@@ -355,13 +356,13 @@ async def test_harmony_calls_of_every_tool_kind(
     harmony: openai.AsyncOpenAI, route: str, tool: dict[str, Any], kind: str, name: str, namespace: str | None
 ) -> None:
     body = codex_body([tool], stream=False)
-    whole = await harmony.responses.create(**{k: v for k, v in body.items() if k != "client_metadata"}, **_route(route))
+    whole = of(Response, await harmony.responses.create(**{k: v for k, v in body.items() if k != "client_metadata"}, **_route(route)))
     call = whole.output[-1]
+    assert isinstance(call, (ResponseFunctionToolCall, ResponseCustomToolCall)), call
     assert (call.type, call.name, call.namespace) == (kind, name, namespace)
     assert call.type == "function_call" or not call.input.startswith("{")  # a custom tool's text itself
     events = await events_of(harmony, codex_body([tool]), route)
-    final = events[-1].response
-    assert events[-1].type == "response.completed"
+    final = of(ResponseCompletedEvent, events[-1]).response
     assert final.output[-1].model_dump(exclude={"id", "call_id"}) == call.model_dump(exclude={"id", "call_id"})  # the prompt decides it
     output = {"type": "function_call_output" if kind == "function_call" else "custom_tool_call_output", "call_id": call.call_id, "output": "ok"}
     sent_back = call.model_dump(exclude={"id", "status"}, exclude_none=True)
