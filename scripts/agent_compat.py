@@ -473,7 +473,7 @@ async def probe(session: aiohttp.ClientSession, base_url: str, method: str, path
                 return str(resp.status)
             message = error_message(payload)[:120]
             return f"{resp.status}: {message}" if message else str(resp.status)
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, aiohttp.ClientError) as exc:
         return f"no answer ({type(exc).__name__})"
 
 

@@ -25,10 +25,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 
 import aiohttp  # noqa: E402
-from bench_gateway import (  # noqa: E402
+from scripts.bench_gateway import (  # noqa: E402
     MODEL,
     BenchError,
     Plan,

@@ -32,6 +32,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -73,11 +74,13 @@ TAIL = (
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>\n'
     '<tool_call>\n{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}\n</tool_call>'
 )
-WORDS = (
-    "the user asks about weather so first consider which city they mean and whether the unit matters "
-    "then check the time zone because Paris uses central european time and daylight saving shifts it "
-    "一 二 三 天气 时间 巴黎 🌦 ☀️ 🫠 café naïve résumé 42 3.14 (x + y) * z = w; if a > b: return c"
-).split()
+WORDS = [
+    "the", "user", "asks", "about", "weather", "so", "first", "consider", "which", "city", "they", "mean", "and",
+    "whether", "the", "unit", "matters", "then", "check", "the", "time", "zone", "because", "Paris", "uses",
+    "central", "european", "time", "and", "daylight", "saving", "shifts", "it", "一", "二", "三", "天气", "时间", "巴黎",
+    "🌦", "☀️", "🫠", "café", "naïve", "résumé", "42", "3.14", "(x", "+", "y)", "*", "z", "=", "w;", "if", "a", ">",
+    "b:", "return", "c",
+]
 SSE_PREFIX = b"data: "
 SSE_SUFFIX = b"\n\n"
 OPTIONS = ChatOptions(reasoning_parser="qwen3", tool_parser="hermes", tools_enabled=True)
@@ -97,7 +100,7 @@ def build_workloads(tokenizer: Any, lengths: list[int]) -> dict[int, Workload]:
     rng = random.Random(0)
     words = " ".join(rng.choice(WORDS) for _ in range(max(lengths) * 2))
     reasoning = tokenizer.encode("<think>\n" + words)
-    tail = tokenizer.encode(TAIL) + [IM_END_ID]
+    tail = [*tokenizer.encode(TAIL), IM_END_ID]
     out: dict[int, Workload] = {}
     for length in lengths:
         body = reasoning[: length - len(tail)]
@@ -213,12 +216,12 @@ def measure(lengths: list[int], vllm_python: Path | None, repeats: int) -> dict[
     vocab = vocab_for(tokenizer)
     workloads = build_workloads(tokenizer, lengths)
     rows = []
-    for length, work in workloads.items():
+    for work in workloads.values():
         n = len(work.output_ids)
-        a_parse, _ = best_of(repeats, lambda: run_stateful(vocab, work, serialize=False))
-        a_ser, a_chunks = best_of(repeats, lambda: run_stateful(vocab, work, serialize=True))
+        a_parse, _ = best_of(repeats, partial(run_stateful, vocab, work, serialize=False))
+        a_ser, a_chunks = best_of(repeats, partial(run_stateful, vocab, work, serialize=True))
         b_repeats = 1 if n >= 2048 else repeats
-        b_ser, b_chunks = best_of(b_repeats, lambda: run_stateless(vocab, work, serialize=True))
+        b_ser, b_chunks = best_of(b_repeats, partial(run_stateless, vocab, work, serialize=True))
         assert fold(a_chunks) == fold(b_chunks), "stateless replay must produce the same answer"
         row: dict[str, Any] = {
             "tokens": n,

@@ -51,8 +51,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -63,7 +64,10 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from engine.qwen3.fixtures import ensure_tokenizer  # noqa: E402
 
-TOOLS = [
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+TOOLS: list[dict[str, Any]] = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}},
     {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}}}},
 ]
@@ -72,13 +76,25 @@ TAIL = (
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
     '<tool_call>\n{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}\n</tool_call>'
 )
-WORDS = "the user asks about weather in Paris so check the city and time zone 天气 巴黎 🫠 café 42 (x + y)".split()
-MODES = {
+WORDS = [
+    "the", "user", "asks", "about", "weather", "in", "Paris", "so", "check", "the", "city", "and", "time", "zone",
+    "天气", "巴黎", "🫠", "café", "42", "(x", "+", "y)",
+]
+MODES: dict[str, dict[str, Any]] = {
     "tokens": {"output_mode": "tokens"},
     "text": {"output_mode": "text"},
     "derender": {"output_mode": "derender"},
     "derender, top_logprobs=20": {"output_mode": "derender", "logprobs": 20},
 }
+
+
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]]) -> list[int]:
+    from transformers import BatchEncoding
+
+    # [*TOOLS]: a list built for the parameter, typed list[dict | Callable] (invariant) by transformers.
+    encoded = tokenizer.apply_chat_template(messages, tools=[*TOOLS], add_generation_prompt=True, tokenize=True)
+    assert isinstance(encoded, BatchEncoding)  # tokenize=True answers a dict of ids and mask
+    return list(encoded["input_ids"])
 
 
 def script_text(words: int) -> str:
@@ -139,6 +155,11 @@ async def stream_once(session: aiohttp.ClientSession, url: str, body: dict[str, 
     return events
 
 
+async def gated_stream(gate: asyncio.Semaphore, session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> None:
+    async with gate:
+        await stream_once(session, url, body)
+
+
 async def output_cpu(session: aiohttp.ClientSession, base: str) -> tuple[dict[str, float], dict[str, float]]:
     async with session.get(base + "/metrics") as resp:
         text = await resp.text()
@@ -159,7 +180,7 @@ async def measure(requests: int, concurrency: int, words: int) -> dict[str, Any]
     tokenizer_dir = ensure_tokenizer()
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     messages = [{"role": "user", "content": "Weather and time in Paris?"}]
-    prompt = list(tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=True)["input_ids"])
+    prompt = prompt_ids(tokenizer, messages)
     script = script_text(words)
     output_tokens = len(tokenizer.encode(script)) + 1
     port = free_port()
@@ -177,12 +198,7 @@ async def measure(requests: int, concurrency: int, words: int) -> dict[str, Any]
                 cpu_before, tokens_before = await output_cpu(session, base)
                 proc_before = process_cpu(engine.pid)
                 gate = asyncio.Semaphore(concurrency)
-
-                async def one() -> None:
-                    async with gate:
-                        await stream_once(session, url, body)
-
-                await asyncio.gather(*(one() for _ in range(requests)))
+                await asyncio.gather(*(gated_stream(gate, session, url, body) for _ in range(requests)))
                 proc = process_cpu(engine.pid) - proc_before
                 cpu_after, tokens_after = await output_cpu(session, base)
                 key = mode["output_mode"]
@@ -235,18 +251,18 @@ class _StepTimed:
         self.cpu_s = 0.0
 
     def head(self) -> list[bytes]:
-        return self._writer.head()  # type: ignore[no-any-return]
+        return self._writer.head()
 
     def tail(self) -> list[bytes]:
-        return self._writer.tail()  # type: ignore[no-any-return]
+        return self._writer.tail()
 
     def open_choices(self) -> list[int]:
-        return self._writer.open_choices()  # type: ignore[no-any-return]
+        return self._writer.open_choices()
 
     def step(self, output: Any) -> bytes | None:
         start = time.thread_time()
         try:
-            return self._writer.step(output)  # type: ignore[no-any-return]
+            return self._writer.step(output)
         finally:
             self.cpu_s += time.thread_time() - start
 
@@ -313,33 +329,38 @@ def measure_overhead(rounds: int, words: int) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(ensure_tokenizer())
     context = WriterContext(model="sim", vocab=vocab_for(tokenizer), reasoning_parser="qwen3", tool_parser="hermes")
     messages = [{"role": "user", "content": "Weather and time in Paris?"}]
-    prompt = list(tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=True)["input_ids"])
-    ids = tokenizer.encode(script_text(words)) + [IM_END_ID]
+    prompt = prompt_ids(tokenizer, messages)
+    ids = [*tokenizer.encode(script_text(words)), IM_END_ID]
     old_itl = Histogram("old_itl", "f66ad7d's inter-token histogram", ["mode"], buckets=_GAP_BUCKETS, registry=CollectorRegistry())
+
+    def variants_for(mode: dict[str, Any]) -> dict[str, Callable[[], tuple[Any, Any]]]:
+        """One mode's three ways to stream the same steps: no metering, the old metering, the new one."""
+        body = request_body(prompt, mode)
+        steps = backend_steps(ids, mode.get("logprobs"))
+
+        def request() -> Any:
+            return decode_generate_request(msgspec.json.encode(body))
+
+        def bare() -> tuple[None, Any]:
+            return None, _drive_bare(make_writer(request(), context), _replay(steps))
+
+        def before() -> tuple[Any, Any]:
+            times = _Times(arrived=time.monotonic())
+            writer = _StepTimed(make_writer(request(), context))
+            return writer, _drive_before(old_itl, mode["output_mode"], writer, _replay(steps), times)
+
+        def after() -> tuple[Any, Any]:
+            times = _Times(arrived=time.monotonic())
+            generate = request()
+            return times, _drive(EngineMetrics(), generate, make_writer(generate, context), _replay(steps), times)
+
+        return {"bare": bare, "before": before, "after": after}
+
     loop = asyncio.new_event_loop()
     rows = []
     try:
         for label, mode in MODES.items():
-            body = request_body(prompt, mode)
-            steps = backend_steps(ids, mode.get("logprobs"))
-
-            def request() -> Any:
-                return decode_generate_request(msgspec.json.encode(body))
-
-            def bare() -> tuple[None, Any]:
-                return None, _drive_bare(make_writer(request(), context), _replay(steps))
-
-            def before() -> tuple[Any, Any]:
-                times = _Times(arrived=time.monotonic())
-                writer = _StepTimed(make_writer(request(), context))
-                return writer, _drive_before(old_itl, mode["output_mode"], writer, _replay(steps), times)
-
-            def after() -> tuple[Any, Any]:
-                times = _Times(arrived=time.monotonic())
-                generate = request()
-                return times, _drive(EngineMetrics(), generate, make_writer(generate, context), _replay(steps), times)
-
-            variants = {"bare": bare, "before": before, "after": after}
+            variants = variants_for(mode)
             runs: dict[str, list[float]] = {name: [] for name in variants}
             metered: list[float] = []
             for turn in range(rounds):

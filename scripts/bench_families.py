@@ -65,7 +65,10 @@ TOOLS = [
     },
 ]
 CALLS = [ToolCallText("get_weather", {"city": "Paris", "days": 3}), ToolCallText("get_time", {"tz": "Europe/Paris"})]
-WORDS = "the user asks about weather so consider which city they mean 天气 巴黎 🌦 café naïve 42 3.14 (x + y)".split()
+WORDS = [
+    "the", "user", "asks", "about", "weather", "so", "consider", "which", "city", "they", "mean", "天气", "巴黎", "🌦",
+    "café", "naïve", "42", "3.14", "(x", "+", "y)",
+]
 SLOT = "\x00"
 
 
@@ -204,7 +207,7 @@ def measure(lengths: list[int], vllm_python: str | None, repeats: int) -> list[d
             })
             print(f"onehop {family.label} {len(ids)} tokens: {rows[-1]['onehop_us']:.2f} µs/token", file=sys.stderr)
     if vllm_python:
-        for row, result in zip(rows, vllm_costs(vllm_python, cases)):
+        for row, result in zip(rows, vllm_costs(vllm_python, cases), strict=True):
             row["vllm_us"] = result["cpu_s"] / max(1, result["tokens"]) * 1e6
             row["ratio"] = row["onehop_us"] / row["vllm_us"]
     return rows

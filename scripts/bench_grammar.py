@@ -20,7 +20,7 @@ import json
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
@@ -54,7 +54,7 @@ class Person(BaseModel):
 
 INSTANCE = Person(
     name="Ann Lee", age=31, role="admin", tags=["a", "bc"], home=Address(city="Paris", zip_code=75001),
-    nickname=None, born=datetime(2020, 1, 1, tzinfo=timezone.utc),
+    nickname=None, born=datetime(2020, 1, 1, tzinfo=UTC),
 )
 
 

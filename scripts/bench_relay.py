@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -49,13 +50,12 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import aiohttp  # noqa: E402
 import msgspec  # noqa: E402
 from aiohttp import web  # noqa: E402
-from bench_gateway import (  # noqa: E402
+from scripts.bench_gateway import (  # noqa: E402
     BenchError,
     Plan,
     Requests,
@@ -69,7 +69,7 @@ from bench_gateway import (  # noqa: E402
     stream_once,
     wait_ready,
 )
-from bench_workers import tree_cpu  # noqa: E402
+from scripts.bench_workers import tree_cpu  # noqa: E402
 
 from engine.http_server import new_event_loop  # noqa: E402
 from engine.qwen3.fixtures import ensure_tokenizer  # noqa: E402
@@ -295,10 +295,8 @@ def tree_rss_kb(pid: int) -> int:
             total += int(line.split()[1])
     for task in Path(f"/proc/{pid}/task").iterdir():
         for child in (task / "children").read_text().split():
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 total += tree_rss_kb(int(child))
-            except FileNotFoundError:
-                pass
     return total
 
 

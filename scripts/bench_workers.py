@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import sys
 import tempfile
@@ -28,10 +29,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench_gateway import (  # noqa: E402
+from scripts.bench_gateway import (  # noqa: E402
     Plan,
     Requests,
     client_session,
@@ -78,14 +78,12 @@ def tree_cpu(pid: int) -> float:
     total = process_cpu(pid)
     for task in Path(f"/proc/{pid}/task").iterdir():
         for child in (task / "children").read_text().split():
-            try:
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # it exited meanwhile
                 total += tree_cpu(int(child))
-            except (FileNotFoundError, ProcessLookupError):
-                pass  # it exited meanwhile
     return total
 
 
-async def one_round(session, requests: Requests, route: str, count: int, pid: int, totals: Totals | None) -> None:  # type: ignore[no-untyped-def]
+async def one_round(session, requests: Requests, route: str, count: int, pid: int, totals: Totals | None) -> None:
     issued = iter(range(count))
     url, body, headers = requests.url(route), requests.body(route), requests.headers(route)
 

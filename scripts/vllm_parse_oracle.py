@@ -74,8 +74,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # vLLM logs to stdout by default; stdout carries the results.
 os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+# Sibling scripts are imported as scripts.NAME, from the checkout's root.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vllm_inprocess_parse import cut_at_stop, read_generation_config  # noqa: E402
+from scripts.vllm_inprocess_parse import cut_at_stop, read_generation_config
 
 MODEL_NAME = "onehop-oracle"
 REQUEST_ID = "chatcmpl-" + "0" * 16
@@ -422,8 +424,8 @@ def full_answer(case: Case) -> dict[str, Any]:
     env = build_env(case, stream=False)
     request = env.request
     final = None
-    for final in request_outputs(env, [1]):
-        pass
+    for received in request_outputs(env, [1]):
+        final = received
     if final is None:
         raise RuntimeError("no output received from the engine")
     output = final.outputs[0]

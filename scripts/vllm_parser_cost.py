@@ -22,9 +22,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# Sibling scripts are imported as scripts.NAME, from the checkout's root.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vllm_parse_oracle import Case, build_env, engine_request, make_parser  # noqa: E402
+from scripts.vllm_parse_oracle import Case, build_env, engine_request, make_parser
 
 
 def cost(raw: dict[str, Any]) -> dict[str, Any]:

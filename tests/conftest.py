@@ -10,14 +10,14 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 # litellm fetches a model price list from the internet at import unless told to use its own copy.
 os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
 
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+from pathlib import Path
+from typing import Any
 
-import pytest  # noqa: E402
+import pytest
 
-from gateway.memory import release_freed_memory  # noqa: E402
+from gateway.memory import release_freed_memory
 
-from engine.qwen3.fixtures import ensure_tiny_model, ensure_tokenizer  # noqa: E402
+from engine.qwen3.fixtures import ensure_tiny_model, ensure_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -17,9 +17,12 @@ async def test_a_key_in_the_query_string_stays_out_of_the_access_log(
 ) -> None:
     caplog.set_level(logging.INFO, logger="aiohttp.access")
     engine = EngineConfig(backend="sim", model=str(qwen3_tokenizer_dir), served_model_name="sim")
-    async with embedded(engine, host="127.0.0.1", port=0, route="derender") as running, aiohttp.ClientSession() as session:
-        async with session.get(running.url + "/v1/models?api_key=sk-secret-walrus-42") as response:
-            assert response.status == 200
+    async with (
+        embedded(engine, host="127.0.0.1", port=0, route="derender") as running,
+        aiohttp.ClientSession() as session,
+        session.get(running.url + "/v1/models?api_key=sk-secret-walrus-42") as response,
+    ):
+        assert response.status == 200
     lines = [record.getMessage() for record in caplog.records if record.name == "aiohttp.access"]
     assert any('"GET /v1/models" 200' in line for line in lines), lines
     assert "sk-secret-walrus-42" not in caplog.text

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import math
 import subprocess
@@ -107,7 +108,7 @@ def test_rounds_split_the_measured_prompts_evenly_after_the_warmup() -> None:
     assert bench.rounds(1, 3, 5) == [(1, 2), (2, 3)]  # never an empty round
     spans = bench.rounds(8, 1032, 4)
     assert spans[0][0] == 8 and spans[-1][1] == 1032
-    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
 
 
 def test_requests_per_workload_are_parsed_strictly() -> None:

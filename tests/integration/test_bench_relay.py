@@ -19,7 +19,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def load_script(name: str) -> ModuleType:
-    sys.path.insert(0, str(ROOT / "scripts"))  # the scripts import bench_gateway by name
     spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

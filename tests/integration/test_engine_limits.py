@@ -266,11 +266,9 @@ async def test_deeply_nested_json_is_a_400(place: str, depth: int, served: Serve
     deep = _nested(depth)
     ids = msgspec.json.encode(served.prompt).decode()
     if chat is None:
-        body = '{"token_ids": %s, "sampling_params": {"max_tokens": 2, "extra_args": {"x": %s}}}' % (ids, deep)
+        body = f'{{"token_ids": {ids}, "sampling_params": {{"max_tokens": 2, "extra_args": {{"x": {deep}}}}}}}'
     else:
-        body = '{"token_ids": %s, "sampling_params": {"max_tokens": 2}, "output_mode": "derender", "chat_request": %s}' % (
-            ids, chat % deep
-        )
+        body = f'{{"token_ids": {ids}, "sampling_params": {{"max_tokens": 2}}, "output_mode": "derender", "chat_request": {chat % deep}}}'
     status, answer = await served.post(msgspec.Raw(body.encode()))
     assert status == 400, answer
     message = answer["error"]["message"]
@@ -297,7 +295,7 @@ def test_limits_are_one_strict_struct() -> None:
     assert EngineConfig(model="m").limits == DEFAULTS
     assert (DEFAULTS.max_num_seqs, DEFAULTS.max_logprobs) == (256, 20)
     for bad in ({"max_num_seqs": 0}, {"max_logprobs": -2}, {"max_num_seq": 3}):
-        with pytest.raises(ConfigError, match="max_num_seq|max_logprobs"):
+        with pytest.raises(ConfigError, match=r"max_num_seq|max_logprobs"):
             engine_limits(**bad)
     decoded = msgspec.json.decode(b'{"model": "m", "limits": {"max_stop": 4}}', type=EngineConfig)
     assert decoded.limits == EngineLimits(max_stop=4)

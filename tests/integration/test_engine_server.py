@@ -9,6 +9,7 @@ from typing import Any
 
 import aiohttp
 import msgspec
+from openai.types.chat import ChatCompletionMessageParam
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -34,7 +35,7 @@ TOOLS = [
         },
     }
 ]
-MESSAGES = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
 
 
 def render(tokenizer: Any, *, tools: bool = True, thinking: bool = True) -> list[int]:

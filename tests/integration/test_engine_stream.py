@@ -4,6 +4,7 @@ every framing, cut at every byte; keep-alive and its limits; what breaks."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -66,7 +67,7 @@ class Scripted:
                 self.requests += 1
                 data = self.answer(self.requests)
                 bounds = [0, *[c for c in self.cuts if 0 < c < len(data)], len(data)]
-                for start, end in zip(bounds, bounds[1:]):
+                for start, end in itertools.pairwise(bounds):
                     if start and self.go is not None:
                         await self.go.wait()
                         self.go.clear()

@@ -115,7 +115,9 @@ async def test_what_vllms_form_refuses(
 
 
 async def test_capabilities_name_the_derender_forms(qwen3_tokenizer_dir: Path, session: Any) -> None:
-    async with engine_server(qwen3_tokenizer_dir) as (base, _):
-        async with session.get(base + "/inference/v1/capabilities") as resp:
-            caps = await resp.json()
+    async with (
+        engine_server(qwen3_tokenizer_dir) as (base, _),
+        session.get(base + "/inference/v1/capabilities") as resp,
+    ):
+        caps = await resp.json()
     assert caps["derender_forms"] == ["onehop", "vllm"]

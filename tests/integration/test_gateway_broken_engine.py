@@ -21,6 +21,7 @@ from typing import Any
 
 import aiohttp
 import openai
+from openai.types.chat import ChatCompletionMessageParam
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
@@ -29,7 +30,7 @@ from gateway.config import Health, Timeouts
 from tests.support.engine import engine_server
 from tests.support.gateway import gateway_server
 
-MESSAGES = [{"role": "user", "content": "Tell me a story."}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me a story."}]
 OUT_OF_VOCABULARY = 10_000_000
 STALL_S = 3.0
 # Short engine timeouts so a stall ends fast; a circuit that never opens so every case reaches the engine.
@@ -158,10 +159,12 @@ async def broken_engine(upstream: str) -> AsyncIterator[tuple[str, BrokenEngine]
 
 @pytest.fixture
 async def setup(qwen3_tokenizer_dir: Path) -> AsyncIterator[tuple[str, BrokenEngine]]:
-    async with engine_server(qwen3_tokenizer_dir) as (engine_url, _):
-        async with broken_engine(engine_url) as (proxy_url, proxy):
-            async with gateway_server(qwen3_tokenizer_dir, proxy_url, timeouts=TIMEOUTS, health=HEALTH) as (base, _):
-                yield base, proxy
+    async with (
+        engine_server(qwen3_tokenizer_dir) as (engine_url, _),
+        broken_engine(engine_url) as (proxy_url, proxy),
+        gateway_server(qwen3_tokenizer_dir, proxy_url, timeouts=TIMEOUTS, health=HEALTH) as (base, _),
+    ):
+        yield base, proxy
 
 
 def _body(stream: bool) -> dict[str, Any]:

@@ -8,13 +8,14 @@ from pathlib import Path
 
 import aiohttp
 import openai
+from openai.types.chat import ChatCompletionMessageParam
 import pytest
 
 from gateway.config import EngineEndpoint
 from tests.support.engine import engine_server, post_json
 from tests.support.gateway import gateway_server
 
-MESSAGES = [{"role": "user", "content": "What is the weather like?"}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is the weather like?"}]
 GENERATE = "/inference/v1/generate"
 
 

@@ -20,13 +20,14 @@ from pathlib import Path
 
 import aiohttp
 import openai
+from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import Health
 from tests.support.engine import wait_healthy
 from tests.support.gateway import gateway_server
 
-MESSAGES = [{"role": "user", "content": "Tell me a long story."}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me a long story."}]
 
 
 def _free_port() -> int:
@@ -164,23 +165,23 @@ async def test_a_request_whose_engine_is_killed_while_serving_it_is_not_replayed
     that crashed its library killed it): the client gets a 502 saying the engine failed while
     serving it, and the request is not replayed on the pool's other engine."""
     health = Health(interval_s=60, failure_threshold=1000, retries=2)
-    async with _engines(qwen3_tokenizer_dir, 2) as engines:
-        async with (
-            gateway_server(qwen3_tokenizer_dir, [url for url, _ in engines], health=health) as (base, _),
-            aiohttp.ClientSession() as session,
-        ):
-            body = {"model": "sim", "messages": MESSAGES, "max_tokens": 400, "ignore_eos": True}  # 10 s at 25 ms a token
-            answer = asyncio.ensure_future(session.post(base + "/chat/completions", json=body))
-            serving: list[tuple[str, subprocess.Popen[bytes]]] = []
-            while not serving:  # until one engine holds it
-                assert not answer.done()
-                await asyncio.sleep(0.02)
-                serving = [(url, p) for url, p in engines if await _in_flight(session, url) > 0]
-            (victim_url, victim), = serving
-            _kill(victim)
-            async with await answer as resp:
-                status, error = resp.status, (await resp.json())["error"]
-            assert status == 502 and "failed while serving this request" in error["message"], (status, error)
-            other = next(url for url, _ in engines if url != victim_url)
-            async with session.get(other + "/metrics") as resp:
-                assert _engine_metric(await resp.text(), "onehop_engine_requests_total") == 0  # never replayed there
+    async with (
+        _engines(qwen3_tokenizer_dir, 2) as engines,
+        gateway_server(qwen3_tokenizer_dir, [url for url, _ in engines], health=health) as (base, _),
+        aiohttp.ClientSession() as session,
+    ):
+        body = {"model": "sim", "messages": MESSAGES, "max_tokens": 400, "ignore_eos": True}  # 10 s at 25 ms a token
+        answer = asyncio.ensure_future(session.post(base + "/chat/completions", json=body))
+        serving: list[tuple[str, subprocess.Popen[bytes]]] = []
+        while not serving:  # until one engine holds it
+            assert not answer.done()
+            await asyncio.sleep(0.02)
+            serving = [(url, p) for url, p in engines if await _in_flight(session, url) > 0]
+        (victim_url, victim), = serving
+        _kill(victim)
+        async with await answer as resp:
+            status, error = resp.status, (await resp.json())["error"]
+        assert status == 502 and "failed while serving this request" in error["message"], (status, error)
+        other = next(url for url, _ in engines if url != victim_url)
+        async with session.get(other + "/metrics") as resp:
+            assert _engine_metric(await resp.text(), "onehop_engine_requests_total") == 0  # never replayed there

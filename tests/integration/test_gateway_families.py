@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import openai
+from openai.types.chat import ChatCompletionMessageParam
 import pytest
 
 from engine.derender.parsers import TOOL_PARSERS
@@ -39,7 +40,7 @@ TYPED_TOOLS = [
         },
     }
 ]
-MESSAGES = [{"role": "user", "content": "A table for four, please."}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "A table for four, please."}]
 SCHEMA_TYPES = {"restaurant": str, "guests": int, "budget": (int, float), "terrace": bool, "tags": list}
 
 # tool parser -> (reasoning parser or None, the family's marker tokens added to the Qwen3 tokenizer).

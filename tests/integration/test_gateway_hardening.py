@@ -14,6 +14,7 @@ from typing import Any
 
 import aiohttp
 import openai
+from openai.types.chat import ChatCompletionMessageParam
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -21,7 +22,7 @@ from gateway.config import Admission, Timeouts
 from tests.support.engine import engine_server, sse_payloads
 from tests.support.gateway import gateway_server
 
-MESSAGES = [{"role": "user", "content": "Tell me a long story."}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me a long story."}]
 
 
 def _host_port(base: str) -> tuple[str, int]:
@@ -245,10 +246,10 @@ async def test_deeply_nested_json_is_a_400_naming_the_field(qwen3_tokenizer_dir:
     ):
         deep = _nested(depth)
         for path, body in (
-            ("/chat/completions", '{"model": "sim", "messages": %s, "chat_template_kwargs": {"x": %s}}' % (json.dumps(MESSAGES), deep)),
-            ("/chat/completions", '{"model": "sim", "messages": %s, "tools": [{"type": "function", "function": {"name": "f", '
-             '"parameters": %s}}]}' % (json.dumps(MESSAGES), deep)),
-            ("/completions", '{"model": "sim", "prompt": "hi", "response_format": {"type": "text", "x": %s}}' % deep),
+            ("/chat/completions", f'{{"model": "sim", "messages": {json.dumps(MESSAGES)}, "chat_template_kwargs": {{"x": {deep}}}}}'),
+            ("/chat/completions", f'{{"model": "sim", "messages": {json.dumps(MESSAGES)}, "tools": [{{"type": "function", "function": {{"name": "f", '
+             f'"parameters": {deep}}}}}]}}'),
+            ("/completions", f'{{"model": "sim", "prompt": "hi", "response_format": {{"type": "text", "x": {deep}}}}}'),
         ):
             async with session.post(base + path, data=body.encode(), headers={"Content-Type": "application/json"}) as response:
                 assert response.status == 400, await response.text()
@@ -359,7 +360,7 @@ async def test_a_stream_past_its_deadline_ends_in_band_and_its_engine_request_is
 ) -> None:
     async with (
         engine_server(qwen3_tokenizer_dir, backend_options={"itl_ms": 20}) as (engine_url, engine),
-        gateway_server(qwen3_tokenizer_dir, engine_url, timeouts=Timeouts(stream_deadline_s=0.6)) as (base, state),
+        gateway_server(qwen3_tokenizer_dir, engine_url, timeouts=Timeouts(stream_deadline_s=0.6)) as (base, _),
         aiohttp.ClientSession() as session,
     ):
         body = {"model": "sim", "messages": MESSAGES, "max_tokens": 2000, "ignore_eos": True, "stream": True}
@@ -380,7 +381,7 @@ async def test_a_stream_past_its_deadline_ends_in_band_and_its_engine_request_is
 async def test_a_deadline_before_the_first_byte_is_a_504_and_not_retried(qwen3_tokenizer_dir: Path) -> None:
     async with (
         engine_server(qwen3_tokenizer_dir, backend_options={"ttft_ms": 3000}) as (engine_url, _),
-        gateway_server(qwen3_tokenizer_dir, engine_url, timeouts=Timeouts(stream_deadline_s=0.3)) as (base, state),
+        gateway_server(qwen3_tokenizer_dir, engine_url, timeouts=Timeouts(stream_deadline_s=0.3)) as (base, _),
         aiohttp.ClientSession() as session,
     ):
         body = {"model": "sim", "messages": MESSAGES, "max_tokens": 5, "stream": True}

@@ -17,6 +17,7 @@ from typing import Any
 
 import aiohttp
 import openai
+from openai.types.chat import ChatCompletionMessageParam
 import pytest
 from aiohttp.test_utils import TestServer
 from prometheus_client.parser import text_string_to_metric_families
@@ -31,7 +32,7 @@ from tests.support.gateway import configured_gateway
 from tests.support.tools import WEATHER_TOOLS
 
 ROUTES = ["derender", "text", "tokens"]
-MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is the weather in Paris?"}]
 QWEN = {"reasoning_parser": "qwen3", "tool_parser": "hermes"}
 KIMI = {"reasoning_parser": "kimi_k2", "tool_parser": "kimi_k2"}
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import openai
+from openai.types.chat import ChatCompletionMessageParam
 import pytest
 
 from engine.config import EngineConfig
@@ -31,7 +32,7 @@ TOOLS = [
         },
     }
 ]
-MESSAGES = [
+MESSAGES: list[ChatCompletionMessageParam] = [
     {"role": "system", "content": "You are terse."},
     {"role": "user", "content": "Weather in Paris?"},
 ]
@@ -265,7 +266,7 @@ async def test_models_and_errors(gateway: Any) -> None:
         await client.chat.completions.create(model="sim", messages=MESSAGES, extra_body={"use_beam_search": True})
     with pytest.raises(openai.BadRequestError, match="response_format"):  # a json_schema without its schema
         await client.chat.completions.create(
-            model="sim", messages=MESSAGES, response_format={"type": "json_schema", "json_schema": {"name": "x"}}  # type: ignore[typeddict-item]
+            model="sim", messages=MESSAGES, response_format={"type": "json_schema", "json_schema": {"name": "x"}}
         )
     with pytest.raises(openai.BadRequestError, match="temperature"):
         await client.chat.completions.create(model="sim", messages=MESSAGES, temperature=7)
@@ -327,7 +328,7 @@ async def test_gateway_metrics_after_real_requests(gateway: Any) -> None:
     import aiohttp
     from prometheus_client.parser import text_string_to_metric_families
 
-    client, state = gateway
+    client, _ = gateway
     for name in ROUTES:
         await client.chat.completions.create(model="sim", messages=MESSAGES, max_tokens=4, **route(name))
     streamed: dict[str, int] = {}

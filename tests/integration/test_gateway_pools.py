@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import openai
+from openai.types.chat import ChatCompletionMessageParam
 import pytest
 
 from gateway.config import Auth, EngineEndpoint
@@ -12,7 +13,7 @@ from gateway.policy import PolicyError
 from tests.support.engine import engine_server
 from tests.support.gateway import gateway_server
 
-MESSAGES = [{"role": "user", "content": "hello"}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello"}]
 POLICY = """
 rules:
   - name: batch-tenant

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import openai
+from openai.types.chat import ChatCompletionMessageParam
 import pytest
 from tokenizers import Tokenizer
 
@@ -28,7 +29,7 @@ from tests.support.real_vocabularies import deepseek_dir, o200k_harmony_dir, tek
 from tests.support.tools import WEATHER_TOOLS
 
 ROUTES = ["derender", "text", "tokens"]
-MESSAGES = [{"role": "user", "content": "Weather in Zürich?"}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Weather in Zürich?"}]
 ARGUMENTS = {"city": "Zürich 世界 🫠", "days": 2}
 
 
@@ -89,13 +90,15 @@ async def served(request: Any) -> AsyncIterator[Served]:
     folder = case.folder()
     parsers = {"reasoning_parser": case.reasoning, "tool_parser": case.tool}
     options = {"mode": "script", "script": [case.output]}
-    async with engine_server(folder, backend_options=options, **parsers) as (engine_url, _):
-        async with gateway_server(folder, engine_url, **parsers) as (base_url, _):
-            client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
-            try:
-                yield Served(case, client, Tokenizer.from_file(str(folder / "tokenizer.json")))
-            finally:
-                await client.close()
+    async with (
+        engine_server(folder, backend_options=options, **parsers) as (engine_url, _),
+        gateway_server(folder, engine_url, **parsers) as (base_url, _),
+    ):
+        client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
+        try:
+            yield Served(case, client, Tokenizer.from_file(str(folder / "tokenizer.json")))
+        finally:
+            await client.close()
 
 
 def _extra(case: Case, route: str) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from typing import Any
 
 import aiohttp
 import openai
+from openai.types.chat import ChatCompletionMessageParam
 import pytest
 from aiohttp.test_utils import TestServer
 
@@ -16,7 +17,7 @@ from gateway.app import create_app
 from gateway.config import EngineEndpoint, GatewayConfig, Timeouts
 from tests.support.engine import engine_server
 
-MESSAGES = [{"role": "user", "content": "Hello"}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hello"}]
 
 
 @asynccontextmanager
@@ -45,14 +46,16 @@ async def test_openai_sdk_against_a_separate_engine(qwen3_tokenizer_dir: Path) -
 
 
 async def test_body_over_the_limit_is_413(qwen3_tokenizer_dir: Path) -> None:
-    async with engine_server(qwen3_tokenizer_dir) as (engine_url, _):
-        async with gateway_for(engine_url, qwen3_tokenizer_dir, max_body_bytes=4096) as url:
-            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-            with pytest.raises(openai.APIStatusError) as raised:
-                await client.chat.completions.create(model="sim", messages=[{"role": "user", "content": "x" * 10_000}])
-            await client.close()
+    async with (
+        engine_server(qwen3_tokenizer_dir) as (engine_url, _),
+        gateway_for(engine_url, qwen3_tokenizer_dir, max_body_bytes=4096) as url,
+    ):
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.APIStatusError) as raised:
+            await client.chat.completions.create(model="sim", messages=[{"role": "user", "content": "x" * 10_000}])
+        await client.close()
     assert raised.value.status_code == 413
-    assert raised.value.code == "request_too_large"  # type: ignore[attr-defined]
+    assert raised.value.code == "request_too_large"
 
 
 async def test_unreachable_engine_is_503(qwen3_tokenizer_dir: Path) -> None:
@@ -69,24 +72,28 @@ async def test_idle_engine_stream_ends_with_an_error_event(qwen3_tokenizer_dir: 
     """An engine that goes silent mid-stream: the client gets an error event and [DONE], not a hang."""
     async with engine_server(qwen3_tokenizer_dir, backend_options={"itl_ms": 1500}) as (engine_url, engine_state):
         timeouts = Timeouts(idle_s=0.3, first_token_s=0.3)
-        async with gateway_for(engine_url, qwen3_tokenizer_dir, timeouts=timeouts) as url:
-            async with aiohttp.ClientSession() as session:
-                body = {"model": "sim", "messages": MESSAGES, "stream": True, "max_tokens": 50}
-                async with session.post(url + "/v1/chat/completions", json=body, headers={"onehop-route": route}) as resp:
-                    raw = await resp.read()
+        async with (
+            gateway_for(engine_url, qwen3_tokenizer_dir, timeouts=timeouts) as url,
+            aiohttp.ClientSession() as session,
+        ):
+            body = {"model": "sim", "messages": MESSAGES, "stream": True, "max_tokens": 50}
+            async with session.post(url + "/v1/chat/completions", json=body, headers={"onehop-route": route}) as resp:
+                raw = await resp.read()
         assert b'"error"' in raw and raw.endswith(b"data: [DONE]\n\n")
         assert not engine_state.running and not engine_state.backend.running()
 
 
 async def test_routes_follow_the_engines_capabilities(qwen3_tokenizer_dir: Path) -> None:
     """A --tokens-only engine: a text route is refused up front, the default falls back to tokens and says so."""
-    async with engine_server(qwen3_tokenizer_dir, tokens_only=True) as (engine_url, _):
-        async with gateway_for(engine_url, qwen3_tokenizer_dir) as url:
-            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-            with pytest.raises(openai.BadRequestError, match="not available on this engine"):
-                await client.chat.completions.create(model="sim", messages=MESSAGES, extra_headers={"onehop-route": "text"})
-            raw = await client.chat.completions.with_raw_response.create(model="sim", messages=MESSAGES, max_tokens=3)
-            await client.close()
+    async with (
+        engine_server(qwen3_tokenizer_dir, tokens_only=True) as (engine_url, _),
+        gateway_for(engine_url, qwen3_tokenizer_dir) as url,
+    ):
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="not available on this engine"):
+            await client.chat.completions.create(model="sim", messages=MESSAGES, extra_headers={"onehop-route": "text"})
+        raw = await client.chat.completions.with_raw_response.create(model="sim", messages=MESSAGES, max_tokens=3)
+        await client.close()
     assert raw.headers["onehop-route"] == "tokens"
     assert "fallback" in raw.headers["onehop-policy"]
     assert raw.parse().choices[0].finish_reason == "length"
@@ -97,14 +104,16 @@ async def test_policy_file_picks_the_route(qwen3_tokenizer_dir: Path, tmp_path: 
     policy.write_text(
         "rules:\n  - name: wide-logprobs\n    match: {top_logprobs: {ge: 5}}\n    route: tokens\ndefault: derender\n"
     )
-    async with engine_server(qwen3_tokenizer_dir) as (engine_url, _):
-        async with gateway_for(engine_url, qwen3_tokenizer_dir, policy=str(policy)) as url:
-            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-            wide = await client.chat.completions.with_raw_response.create(
-                model="sim", messages=MESSAGES, max_tokens=3, logprobs=True, top_logprobs=8
-            )
-            plain = await client.chat.completions.with_raw_response.create(model="sim", messages=MESSAGES, max_tokens=3)
-            await client.close()
+    async with (
+        engine_server(qwen3_tokenizer_dir) as (engine_url, _),
+        gateway_for(engine_url, qwen3_tokenizer_dir, policy=str(policy)) as url,
+    ):
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        wide = await client.chat.completions.with_raw_response.create(
+            model="sim", messages=MESSAGES, max_tokens=3, logprobs=True, top_logprobs=8
+        )
+        plain = await client.chat.completions.with_raw_response.create(model="sim", messages=MESSAGES, max_tokens=3)
+        await client.close()
     assert (wide.headers["onehop-route"], plain.headers["onehop-route"]) == ("tokens", "derender")
     assert "wide-logprobs" in wide.headers["onehop-policy"]
     assert len(wide.parse().choices[0].logprobs.content[0].top_logprobs) == 8

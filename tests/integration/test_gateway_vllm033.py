@@ -103,11 +103,14 @@ async def _chat(client: openai.AsyncOpenAI, **extra: Any) -> Any:
 async def test_non_streaming_chat_uses_vllms_derender(qwen3_tokenizer_dir: Path) -> None:
     stock = StockVllm()
     async with engine_server(qwen3_tokenizer_dir) as (engine_url, _):
-        async with stock_vllm(engine_url, stock) as vllm_url, gateway_server(qwen3_tokenizer_dir, vllm_url) as (base, _):
-            async with _client(base) as client:
-                via_vllm = await client.chat.completions.with_raw_response.create(
-                    model="sim", messages=MESSAGES, tools=TOOLS, seed=7, max_tokens=200, logprobs=True, top_logprobs=1
-                )
+        async with (
+            stock_vllm(engine_url, stock) as vllm_url,
+            gateway_server(qwen3_tokenizer_dir, vllm_url) as (base, _),
+            _client(base) as client,
+        ):
+            via_vllm = await client.chat.completions.with_raw_response.create(
+                model="sim", messages=MESSAGES, tools=TOOLS, seed=7, max_tokens=200, logprobs=True, top_logprobs=1
+            )
         async with gateway_server(qwen3_tokenizer_dir, engine_url) as (base, _), _client(base) as client:
             via_onehop = await _chat(client, logprobs=True, top_logprobs=1)
     assert via_vllm.headers["onehop-route"] == "derender"
@@ -139,17 +142,20 @@ async def test_non_streaming_chat_uses_vllms_derender(qwen3_tokenizer_dir: Path)
 
 async def test_streams_keep_the_text_route(qwen3_tokenizer_dir: Path) -> None:
     stock = StockVllm()
-    async with engine_server(qwen3_tokenizer_dir) as (engine_url, _):
-        async with stock_vllm(engine_url, stock) as vllm_url, gateway_server(qwen3_tokenizer_dir, vllm_url) as (base, _):
-            async with _client(base) as client:
-                stream = await _chat(client, stream=True)
-                calls = [
-                    call.function.name
-                    async for chunk in stream
-                    if chunk.choices
-                    for call in chunk.choices[0].delta.tool_calls or []
-                    if call.function and call.function.name
-                ]
+    async with (
+        engine_server(qwen3_tokenizer_dir) as (engine_url, _),
+        stock_vllm(engine_url, stock) as vllm_url,
+        gateway_server(qwen3_tokenizer_dir, vllm_url) as (base, _),
+        _client(base) as client,
+    ):
+        stream = await _chat(client, stream=True)
+        calls = [
+            call.function.name
+            async for chunk in stream
+            if chunk.choices
+            for call in chunk.choices[0].delta.tool_calls or []
+            if call.function and call.function.name
+        ]
     assert calls == ["get_weather"]
     (sent,) = stock.generated
     assert sent["output_mode"] == "text" and sent["stream"] is True and "parse_context" not in sent
@@ -157,64 +163,80 @@ async def test_streams_keep_the_text_route(qwen3_tokenizer_dir: Path) -> None:
 
 async def test_a_stock_032_is_never_sent_derender(qwen3_tokenizer_dir: Path) -> None:
     stock = StockVllm(version="0.32.0")
-    async with engine_server(qwen3_tokenizer_dir) as (engine_url, _):
-        async with stock_vllm(engine_url, stock) as vllm_url, gateway_server(qwen3_tokenizer_dir, vllm_url) as (base, state):
-            async with _client(base) as client:
-                completion = await _chat(client)
-            engines = state.model("sim").engines
-            assert await engines.routes(vllm_url) == {"tokens", "text"} and engines.derender_form(vllm_url) == "onehop"
+    async with (
+        engine_server(qwen3_tokenizer_dir) as (engine_url, _),
+        stock_vllm(engine_url, stock) as vllm_url,
+        gateway_server(qwen3_tokenizer_dir, vllm_url) as (base, state),
+    ):
+        async with _client(base) as client:
+            completion = await _chat(client)
+        engines = state.model("sim").engines
+        assert await engines.routes(vllm_url) == {"tokens", "text"} and engines.derender_form(vllm_url) == "onehop"
     assert completion.choices[0].message.tool_calls
     assert [body["output_mode"] for body in stock.generated] == ["text"]
 
 
 async def test_forced_tool_choice_keeps_the_text_route(qwen3_tokenizer_dir: Path) -> None:
     stock = StockVllm()
-    async with engine_server(qwen3_tokenizer_dir) as (engine_url, _):
-        async with stock_vllm(engine_url, stock) as vllm_url, gateway_server(qwen3_tokenizer_dir, vllm_url) as (base, _):
-            async with _client(base) as client:
-                completion = await _chat(client, tool_choice="required")
+    async with (
+        engine_server(qwen3_tokenizer_dir) as (engine_url, _),
+        stock_vllm(engine_url, stock) as vllm_url,
+        gateway_server(qwen3_tokenizer_dir, vllm_url) as (base, _),
+        _client(base) as client,
+    ):
+        completion = await _chat(client, tool_choice="required")
     assert completion.choices[0].message.tool_calls
     assert [body["output_mode"] for body in stock.generated] == ["text"]
 
 
 async def test_scale_out_off_leaves_the_engine_out_with_its_circuit_closed(qwen3_tokenizer_dir: Path) -> None:
     off, on = StockVllm(scale_out=False), StockVllm()
-    async with engine_server(qwen3_tokenizer_dir) as (engine_url, _):
-        async with stock_vllm(engine_url, off) as off_url, stock_vllm(engine_url, on) as on_url:
-            async with gateway_server(qwen3_tokenizer_dir, [off_url, on_url]) as (base, state), _client(base) as client:
-                sent = 0
-                while not off.refused and sent < 40:  # the pool picks either one first, at random
-                    completion = await _chat(client)
-                    assert completion.choices[0].message.tool_calls  # retried on the other: the client never knew
-                    sent += 1
-                for _ in range(4):
-                    await _chat(client)
-                engines = state.model("sim").engines
-                assert await engines.routes(off_url) == frozenset()
-                assert engines.pool.endpoints[off_url].breaker.state is Circuit.CLOSED
-                assert engines.pool.endpoints[off_url].breaker.failures == 0
+    async with (
+        engine_server(qwen3_tokenizer_dir) as (engine_url, _),
+        stock_vllm(engine_url, off) as off_url,
+        stock_vllm(engine_url, on) as on_url,
+        gateway_server(qwen3_tokenizer_dir, [off_url, on_url]) as (base, state),
+        _client(base) as client,
+    ):
+        sent = 0
+        while not off.refused and sent < 40:  # the pool picks either one first, at random
+            completion = await _chat(client)
+            assert completion.choices[0].message.tool_calls  # retried on the other: the client never knew
+            sent += 1
+        for _ in range(4):
+            await _chat(client)
+        engines = state.model("sim").engines
+        assert await engines.routes(off_url) == frozenset()
+        assert engines.pool.endpoints[off_url].breaker.state is Circuit.CLOSED
+        assert engines.pool.endpoints[off_url].breaker.failures == 0
     assert off.refused == 1 and len(on.generated) == sent + 4
 
 
 async def test_the_only_engine_with_scale_out_off_is_a_503(qwen3_tokenizer_dir: Path) -> None:
     off = StockVllm(scale_out=False)
-    async with engine_server(qwen3_tokenizer_dir) as (engine_url, _):
-        async with stock_vllm(engine_url, off) as off_url, gateway_server(qwen3_tokenizer_dir, off_url) as (base, state):
-            for _ in range(2):  # the 403 itself, then the engine left out
-                with pytest.raises(openai.InternalServerError) as caught:
-                    async with _client(base) as client:
-                        await _chat(client)
-                assert caught.value.status_code == 503 and "generate API" in caught.value.message
-            assert state.model("sim").engines.pool.endpoints[off_url].breaker.state is Circuit.CLOSED
+    async with (
+        engine_server(qwen3_tokenizer_dir) as (engine_url, _),
+        stock_vllm(engine_url, off) as off_url,
+        gateway_server(qwen3_tokenizer_dir, off_url) as (base, state),
+    ):
+        for _ in range(2):  # the 403 itself, then the engine left out
+            with pytest.raises(openai.InternalServerError) as caught:
+                async with _client(base) as client:
+                    await _chat(client)
+            assert caught.value.status_code == 503 and "generate API" in caught.value.message
+        assert state.model("sim").engines.pool.endpoints[off_url].breaker.state is Circuit.CLOSED
 
 
 async def test_responses_api_takes_vllms_derender_too(qwen3_tokenizer_dir: Path) -> None:
     """Another API presented from the chat answer: the form's answer feeds the presenter."""
     stock = StockVllm()
-    async with engine_server(qwen3_tokenizer_dir) as (engine_url, _):
-        async with stock_vllm(engine_url, stock) as vllm_url, gateway_server(qwen3_tokenizer_dir, vllm_url) as (base, _):
-            async with _client(base) as client:
-                response = await client.responses.create(model="sim", input="Say something.", max_output_tokens=40)
+    async with (
+        engine_server(qwen3_tokenizer_dir) as (engine_url, _),
+        stock_vllm(engine_url, stock) as vllm_url,
+        gateway_server(qwen3_tokenizer_dir, vllm_url) as (base, _),
+        _client(base) as client,
+    ):
+        response = await client.responses.create(model="sim", input="Say something.", max_output_tokens=40)
     assert response.status in ("completed", "incomplete") and response.output
     (sent,) = stock.generated
     assert sent["output_mode"] == "derender" and "parse_context" in sent

@@ -106,13 +106,12 @@ async def test_two_workers_share_the_port_the_metrics_the_reload_and_the_store(
                         assert _requests_total(await response.text()) == REQUESTS
 
             # A stored response is found by either worker, by its own caller only.
-            async with aiohttp.ClientSession() as session:
-                async with session.post(
-                    base + "/v1/responses", json={"model": "sim", "input": "hi", "max_output_tokens": 4},
-                    headers={"Authorization": "Bearer old-key"},
-                ) as response:
-                    assert response.status == 200, await response.text()
-                    stored = (await response.json())["id"]
+            async with aiohttp.ClientSession() as session, session.post(
+                base + "/v1/responses", json={"model": "sim", "input": "hi", "max_output_tokens": 4},
+                headers={"Authorization": "Bearer old-key"},
+            ) as response:
+                assert response.status == 200, await response.text()
+                stored = (await response.json())["id"]
             found = await _fresh(base, "GET", f"/v1/responses/{stored}", count=16, key="old-key")
             assert set(found) == {"0", "1"}
             # Another key's caller finds it in neither worker.
@@ -151,10 +150,12 @@ async def _turn(base: str, previous: str | None) -> tuple[str, str | None]:
     body: dict[str, object] = {"model": "sim", "input": "and then?", "max_output_tokens": 4}
     if previous is not None:
         body["previous_response_id"] = previous
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
-        async with session.post(base + "/v1/responses", json=body) as response:
-            assert response.status == 200, await response.text()
-            return (await response.json())["id"], response.headers.get("onehop-worker")
+    async with (
+        aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session,
+        session.post(base + "/v1/responses", json=body) as response,
+    ):
+        assert response.status == 200, await response.text()
+        return (await response.json())["id"], response.headers.get("onehop-worker")
 
 
 async def test_a_conversation_crosses_workers_and_a_killed_worker_comes_back(
@@ -183,10 +184,12 @@ async def test_a_conversation_crosses_workers_and_a_killed_worker_comes_back(
                 await asyncio.sleep(0.2)  # until the supervisor reaped it and started another
             await _until_both_ready(base, process, tmp_path / "gateway.log")
             served += await _fresh(base, "POST", "/v1/chat/completions", count=10, body=CHAT)
-            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
-                async with session.get(base + "/metrics") as response:
-                    # The dead worker's requests stay counted; the new one's are added.
-                    assert _requests_total(await response.text()) == len(served)
+            async with (
+                aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session,
+                session.get(base + "/metrics") as response,
+            ):
+                # The dead worker's requests stay counted; the new one's are added.
+                assert _requests_total(await response.text()) == len(served)
             process.send_signal(signal.SIGTERM)  # the replacement drains and stops like the first ones
             assert await asyncio.to_thread(process.wait, 60) == 0
 

@@ -247,7 +247,7 @@ async def test_context_management_is_applied_and_reported(client: anthropic.Asyn
     assert streamed.context_management == answer.context_management
     with pytest.raises(anthropic.BadRequestError) as refused:
         await client.beta.messages.create(
-            model="sim", max_tokens=50, messages=history, context_management={"edits": [{"type": "clear_thinking_20251015", "keep": 2}]}  # type: ignore[list-item]
+            model="sim", max_tokens=50, messages=history, context_management={"edits": [{"type": "clear_thinking_20251015", "keep": 2}]}
         )
     assert refused.value.body["error"]["message"].startswith("context_management.edits[0].keep: ")  # type: ignore[index]
 
@@ -257,7 +257,7 @@ async def test_ignored_edits_and_dropped_server_tools_are_counted(qwen3_tokenize
         sdk = anthropic.AsyncAnthropic(base_url=base.removesuffix("/v1"), api_key="none", max_retries=0)
         tools: Any = [{"type": "web_search_20250305", "name": "web_search"}, {"type": "bash_20250124", "name": "bash"}]
         answer = await sdk.beta.messages.create(
-            model="sim", max_tokens=200, messages=ASK, tools=tools, context_management={"edits": [{"type": "compact_20260112"}]},  # type: ignore[list-item]
+            model="sim", max_tokens=200, messages=ASK, tools=tools, context_management={"edits": [{"type": "compact_20260112"}]},
         )
         await sdk.close()
         assert [(block.type, getattr(block, "name", None)) for block in answer.content if block.type == "tool_use"] == [("tool_use", "bash")]

@@ -89,10 +89,13 @@ async def test_another_tenants_response_is_answered_as_an_unknown_id(qwen3_token
 
 
 async def test_with_auth_off_everyone_is_one_tenant(qwen3_tokenizer_dir: Path, tmp_path: Path) -> None:
-    async with _gateway(qwen3_tokenizer_dir, tmp_path, auth=False) as base:
-        async with aiohttp.ClientSession(base_url=base + "/") as one, aiohttp.ClientSession(base_url=base + "/") as other:
-            stored = await _create(one, input="hi")
-            assert (await _call(other, "GET", f"responses/{stored}"))[0] == 200
+    async with (
+        _gateway(qwen3_tokenizer_dir, tmp_path, auth=False) as base,
+        aiohttp.ClientSession(base_url=base + "/") as one,
+        aiohttp.ClientSession(base_url=base + "/") as other,
+    ):
+        stored = await _create(one, input="hi")
+        assert (await _call(other, "GET", f"responses/{stored}"))[0] == 200
 
 
 METADATA_AT_BOUND = {f"key{index:02d}".ljust(64, "k"): "v" * 512 for index in range(16)}

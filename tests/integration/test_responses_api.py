@@ -12,6 +12,16 @@ from typing import Any
 
 import openai
 import pytest
+from openai import AsyncStream
+from openai.types.responses import (
+    CustomToolParam,
+    NamespaceToolParam,
+    Response,
+    ResponseCompletedEvent,
+    ResponseCustomToolCall,
+    ResponseFunctionToolCall,
+    ResponseStreamEvent,
+)
 from pydantic import BaseModel, Field
 
 from engine.qwen3.fixtures import cache_dir
@@ -21,10 +31,13 @@ from tests.support import harmony_tokenizer
 from tests.support.engine import engine_server
 from tests.support.family_tokenizers import build_family_tokenizer
 from tests.support.gateway import gateway_server
+from tests.support.narrow import of
 
 Agents = tuple[openai.AsyncOpenAI, GatewayState]
 
 ROUTES = ["derender", "text", "tokens"]
+# Sent as clients send it, without `strict`: the SDK's FunctionToolParam requires that key (the
+# API leaves it optional), so the calls that pass WEATHER ignore the list-item error it gives.
 WEATHER = {
     "type": "function",
     "name": "get_weather",
@@ -62,37 +75,44 @@ def _route(route: str) -> dict[str, Any]:
     return {"extra_headers": {"onehop-route": route}}
 
 
+def stream_of(answer: Response | AsyncStream[ResponseStreamEvent]) -> AsyncStream[ResponseStreamEvent]:
+    """The events of a `stream=True` create, typed: the SDK's overloads cannot tell its stream from an
+    answer when some of the call's options come in a `**` dict or as a tool it does not type."""
+    assert isinstance(answer, AsyncStream), f"expected a stream, got {answer!r}"
+    return answer
+
+
 @pytest.mark.parametrize("route", ROUTES)
 async def test_text_answer_streamed_and_not_agree(client: openai.AsyncOpenAI, route: str) -> None:
-    whole = await client.responses.create(model="sim", input="Say something.", instructions="Be brief.", **_route(route))
+    whole = of(Response, await client.responses.create(model="sim", input="Say something.", instructions="Be brief.", **_route(route)))
     assert whole.status == "completed" and whole.id.startswith("resp_")
     assert [item.type for item in whole.output] == ["reasoning", "message"]  # the sim thinks first
     assert whole.output_text and whole.usage is not None and whole.usage.output_tokens > 0
     assert whole.usage.total_tokens == whole.usage.input_tokens + whole.usage.output_tokens
-    events = [event async for event in await client.responses.create(
-        model="sim", input="Say something.", instructions="Be brief.", stream=True, **_route(route))]
+    events = [event async for event in stream_of(await client.responses.create(
+        model="sim", input="Say something.", instructions="Be brief.", stream=True, **_route(route)))]
     kinds = [event.type for event in events]
     assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
     assert "response.reasoning_text.delta" in kinds and "response.output_text.delta" in kinds
     assert [event.sequence_number for event in events] == list(range(len(events)))
     streamed = "".join(event.delta for event in events if event.type == "response.output_text.delta")
-    final = events[-1].response  # type: ignore[union-attr]
+    final = of(ResponseCompletedEvent, events[-1]).response
     assert streamed == final.output_text == whole.output_text  # the sim's answer depends on the prompt alone
     assert final.usage is not None and final.usage.output_tokens == whole.usage.output_tokens
 
 
 @pytest.mark.parametrize("route", ROUTES)
 async def test_function_tool_round_trip_by_previous_response_id(client: openai.AsyncOpenAI, route: str) -> None:
-    first = await client.responses.create(model="sim", input="Weather in Paris?", tools=[WEATHER], **_route(route))  # type: ignore[list-item]
+    first = of(Response, await client.responses.create(model="sim", input="Weather in Paris?", tools=[WEATHER], **_route(route)))  # type: ignore[list-item]
     calls = [item for item in first.output if item.type == "function_call"]
     assert len(calls) == 1 and calls[0].name == "get_weather" and "city" in calls[0].arguments
-    second = await client.responses.create(
+    second = of(Response, await client.responses.create(
         model="sim",
         previous_response_id=first.id,
         input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny"}],
         tools=[WEATHER],  # type: ignore[list-item]
         **_route(route),
-    )
+    ))
     assert second.status == "completed" and second.previous_response_id == first.id
     # The stored turn reached the model: the prompt grew by the first answer and the tool output.
     assert second.usage is not None and first.usage is not None
@@ -100,12 +120,12 @@ async def test_function_tool_round_trip_by_previous_response_id(client: openai.A
 
 
 async def test_function_tool_round_trip_streamed_without_store(client: openai.AsyncOpenAI) -> None:
-    events = [event async for event in await client.responses.create(
-        model="sim", input="Weather in Paris?", tools=[WEATHER], store=False, stream=True)]  # type: ignore[list-item]
+    events = [event async for event in stream_of(await client.responses.create(
+        model="sim", input="Weather in Paris?", tools=[WEATHER], store=False, stream=True))]  # type: ignore[list-item]
     kinds = [event.type for event in events]
     assert "response.function_call_arguments.delta" in kinds and "response.function_call_arguments.done" in kinds
     done = next(event for event in events if event.type == "response.function_call_arguments.done")
-    final = events[-1].response  # type: ignore[union-attr]
+    final = of(ResponseCompletedEvent, events[-1]).response
     call = next(item for item in final.output if item.type == "function_call")
     assert done.arguments == call.arguments and call.name == "get_weather"
     with pytest.raises(openai.BadRequestError):  # not stored: it cannot be continued
@@ -162,7 +182,7 @@ async def test_what_is_not_served_is_refused_by_name(client: openai.AsyncOpenAI,
 
 # ------------------------------------------------------------ coding agents (Codex CLI 0.171's shapes)
 
-AGENTS = {
+AGENTS: NamespaceToolParam = {
     "type": "namespace",
     "name": "multi_agent_v1",
     "description": "Tools for spawning and managing sub-agents.",
@@ -171,7 +191,7 @@ AGENTS = {
         "parameters": {"type": "object", "properties": {"task": {"type": "string"}}, "required": ["task"], "additionalProperties": False},
     }],
 }
-PATCH = {
+PATCH: CustomToolParam = {
     "type": "custom",
     "name": "apply_patch",
     "description": "Edit files with a patch.",
@@ -201,14 +221,14 @@ def codex_body(tools: list[Any], **fields: Any) -> dict[str, Any]:
     }
 
 
-async def events_of(client: openai.AsyncOpenAI, body: dict[str, Any], route: str) -> list[Any]:
-    stream = await client.responses.create(**{k: v for k, v in body.items() if k != "client_metadata"},  # type: ignore[call-overload]
+async def events_of(client: openai.AsyncOpenAI, body: dict[str, Any], route: str) -> list[ResponseStreamEvent]:
+    stream = await client.responses.create(**{k: v for k, v in body.items() if k != "client_metadata"},
                                            extra_body={"client_metadata": body["client_metadata"]}, **_route(route))
-    return [event async for event in stream]
+    return [event async for event in stream_of(stream)]
 
 
 def dropped(state: GatewayState, kind: str) -> float:
-    return state.metrics.dropped_tools.labels("responses", kind)._value.get()  # type: ignore[no-any-return]
+    return state.metrics.dropped_tools.labels("responses", kind)._value.get()
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -219,11 +239,12 @@ async def test_codex_namespace_call_and_its_output_without_call_id(agents: Agent
     assert events[-1].type == "response.completed" and dropped(state, "web_search") == before + 1
     added = [event.item for event in events if event.type == "response.output_item.added" and event.item.type == "function_call"]
     done = [event for event in events if event.type == "response.function_call_arguments.done"]
-    call = next(item for item in events[-1].response.output if item.type == "function_call")
+    final = of(ResponseCompletedEvent, events[-1]).response
+    call = next(item for item in final.output if item.type == "function_call")
     assert [(item.name, item.namespace) for item in added] == [("spawn_agent", "multi_agent_v1")]
     assert (call.name, call.namespace) == ("spawn_agent", "multi_agent_v1") and "task" in call.arguments
     assert done[0].arguments == call.arguments and done[0].model_extra == {"name": "spawn_agent"}
-    assert [tool.type for tool in events[-1].response.tools] == ["namespace"]
+    assert [tool.type for tool in final.tools] == ["namespace"]
     # Codex sends the call back with its namespace, and (after its goal tools) an output with none.
     body = codex_body([AGENTS])
     body["input"] += [
@@ -236,25 +257,26 @@ async def test_codex_namespace_call_and_its_output_without_call_id(agents: Agent
 
 @pytest.mark.parametrize("route", ROUTES)
 async def test_custom_tool_call_round_trip(client: openai.AsyncOpenAI, route: str) -> None:
-    whole = await client.responses.create(model="sim", input="Patch it.", tools=[PATCH], **_route(route))  # type: ignore[list-item]
-    call = whole.output[-1]
+    whole = of(Response, await client.responses.create(model="sim", input="Patch it.", tools=[PATCH], **_route(route)))
+    call = of(ResponseCustomToolCall, whole.output[-1])
     assert call.type == "custom_tool_call" and call.name == "apply_patch" and call.namespace is None
     assert call.input and not call.input.startswith("{")  # the text itself, not the function's JSON
-    events = [event async for event in await client.responses.create(
-        model="sim", input="Patch it.", tools=[PATCH], stream=True, **_route(route))]  # type: ignore[list-item]
+    events = [event async for event in stream_of(await client.responses.create(
+        model="sim", input="Patch it.", tools=[PATCH], stream=True, **_route(route)))]
     kinds = [event.type for event in events]
     assert "response.custom_tool_call_input.delta" in kinds and "response.custom_tool_call_input.done" in kinds
     done = next(event for event in events if event.type == "response.custom_tool_call_input.done")
-    assert done.input == call.input == events[-1].response.output[-1].input  # the sim's answer depends on the prompt
+    final = of(ResponseCompletedEvent, events[-1]).response
+    assert done.input == call.input == of(ResponseCustomToolCall, final.output[-1]).input  # the sim's answer depends on the prompt
     items: list[Any] = [
         {"role": "user", "content": "Patch it."},
         {"type": "custom_tool_call", "call_id": call.call_id, "name": call.name, "input": call.input},
         {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "Done!"},
     ]
-    second = await client.responses.create(model="sim", input=items, tools=[PATCH], store=False, **_route(route))  # type: ignore[list-item]
+    second = await client.responses.create(model="sim", input=items, tools=[PATCH], store=False, **_route(route))
     assert second.status == "completed"
     followed = await client.responses.create(
-        model="sim", previous_response_id=whole.id, tools=[PATCH],  # type: ignore[list-item]
+        model="sim", previous_response_id=whole.id, tools=[PATCH],
         input=[{"type": "custom_tool_call_output", "call_id": call.call_id, "output": "Done!"}], **_route(route))
     assert followed.usage is not None and whole.usage is not None
     assert followed.usage.input_tokens > whole.usage.input_tokens + whole.usage.output_tokens
@@ -262,10 +284,11 @@ async def test_custom_tool_call_round_trip(client: openai.AsyncOpenAI, route: st
 
 @pytest.mark.parametrize("route", ROUTES)
 async def test_a_forced_custom_tool_on_an_engine_without_grammars_is_a_forced_call(client: openai.AsyncOpenAI, route: str) -> None:
-    answer = await client.responses.create(
-        model="sim", input="Patch it.", tools=[WEATHER, PATCH], tool_choice={"type": "custom", "name": "apply_patch"},  # type: ignore[list-item]
-        **_route(route))
-    assert [(item.type, item.name) for item in answer.output] == [("custom_tool_call", "apply_patch")]
+    answer = of(Response, await client.responses.create(  # type: ignore[call-overload]  # WEATHER, as above
+        model="sim", input="Patch it.", tools=[WEATHER, PATCH], tool_choice={"type": "custom", "name": "apply_patch"},
+        **_route(route)))
+    calls = [of(ResponseCustomToolCall, item) for item in answer.output]
+    assert [(call.type, call.name) for call in calls] == [("custom_tool_call", "apply_patch")]
 
 
 async def test_hosted_tools_refused_when_the_config_says_so(qwen3_tokenizer_dir: Path) -> None:
@@ -297,10 +320,11 @@ async def test_input_tokens_counts_the_prompt_create_renders(client: openai.Asyn
 
 @pytest.mark.parametrize("route", ROUTES)
 async def test_a_forced_call_with_a_json_format_is_answered_with_the_call(client: openai.AsyncOpenAI, route: str) -> None:
-    answer = await client.responses.create(
-        model="sim", input="Weather in Paris?", tools=[WEATHER], tool_choice="required",  # type: ignore[list-item]
-        text={"format": {"type": "json_schema", "name": "city", "schema": City.model_json_schema()}}, **_route(route))
-    assert [item.type for item in answer.output] == ["function_call"] and answer.output[0].name == "get_weather"
+    answer = of(Response, await client.responses.create(  # type: ignore[call-overload]  # WEATHER, as above
+        model="sim", input="Weather in Paris?", tools=[WEATHER], tool_choice="required",
+        text={"format": {"type": "json_schema", "name": "city", "schema": City.model_json_schema()}}, **_route(route)))
+    assert [item.type for item in answer.output] == ["function_call"]
+    assert of(ResponseFunctionToolCall, answer.output[0]).name == "get_weather"
     assert answer.text is not None and answer.text.format is not None and answer.text.format.type == "json_schema"
 
 
@@ -332,15 +356,16 @@ async def test_harmony_calls_of_every_tool_kind(
     harmony: openai.AsyncOpenAI, route: str, tool: dict[str, Any], kind: str, name: str, namespace: str | None
 ) -> None:
     body = codex_body([tool], stream=False)
-    whole = await harmony.responses.create(**{k: v for k, v in body.items() if k != "client_metadata"}, **_route(route))  # type: ignore[call-overload]
+    whole = of(Response, await harmony.responses.create(**{k: v for k, v in body.items() if k != "client_metadata"}, **_route(route)))
     call = whole.output[-1]
+    assert isinstance(call, (ResponseFunctionToolCall, ResponseCustomToolCall)), call
     assert (call.type, call.name, call.namespace) == (kind, name, namespace)
     assert call.type == "function_call" or not call.input.startswith("{")  # a custom tool's text itself
     events = await events_of(harmony, codex_body([tool]), route)
-    final = events[-1].response
-    assert events[-1].type == "response.completed"
+    final = of(ResponseCompletedEvent, events[-1]).response
     assert final.output[-1].model_dump(exclude={"id", "call_id"}) == call.model_dump(exclude={"id", "call_id"})  # the prompt decides it
     output = {"type": "function_call_output" if kind == "function_call" else "custom_tool_call_output", "call_id": call.call_id, "output": "ok"}
     sent_back = call.model_dump(exclude={"id", "status"}, exclude_none=True)
-    again = await harmony.responses.create(model="sim", input=[*body["input"], sent_back, output], tools=[tool], **_route(route))  # type: ignore[arg-type,list-item]
+    items: list[Any] = [*body["input"], sent_back, output]  # Codex's own items, as it sends them
+    again = await harmony.responses.create(model="sim", input=items, tools=[tool], **_route(route))  # type: ignore[list-item]  # a tool of any kind, WEATHER among them
     assert again.status == "completed"

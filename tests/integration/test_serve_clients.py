@@ -51,10 +51,12 @@ async def test_serve_on_the_simulator_without_a_served_name(qwen3_tokenizer_dir:
     """`onehop serve --backend sim` as typed, no `--served-model-name`: the gateway and its
     engine agree on one name (the folder's), so it starts and answers under that name."""
     engine = EngineConfig(backend="sim", model=str(qwen3_tokenizer_dir))
-    async with embedded(engine, host="127.0.0.1", port=0, route="derender") as running:
-        async with openai.AsyncOpenAI(base_url=running.url + "/v1", api_key="none", max_retries=0) as client:
-            assert [m.id for m in (await client.models.list()).data] == [qwen3_tokenizer_dir.name]
-            answer = await client.chat.completions.create(
-                model=qwen3_tokenizer_dir.name, messages=[{"role": "user", "content": "Hi"}], max_tokens=4
-            )
-            assert answer.usage is not None and answer.usage.completion_tokens == 4
+    async with (
+        embedded(engine, host="127.0.0.1", port=0, route="derender") as running,
+        openai.AsyncOpenAI(base_url=running.url + "/v1", api_key="none", max_retries=0) as client,
+    ):
+        assert [m.id for m in (await client.models.list()).data] == [qwen3_tokenizer_dir.name]
+        answer = await client.chat.completions.create(
+            model=qwen3_tokenizer_dir.name, messages=[{"role": "user", "content": "Hi"}], max_tokens=4
+        )
+        assert answer.usage is not None and answer.usage.completion_tokens == 4

@@ -40,36 +40,38 @@ class Person(BaseModel):
 
 async def test_serve_answers_parse_and_vllms_kinds_from_a_random_model(tiny_model_dir: Path) -> None:
     engine = EngineConfig(backend="hf", model=str(tiny_model_dir), backend_options={"threads": 1})
-    async with embedded(engine, host="127.0.0.1", port=0, route="derender") as running:
-        async with openai.AsyncOpenAI(base_url=running.url + "/v1", api_key="none", max_retries=0) as client:
-            model = (await client.models.list()).data[0].id
-            for route in ("derender", "text", "tokens"):
-                answer = await client.chat.completions.parse(
-                    model=model, messages=[{"role": "user", "content": "Who?"}], response_format=Person, max_tokens=400,
-                    extra_headers={"onehop-route": route},
-                    extra_body={**NO_THINKING, "structured_outputs": {"disable_any_whitespace": True}},
-                )
-                assert isinstance(answer.choices[0].message.parsed, Person), (route, answer.choices[0].message.content)
-            kinds: list[tuple[dict[str, Any], str]] = [
-                ({"choice": ["yes", "no"]}, r"yes|no"),
-                ({"regex": "[0-9]{3}-[a-z]{2}"}, r"[0-9]{3}-[a-z]{2}"),
-                ({"grammar": 'start: "ab" | "cd"'}, r"ab|cd"),
-                ({"json_object": True}, r"\{.*"),  # a random model's keys are unbounded: a JSON object's prefix
-            ]
-            for constraint, pattern in kinds:
-                answer = await client.chat.completions.create(
-                    model=model, messages=[{"role": "user", "content": "x"}], max_tokens=60,
-                    extra_body={**NO_THINKING, "structured_outputs": {**constraint, "disable_any_whitespace": True}},
-                )
-                content = answer.choices[0].message.content or ""
-                assert re.fullmatch(pattern, content, re.S), (constraint, content)
-            try:
-                await client.chat.completions.create(
-                    model=model, messages=[{"role": "user", "content": "x"}], extra_body={"structured_outputs": {"regex": "(a"}}
-                )
-                raise AssertionError("an invalid regex was accepted")
-            except openai.BadRequestError as exc:
-                assert "structured_outputs.regex" in exc.message
+    async with (
+        embedded(engine, host="127.0.0.1", port=0, route="derender") as running,
+        openai.AsyncOpenAI(base_url=running.url + "/v1", api_key="none", max_retries=0) as client,
+    ):
+        model = (await client.models.list()).data[0].id
+        for route in ("derender", "text", "tokens"):
+            answer = await client.chat.completions.parse(
+                model=model, messages=[{"role": "user", "content": "Who?"}], response_format=Person, max_tokens=400,
+                extra_headers={"onehop-route": route},
+                extra_body={**NO_THINKING, "structured_outputs": {"disable_any_whitespace": True}},
+            )
+            assert isinstance(answer.choices[0].message.parsed, Person), (route, answer.choices[0].message.content)
+        kinds: list[tuple[dict[str, Any], str]] = [
+            ({"choice": ["yes", "no"]}, r"yes|no"),
+            ({"regex": "[0-9]{3}-[a-z]{2}"}, r"[0-9]{3}-[a-z]{2}"),
+            ({"grammar": 'start: "ab" | "cd"'}, r"ab|cd"),
+            ({"json_object": True}, r"\{.*"),  # a random model's keys are unbounded: a JSON object's prefix
+        ]
+        for constraint, pattern in kinds:
+            answer = await client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "x"}], max_tokens=60,
+                extra_body={**NO_THINKING, "structured_outputs": {**constraint, "disable_any_whitespace": True}},
+            )
+            content = answer.choices[0].message.content or ""
+            assert re.fullmatch(pattern, content, re.S), (constraint, content)
+        try:
+            await client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "x"}], extra_body={"structured_outputs": {"regex": "(a"}}
+            )
+            raise AssertionError("an invalid regex was accepted")
+        except openai.BadRequestError as exc:
+            assert "structured_outputs.regex" in exc.message
 
 
 async def test_the_constraint_holds_after_reasoning_ends(qwen3_tokenizer: Any, tiny_model_dir: Path) -> None:
@@ -113,16 +115,18 @@ async def test_a_forced_custom_tools_grammar_holds_on_an_engine_that_enforces_it
         "input": "Patch it.", "tools": [PATCH_TOOL], "tool_choice": {"type": "custom", "name": "apply_patch"},
         "reasoning": {"effort": "none"}, "max_output_tokens": 60,
     }
-    async with embedded(engine, host="127.0.0.1", port=0, route="derender") as running:
-        async with openai.AsyncOpenAI(base_url=running.url + "/v1", api_key="none", max_retries=0) as client:
-            model = (await client.models.list()).data[0].id
-            for route in ("derender", "text", "tokens"):
-                headers = {"onehop-route": route}
-                answer = await client.responses.create(model=model, extra_headers=headers, **asked)
-                call = answer.output[-1]
-                assert answer.status == "completed" and call.type == "custom_tool_call", (route, answer.output)
-                assert call.name == "apply_patch" and re.fullmatch(PATCHED, call.input), (route, call.input)
-                events = [event async for event in await client.responses.create(model=model, stream=True, extra_headers=headers, **asked)]
-                streamed = "".join(event.delta for event in events if event.type == "response.custom_tool_call_input.delta")
-                final = events[-1].response.output[-1]  # type: ignore[union-attr]
-                assert final.type == "custom_tool_call" and streamed == final.input and re.fullmatch(PATCHED, streamed), (route, streamed)
+    async with (
+        embedded(engine, host="127.0.0.1", port=0, route="derender") as running,
+        openai.AsyncOpenAI(base_url=running.url + "/v1", api_key="none", max_retries=0) as client,
+    ):
+        model = (await client.models.list()).data[0].id
+        for route in ("derender", "text", "tokens"):
+            headers = {"onehop-route": route}
+            answer = await client.responses.create(model=model, extra_headers=headers, **asked)
+            call = answer.output[-1]
+            assert answer.status == "completed" and call.type == "custom_tool_call", (route, answer.output)
+            assert call.name == "apply_patch" and re.fullmatch(PATCHED, call.input), (route, call.input)
+            events = [event async for event in await client.responses.create(model=model, stream=True, extra_headers=headers, **asked)]
+            streamed = "".join(event.delta for event in events if event.type == "response.custom_tool_call_input.delta")
+            final = events[-1].response.output[-1]
+            assert final.type == "custom_tool_call" and streamed == final.input and re.fullmatch(PATCHED, streamed), (route, streamed)

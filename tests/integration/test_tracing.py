@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import openai
+from openai.types.chat import ChatCompletionMessageParam
 import pytest
 
 from engine.config import EngineConfig
@@ -14,7 +15,7 @@ from gateway.embedded import embedded
 from tests.support.otlp import Receiver, ReceivedSpan, otlp_receiver
 
 SECRET = "zebra-quartz-secret-prompt"
-MESSAGES = [{"role": "user", "content": f"Say hello. {SECRET}"}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": f"Say hello. {SECRET}"}]
 ENGINE_SPAN = "POST /inference/v1/generate"
 
 
@@ -83,7 +84,7 @@ async def test_span_tree_crosses_gateway_and_engine(qwen3_tokenizer_dir: Path) -
     e = engine.attributes
     assert e["onehop.output_mode"] == "derender"
     assert e["onehop.engine.queue_s"] == 0.0  # the simulator starts every request at once
-    assert 0 < e["onehop.engine.time_to_first_token_s"] and e["onehop.engine.generation_s"] >= 0
+    assert e["onehop.engine.time_to_first_token_s"] > 0 and e["onehop.engine.generation_s"] >= 0
     assert e["onehop.engine.output_cpu_s"] > 0
     assert e["gen_ai.usage.output_tokens"] == a["gen_ai.usage.output_tokens"]
     assert engine.start_ns >= children["engine.generate"].start_ns
@@ -124,11 +125,13 @@ async def test_a_callers_traceparent_is_continued(qwen3_tokenizer_dir: Path) -> 
         engine = EngineConfig(
             backend="sim", model=str(qwen3_tokenizer_dir), served_model_name="sim", tracing=TracingConfig(endpoint=receiver.url)
         )
-        async with embedded(engine, host="127.0.0.1", port=0, route="text") as running:
-            async with openai.AsyncOpenAI(base_url=running.url + "/v1", api_key="none", max_retries=0) as client:
-                await client.completions.create(
-                    model="sim", prompt="Once", max_tokens=4, extra_headers={"traceparent": f"00-{trace_id}-{parent_id}-01"}
-                )
+        async with (
+            embedded(engine, host="127.0.0.1", port=0, route="text") as running,
+            openai.AsyncOpenAI(base_url=running.url + "/v1", api_key="none", max_retries=0) as client,
+        ):
+            await client.completions.create(
+                model="sim", prompt="Once", max_tokens=4, extra_headers={"traceparent": f"00-{trace_id}-{parent_id}-01"}
+            )
     (server,) = _server_spans(receiver)
     assert server.name == "text_completion sim"
     assert server.attributes["gen_ai.operation.name"] == "text_completion"

@@ -46,6 +46,9 @@ def fixed(size: int) -> Callable[[int], Iterator[int]]:
     return sizes
 
 
+ONE_BY_ONE = fixed(1)
+
+
 def random_splits(seed: int, most: int = 8) -> Callable[[int], Iterator[int]]:
     def sizes(total: int) -> Iterator[int]:
         rng = random.Random(seed)
@@ -133,7 +136,7 @@ def stream(
     vocab: TokenVocab,
     options: ChatOptions,
     output_ids: Sequence[int],
-    sizes: Callable[[int], Iterator[int]] = fixed(1),
+    sizes: Callable[[int], Iterator[int]] = ONE_BY_ONE,
     *,
     prompt_ids: Sequence[int] = (),
     finish_reason: str | None = None,

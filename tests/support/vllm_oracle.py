@@ -76,15 +76,19 @@ class _OracleServer:
     """The oracle subprocess in ``--serve`` mode: one JSON line of cases in, one line of results out."""
 
     def __init__(self, interpreter: str) -> None:
-        self._stderr = tempfile.TemporaryFile()
-        self._process = subprocess.Popen(
-            [interpreter, str(ORACLE), "--serve"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._stderr,
-            env=server_env(),
-            cwd=ROOT,
-        )
+        # The child's stderr goes to a file (a pipe nobody reads could fill and stall it); this
+        # process's handle closes once the child holds its own, and close() removes the file.
+        fd, name = tempfile.mkstemp(prefix="onehop-oracle-", suffix=".stderr")
+        self._stderr = Path(name)
+        with os.fdopen(fd, "wb") as stderr:
+            self._process = subprocess.Popen(
+                [interpreter, str(ORACLE), "--serve"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                env=server_env(),
+                cwd=ROOT,
+            )
         atexit.register(self.close)
 
     def ask(self, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -98,8 +102,9 @@ class _OracleServer:
         with selectors.DefaultSelector() as selector:
             selector.register(process.stdout, selectors.EVENT_READ)
             if not selector.select(ORACLE_TIMEOUT_S):
+                tail = self._tail()  # before close(), which removes the file it reads
                 self.close()
-                raise OracleError(f"oracle ran past {ORACLE_TIMEOUT_S:.0f} s:\n{self._tail()}")
+                raise OracleError(f"oracle ran past {ORACLE_TIMEOUT_S:.0f} s:\n{tail}")
         line = process.stdout.readline()
         if not line:
             raise OracleError(f"oracle exited with {process.wait()}:\n{self._tail()}")
@@ -120,13 +125,12 @@ class _OracleServer:
             except subprocess.TimeoutExpired:
                 self._process.kill()
                 self._process.wait()
-        for stream in (self._process.stdout, self._stderr):
-            if stream is not None and not stream.closed:
-                stream.close()
+        if self._process.stdout is not None:
+            self._process.stdout.close()
+        self._stderr.unlink(missing_ok=True)
 
     def _tail(self) -> str:
-        self._stderr.seek(0)
-        return _tail(self._stderr.read())
+        return _tail(self._stderr.read_bytes())
 
 
 _SERVERS: dict[str, _OracleServer] = {}

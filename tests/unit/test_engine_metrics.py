@@ -3,6 +3,7 @@ and the engine's step loop puts every gap in it."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from types import SimpleNamespace
 from collections.abc import AsyncIterator
@@ -92,7 +93,7 @@ async def test_the_step_loop_counts_every_gap_in_its_bucket(monkeypatch: pytest.
     sent = [payload async for payload in _drive(metrics, request, _Writer(), outputs(), _Times(arrived=99.0))]  # type: ignore[arg-type]
     assert len(sent) == STEPS + 1  # and the abort of the choice the backend left open
     reference = Histogram("gap", "", buckets=_GAP_BUCKETS, registry=CollectorRegistry())
-    for earlier, later in zip(stamps, stamps[1:]):
+    for earlier, later in itertools.pairwise(stamps):
         reference.observe(later - earlier)
     expected = [bucket.get() for bucket in reference._buckets]
     assert metrics.inter_token_latency.labels("tokens").counts == expected

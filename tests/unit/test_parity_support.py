@@ -73,7 +73,7 @@ def test_compare_reports_each_field() -> None:
 def test_onehop_stream_and_full_fold_to_one_answer(
     qwen3_tokenizer: Any, qwen3_vocab: TokenVocab, qwen3_tokenizer_dir: Path
 ) -> None:
-    case = case_for(qwen3_tokenizer_dir, qwen3_tokenizer.encode(CALL) + [IM_END_ID])
+    case = case_for(qwen3_tokenizer_dir, [*qwen3_tokenizer.encode(CALL), IM_END_ID])
     full = onehop_full(qwen3_vocab, case)
     assert full["reasoning"] == "\nok\n" and full["finish_reason"] == "tool_calls"
     assert json.loads(full["tool_calls"][0]["arguments"]) == {"a": 1}

@@ -157,12 +157,12 @@ async def test_greedy_joins_mid_flight_match_single_sequence_decode(
         req = request(f"parity-{i}", prompt, max_tokens=steps, temperature=0.0, ignore_eos=True, logprobs=3)
         tasks.append(asyncio.create_task(collect(backend, req, runs[i])))
         if i + 1 < len(prompts):
-            await until(lambda: runs[i].count() >= 4)
+            await until(lambda run=runs[i]: run.count() >= 4)
     # The last one got its first token while the first was still decoding: they shared steps.
     await until(lambda: runs[-1].count() >= 1)
     assert runs[0].only.finish_reason is None
     await asyncio.gather(*tasks)
-    for prompt, run in zip(prompts, runs):
+    for prompt, run in zip(prompts, runs, strict=True):
         tokens, logprobs = greedy_reference(reference, prompt, steps)
         choice = run.only
         assert choice.token_ids == tokens

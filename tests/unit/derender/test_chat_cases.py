@@ -47,7 +47,7 @@ def test_master_rechunking_equals_non_streaming(qwen3_vocab: TokenVocab, enc: An
     from dataclasses import replace
 
     opts = replace(TOOLS_ON, logprobs=True, top_logprobs=2)
-    ids = enc(REASONED) + [IM_END_ID]
+    ids = [*enc(REASONED), IM_END_ID]
     reference = comparable_response(whole(qwen3_vocab, opts, ids, with_logprobs=True))
     run = stream(qwen3_vocab, opts, ids, sizes, with_logprobs=True)
     folded = run.folded
@@ -184,7 +184,7 @@ def test_held_partial_match_released_at_finish(qwen3_vocab: TokenVocab, enc: Any
 
 
 def test_hold_back_keeps_marker_with_its_id(qwen3_vocab: TokenVocab, enc: Any) -> None:
-    ids = enc("<think>\nhmm\n</think>\n\nanswer") + [IM_END_ID]
+    ids = [*enc("<think>\nhmm\n</think>\n\nanswer"), IM_END_ID]
     plain = comparable_response(whole(qwen3_vocab, REASONING_ONLY, ids))
     # "</think>" is a live prefix of this stop string, so its piece is held whole and released later.
     held = options(REASONING_ONLY, stop=("</think>NEVER",))
@@ -195,7 +195,7 @@ def test_hold_back_keeps_marker_with_its_id(qwen3_vocab: TokenVocab, enc: Any) -
 
 
 def test_stop_string_keeps_partial_tool_call(qwen3_vocab: TokenVocab, enc: Any) -> None:
-    ids = enc('<tool_call>\n{"name": "f", "arguments": {"q": "alpha STOP beta"}}\n</tool_call>') + [IM_END_ID]
+    ids = [*enc('<tool_call>\n{"name": "f", "arguments": {"q": "alpha STOP beta"}}\n</tool_call>'), IM_END_ID]
     opts = options(TOOLS_ON, stop=("STOP",))
     folded = stream(qwen3_vocab, opts, ids, prompt_ids=enc("</think>\n\n")).folded
     assert folded.tool_calls[0]["name"] == "f"
@@ -207,9 +207,7 @@ def test_stop_string_keeps_partial_tool_call(qwen3_vocab: TokenVocab, enc: Any) 
 
 
 def test_markers_grouped_with_text_in_one_step(qwen3_vocab: TokenVocab, enc: Any) -> None:
-    ids = enc("<think>why</think>\n\nSure<tool_call>\n" + '{"name": "f", "arguments": {"a": 1}}\n</tool_call>') + [
-        IM_END_ID
-    ]
+    ids = [*enc("<think>why</think>\n\nSure<tool_call>\n" + '{"name": "f", "arguments": {"a": 1}}\n</tool_call>'), IM_END_ID]
     think_end = ids.index(THINK_END_ID)
     tool_start = ids.index(TOOL_CALL_START_ID)
     derender = ChatDerender(qwen3_vocab, TOOLS_ON, model="m")
@@ -275,7 +273,7 @@ def test_token_route_reproduces_engine_text(qwen3_vocab: TokenVocab, enc: Any) -
 @pytest.mark.parametrize("skip", [True, False])
 def test_eos_text_never_reaches_content(qwen3_vocab: TokenVocab, enc: Any, skip: bool) -> None:
     opts = options(REASONING_ONLY, skip_special_tokens=skip)
-    ids = enc("hi there") + [IM_END_ID]
+    ids = [*enc("hi there"), IM_END_ID]
     folded = stream(qwen3_vocab, opts, ids, prompt_ids=enc("<think>\n\n</think>\n\n")).folded
     assert folded.content == "hi there"
     assert folded.finish_reason == "stop" and folded.stop_reason is None
@@ -330,7 +328,7 @@ def test_truncated_tool_call_under_max_tokens(qwen3_vocab: TokenVocab, enc: Any)
 @pytest.mark.parametrize("sizes", [fixed(1), fixed(2), fixed(5), random_splits(11), random_splits(12)])
 def test_tool_calls_headers_ids_and_arguments(qwen3_vocab: TokenVocab, enc: Any, sizes: Any) -> None:
     body = f"{WEATHER}\n{CLOCK}\n" + '<tool_call>\n{"name": "search", "arguments": {"q": "a \\"quoted\\" {x}"}}\n</tool_call>'
-    ids = enc("</think>\n\n" + body) + [IM_END_ID]
+    ids = [*enc("</think>\n\n" + body), IM_END_ID]
     run = stream(qwen3_vocab, TOOLS_ON, ids, sizes)
     folded = run.folded
     headers = [c for d in folded.deltas for c in d.get("tool_calls", []) if "id" in c]
@@ -346,7 +344,7 @@ def test_tool_calls_headers_ids_and_arguments(qwen3_vocab: TokenVocab, enc: Any,
 def test_parallel_tool_calls_false_keeps_first(qwen3_vocab: TokenVocab, enc: Any) -> None:
     from dataclasses import replace
 
-    ids = enc(f"</think>\n\n{WEATHER}\n{CLOCK}") + [IM_END_ID]
+    ids = [*enc(f"</think>\n\n{WEATHER}\n{CLOCK}"), IM_END_ID]
     folded = stream(qwen3_vocab, replace(TOOLS_ON, parallel_tool_calls=False), ids).folded
     assert [c["name"] for c in folded.tool_calls] == ["get_weather"]
 
@@ -355,7 +353,7 @@ def test_parallel_tool_calls_false_keeps_first(qwen3_vocab: TokenVocab, enc: Any
 
 
 def test_no_tool_parsing_without_tools(qwen3_vocab: TokenVocab, enc: Any) -> None:
-    ids = enc(f"<think>x</think>\n\n{CLOCK}") + [IM_END_ID]
+    ids = [*enc(f"<think>x</think>\n\n{CLOCK}"), IM_END_ID]
     folded = stream(qwen3_vocab, REASONING_ONLY, ids).folded
     assert folded.tool_calls == []
     assert folded.content == f"\n\n{CLOCK}"
@@ -364,7 +362,7 @@ def test_no_tool_parsing_without_tools(qwen3_vocab: TokenVocab, enc: Any) -> Non
 
 @pytest.mark.parametrize("skip", [True, False])
 def test_skip_special_tokens_with_tools(qwen3_vocab: TokenVocab, enc: Any, skip: bool) -> None:
-    ids = enc(f"<think>x</think>\n\n{CLOCK}<|endoftext|>") + [IM_END_ID]
+    ids = [*enc(f"<think>x</think>\n\n{CLOCK}<|endoftext|>"), IM_END_ID]
     folded = stream(qwen3_vocab, options(TOOLS_ON, skip_special_tokens=skip), ids).folded
     assert [c["name"] for c in folded.tool_calls] == ["get_time"]
     assert folded.content == ("" if skip else "<|endoftext|>")  # text after a call is kept, never lost
@@ -386,14 +384,14 @@ def test_enable_thinking_false_makes_everything_content(qwen3_vocab: TokenVocab,
     prompt = _prompt(qwen3_tokenizer, enable_thinking=False)
     assert prompt[-5:-1].count(THINK_END_ID) == 1 or THINK_END_ID in prompt[-6:]
     opts = replace(REASONING_ONLY, enable_thinking=False)
-    folded = stream(qwen3_vocab, opts, enc("just an answer") + [IM_END_ID], prompt_ids=prompt).folded
+    folded = stream(qwen3_vocab, opts, [*enc("just an answer"), IM_END_ID], prompt_ids=prompt).folded
     assert (folded.reasoning, folded.content) == ("", "just an answer")
     assert folded.usage.completion_tokens_details.reasoning_tokens == 0
 
 
 def test_thinking_prompt_starts_in_reasoning(qwen3_vocab: TokenVocab, qwen3_tokenizer: Any, enc: Any) -> None:
     prompt = _prompt(qwen3_tokenizer)
-    folded = stream(qwen3_vocab, REASONING_ONLY, enc("<think>\nhmm\n</think>\n\nok") + [IM_END_ID], prompt_ids=prompt).folded
+    folded = stream(qwen3_vocab, REASONING_ONLY, [*enc("<think>\nhmm\n</think>\n\nok"), IM_END_ID], prompt_ids=prompt).folded
     assert (folded.reasoning, folded.content) == ("\nhmm\n", "\n\nok")
 
 
@@ -402,7 +400,7 @@ def test_pre_opened_think_starts_in_reasoning(qwen3_vocab: TokenVocab, enc: Any)
 
     prompt = enc("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n")
     opts = replace(REASONING_ONLY, enable_thinking=False)  # the prompt wins over the flag
-    folded = stream(qwen3_vocab, opts, enc("deep thought</think>\n\nok") + [IM_END_ID], prompt_ids=prompt).folded
+    folded = stream(qwen3_vocab, opts, [*enc("deep thought</think>\n\nok"), IM_END_ID], prompt_ids=prompt).folded
     assert (folded.reasoning, folded.content) == ("deep thought", "\n\nok")
 
 
@@ -429,7 +427,7 @@ def test_prompt_ending_mid_character(qwen3_vocab: TokenVocab, enc: Any) -> None:
 def test_reasoning_field_alias_and_include_reasoning(qwen3_vocab: TokenVocab, enc: Any) -> None:
     from dataclasses import replace
 
-    ids = enc("<think>why</think>ok") + [IM_END_ID]
+    ids = [*enc("<think>why</think>ok"), IM_END_ID]
     alias = whole(qwen3_vocab, replace(REASONING_ONLY, reasoning_field="reasoning_content"), ids)
     message = alias.choices[0].message
     assert (message.reasoning_content, message.reasoning) == ("why", None)

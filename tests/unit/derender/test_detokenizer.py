@@ -66,7 +66,7 @@ def test_held_space_comes_out_with_the_completed_character(qwen3_tokenizer: Any,
 
 def test_added_token_after_a_partial_character_flushes_replacement(qwen3_tokenizer: Any, qwen3_vocab: TokenVocab) -> None:
     """Mid-output the character can no longer complete: U+FFFD, as a full decode shows."""
-    ids = qwen3_tokenizer.encode("ok 🫠")[:-1] + [THINK_START_ID]
+    ids = [*qwen3_tokenizer.encode("ok 🫠")[:-1], THINK_START_ID]
     assert "".join(decode_stream(qwen3_vocab, ids)) == qwen3_tokenizer.decode(ids) == "ok \ufffd<think>"
 
 
@@ -97,7 +97,7 @@ def test_prompt_ending_mid_character_emits_no_prompt_text(qwen3_tokenizer: Any, 
 
 @pytest.mark.parametrize("skip", [True, False])
 def test_special_tokens_skipped_or_kept(qwen3_tokenizer: Any, qwen3_vocab: TokenVocab, skip: bool) -> None:
-    ids = qwen3_tokenizer.encode("hi") + [IM_END_ID, THINK_START_ID] + qwen3_tokenizer.encode(" there")
+    ids = [*qwen3_tokenizer.encode("hi"), IM_END_ID, THINK_START_ID, *qwen3_tokenizer.encode(" there")]
     text = "".join(decode_stream(qwen3_vocab, ids, skip=skip))
     assert text == qwen3_tokenizer.decode(ids, skip_special_tokens=skip)
     assert ("<|im_end|>" in text) is (not skip)

@@ -86,7 +86,7 @@ def test_well_formed_tool_calls_round_trip(qwen3_tokenizer: Any, qwen3_vocab: To
     output = "</think>\n\n" + "\n".join(
         f"<tool_call>\n{json.dumps(b, ensure_ascii=False)}\n</tool_call>" for b in bodies
     )
-    ids = qwen3_tokenizer.encode(output) + [IM_END_ID]
+    ids = [*qwen3_tokenizer.encode(output), IM_END_ID]
     folded = stream(qwen3_vocab, BASE, ids, random_splits(seed)).folded
     assert [c["name"] for c in folded.tool_calls] == [b["name"] for b in bodies]
     assert parsed_arguments(folded) == [b.get("arguments", {}) for b in bodies]

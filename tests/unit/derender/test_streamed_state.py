@@ -49,7 +49,7 @@ def _feed(derender: Any, ids: list[int]) -> list[bytes]:
 
 
 def test_a_streamed_chat_sends_the_same_chunks_and_usage(qwen3_tokenizer: Any, qwen3_vocab: TokenVocab) -> None:
-    ids = qwen3_tokenizer.encode(OUTPUT) + [IM_END_ID]
+    ids = [*qwen3_tokenizer.encode(OUTPUT), IM_END_ID]
     kept, streamed = _chat(qwen3_vocab, True), _chat(qwen3_vocab, False)
     assert _feed(streamed, ids) == _feed(kept, ids)
     assert streamed.usage() == kept.usage()

@@ -262,5 +262,5 @@ def test_a_folder_without_tokenizer_json_is_refused(tmp_path: Path, qwen3_tokeni
     from gateway.tokenizer_folder import TokenizerFolderError
 
     shutil.copyfile(qwen3_tokenizer_dir / "tokenizer_config.json", tmp_path / "tokenizer_config.json")
-    with pytest.raises(TokenizerFolderError, match="tokenizer.json"):
+    with pytest.raises(TokenizerFolderError, match=r"tokenizer\.json"):
         LocalRenderer(tmp_path)

@@ -204,10 +204,10 @@ def test_unknown_field_and_missing_max_tokens_in_anthropics_words() -> None:
     ignored = decode_request(_encode({"model": "m", "max_tokens": 1, "messages": [], "context_management_v2": {}}))
     assert ignored.ignored == ("context_management_v2",)
     with pytest.raises(InvalidRequest, match=r"^max_tokens: Field required$") as info:
-        decode_request(_encode({"model": "m", "messages": []})).request
+        decode_request(_encode({"model": "m", "messages": []}))
     assert info.value.param == "max_tokens"
     with pytest.raises(InvalidRequest, match="not valid JSON"):
-        decode_request(b"{").request
+        decode_request(b"{")
 
 
 def test_count_tokens_renders_the_same_prompt_without_sampling() -> None:
@@ -410,7 +410,7 @@ async def test_leaving_the_stream_closes_the_chunks() -> None:
             closed.append(True)
 
     frames = MessagesPresenter().stream(turn_of(stream=True), META, endless())
-    await anext(frames)  # type: ignore[call-overload]
+    await anext(frames)
     await frames.aclose()  # type: ignore[attr-defined]
     assert closed == [True]
 

@@ -36,11 +36,14 @@ CAPTURE_BILLING = "x-anthropic-billing-header: cc_version=2.1.197.fbe; cc_entryp
 """Claude Code 2.1.197's first system block, as it sent it."""
 
 
-def translated(agents: Agents = Agents(), **body: Any) -> Translated:
+DEFAULT_AGENTS = Agents()
+
+
+def translated(agents: Agents = DEFAULT_AGENTS, **body: Any) -> Translated:
     return translate(decode_request(_encode({"model": "m", "max_tokens": 64, **body})).request, agents)
 
 
-def refused(agents: Agents = Agents(), **body: Any) -> InvalidRequest:
+def refused(agents: Agents = DEFAULT_AGENTS, **body: Any) -> InvalidRequest:
     with pytest.raises(InvalidRequest) as info:
         translated(agents, **body)
     return info.value
@@ -338,7 +341,7 @@ def test_stripping_lets_two_sessions_share_the_whole_system_prompt(qwen3_tokeniz
         return renderer.chat_sync(translated(agents, **one).chat), renderer.chat_sync(translated(agents, **two).chat)
 
     def shared(a: list[int], b: list[int]) -> int:
-        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
     with_strip = prompts(Agents())
     without = prompts(Agents(strip_attribution=False))

@@ -231,7 +231,7 @@ def test_typo_in_example_names_its_line(tmp_path: Path) -> None:
 def test_bad_yaml_and_missing_file(tmp_path: Path) -> None:
     with pytest.raises(PolicyError, match=r"^p\.yaml:2: "):
         policy_from_text("rules: [\n", "p.yaml")
-    with pytest.raises(PolicyError, match="nope.yaml"):
+    with pytest.raises(PolicyError, match=r"nope\.yaml"):
         load_policy(tmp_path / "nope.yaml")
 
 

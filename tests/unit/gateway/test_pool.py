@@ -96,7 +96,7 @@ def _affinity_pool(count: int) -> Pool:
 def test_prefix_affinity_keeps_a_prefix_on_one_engine() -> None:
     pool = _affinity_pool(4)
     shared = [1, 2, 3, 4, 5, 6, 7, 8]
-    assert len({pool.pick(prompt=shared + [i, i + 1]).url for i in range(50)}) == 1  # only the prefix counts
+    assert len({pool.pick(prompt=[*shared, i, i + 1]).url for i in range(50)}) == 1  # only the prefix counts
     spread = {pool.pick(prompt=[i, 7, 7, 7, 7, 7, 7, 7]).url for i in range(200)}
     assert len(spread) == 4  # different prefixes land all over the pool
 

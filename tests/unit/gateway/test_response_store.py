@@ -140,7 +140,7 @@ def test_what_the_store_holds_stays_near_its_bound() -> None:
         before = tracemalloc.get_traced_memory()[0]
         offered = 0
         for (asked, completion), meta in answers:
-            response = presenter.whole(asked, meta, completion)  # type: ignore[arg-type]
+            response = presenter.whole(asked, meta, completion)
             offered += len(msgspec.json.encode(response))
             del response
         gc.collect()

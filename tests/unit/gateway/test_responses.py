@@ -14,7 +14,15 @@ from msgspec import UNSET
 from openai import omit
 from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import Response as SDKResponse
-from openai.types.responses import ResponseStreamEvent
+from openai.types.responses import (
+    FunctionTool,
+    ResponseCustomToolCall,
+    ResponseFunctionToolCall,
+    ResponseOutputMessage,
+    ResponseOutputText,
+    ResponseReasoningItem,
+    ResponseStreamEvent,
+)
 
 from engine.openai_schema import (
     ChatCompletion,
@@ -41,6 +49,7 @@ from gateway.agent_tools import FREE_TEXT, CustomInputStream, ToolPolicy, custom
 from gateway.response_store import ResponseStore
 from gateway.responses import ResponsesPresenter, ResponsesRequest, decode_request, to_chat
 from gateway.translate import Presented, Turn, turn
+from tests.support.narrow import of
 
 EVENTS: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(ResponseStreamEvent)
 OWNER = "tenant:a"
@@ -416,7 +425,7 @@ def test_unknown_fields_are_ignored_and_named_unless_refused() -> None:
 
 def test_malformed_json_is_a_400() -> None:
     with pytest.raises(InvalidRequest):
-        decode_request(b'{"input": ').request
+        decode_request(b'{"input": ')
 
 
 # ------------------------------------------------------------ the whole answer
@@ -437,7 +446,7 @@ def completion(finish: str = "tool_calls", **message: Any) -> ChatCompletion:
     return ChatCompletion(model="sim", choices=[choice], usage=USAGE)
 
 
-ASKED = {
+ASKED: dict[str, Any] = {
     "input": "Weather in Paris?",
     "instructions": "Be brief.",
     "tools": [WEATHER],
@@ -456,17 +465,20 @@ def test_whole_answer_is_a_valid_response_and_is_stored() -> None:
     assert (response.id, response.object, response.status, response.model, response.created_at) == (
         "resp_0123", "response", "completed", "sim", META.created)
     assert [item.type for item in response.output] == ["reasoning", "message", "function_call"]
-    reasoning, message, call = response.output
+    reasoning = of(ResponseReasoningItem, response.output[0])
+    message = of(ResponseOutputMessage, response.output[1])
+    call = of(ResponseFunctionToolCall, response.output[2])
+    text = of(ResponseOutputText, message.content[0])
     assert reasoning.id.startswith("rs_") and reasoning.content is not None and reasoning.content[0].text == "Let me think."
     assert message.id.startswith("msg_") and response.output_text == "Hello world"
-    assert message.content[0].logprobs is not None and [lp.token for lp in message.content[0].logprobs] == ["Hello", " world"]
-    assert message.content[0].logprobs[0].bytes == list(b"Hello") and message.content[0].logprobs[0].top_logprobs[1].bytes == [120]
-    assert call.id.startswith("fc_") and (call.call_id, call.name, call.arguments, call.status) == (
+    assert text.logprobs is not None and [lp.token for lp in text.logprobs] == ["Hello", " world"]
+    assert text.logprobs[0].bytes == list(b"Hello") and text.logprobs[0].top_logprobs[1].bytes == [120]
+    assert call.id is not None and call.id.startswith("fc_") and (call.call_id, call.name, call.arguments, call.status) == (
         "call_1", "get_weather", '{"city":"Paris"}', "completed")
     assert response.usage is not None and response.usage.model_dump() == {
         "input_tokens": 12, "input_tokens_details": {"cached_tokens": 8, "cache_write_tokens": 0, "cache_write_tokens_details": None},
         "output_tokens": 20, "output_tokens_details": {"reasoning_tokens": 4}, "total_tokens": 32}
-    assert response.instructions == "Be brief." and response.tools[0].name == "get_weather" and response.temperature == 0.2
+    assert response.instructions == "Be brief." and of(FunctionTool, response.tools[0]).name == "get_weather" and response.temperature == 0.2
     assert response.text is not None and response.text.format is not None and response.text.format.type == "json_schema"
     assert response.text.format.schema_ == {"type": "object"}
     assert response.reasoning is not None and response.reasoning.effort == "low" and response.metadata == {"k": "v"}
@@ -498,7 +510,8 @@ def test_reasoning_content_spelling_and_an_answer_cut_by_the_limit() -> None:
     assert [item.type for item in response.output] == ["reasoning", "message"]
     assert response.status == "incomplete" and response.incomplete_details is not None
     assert response.incomplete_details.reason == "max_output_tokens" and response.completed_at is None
-    assert [item.status for item in response.output] == ["completed", "incomplete"]
+    reasoning, message = of(ResponseReasoningItem, response.output[0]), of(ResponseOutputMessage, response.output[1])
+    assert [reasoning.status, message.status] == ["completed", "incomplete"]
 
 
 def test_store_false_and_empty_answers() -> None:
@@ -631,9 +644,11 @@ async def test_an_error_continues_the_numbering() -> None:
 
 
 async def test_a_failure_before_the_first_chunk_sends_nothing() -> None:
-    async def failing() -> AsyncIterator[ChatCompletionChunk]:
+    async def no_engine() -> ChatCompletionChunk:
         raise EngineUnavailable("no engine")
-        yield  # an async generator
+
+    async def failing() -> AsyncIterator[ChatCompletionChunk]:
+        yield await no_engine()  # reading the first chunk fails
 
     frames = ResponsesPresenter(None, OWNER).stream(turn_of(input="Hi", stream=True), META, failing())
     with pytest.raises(EngineUnavailable):
@@ -658,7 +673,7 @@ async def test_closing_the_stream_closes_the_chunks() -> None:
 
 # ------------------------------------------------------------ agents' tools in the answer
 
-AGENT_ASKED = {"input": "Go", "tools": [WEATHER, AGENTS, PATCH, {"type": "web_search"}]}
+AGENT_ASKED: dict[str, Any] = {"input": "Go", "tools": [WEATHER, AGENTS, PATCH, {"type": "web_search"}]}
 PATCH_TEXT = '*** Begin Patch\n+ "quoted"\n*** End Patch'
 AGENT_CALLS = [
     ToolCall(id="call_1", function=FunctionCall("multi_agent_v1__spawn_agent", '{"task":"x"}')),
@@ -671,17 +686,17 @@ def test_namespace_and_custom_calls_come_back_as_their_items() -> None:
     store = ResponseStore()
     presenter = ResponsesPresenter(store, OWNER)
     response = sdk_response(presenter.whole(turn_of(**AGENT_ASKED), META, completion(content=None, tool_calls=AGENT_CALLS)))
-    spawn, patch, note = response.output[1:]
+    spawn = of(ResponseFunctionToolCall, response.output[1])
+    patch, note = of(ResponseCustomToolCall, response.output[2]), of(ResponseCustomToolCall, response.output[3])
     assert (spawn.type, spawn.call_id, spawn.name, spawn.namespace, spawn.arguments) == (
         "function_call", "call_1", "spawn_agent", "multi_agent_v1", '{"task":"x"}')
     assert (patch.type, patch.call_id, patch.name, patch.namespace, patch.input) == (
         "custom_tool_call", "call_2", "apply_patch", None, PATCH_TEXT)
-    assert patch.id.startswith("ctc_") and patch.model_extra == {}
+    assert patch.id is not None and patch.id.startswith("ctc_") and patch.model_extra == {}
     assert (note.type, note.name, note.namespace, note.input) == ("custom_tool_call", "note", "multi_agent_v1", "not an object")
     assert [tool.type for tool in response.tools] == ["function", "namespace", "custom"]  # web_search was left out
     stored = store.get(OWNER, META.response_id)
-    assert stored is not None and stored.conversation[-1].tool_calls == AGENT_CALLS[:2] + [
-        ToolCall(id="call_3", function=FunctionCall("multi_agent_v1__note", json.dumps({"input": "not an object"})))]
+    assert stored is not None and stored.conversation[-1].tool_calls == [*AGENT_CALLS[:2], ToolCall(id="call_3", function=FunctionCall("multi_agent_v1__note", json.dumps({"input": "not an object"})))]
     plain = sdk_response(ResponsesPresenter(None, OWNER).whole(turn_of(**ASKED), META, completion()))
     assert "namespace" not in msgspec.json.decode(msgspec.json.encode(plain.output[2].model_dump(exclude_none=True)))
 
@@ -785,7 +800,7 @@ def test_the_text_of_a_grammar_forced_turn_is_the_call() -> None:
     answer = completion("stop", content=PATCH_TEXT, tool_calls=None)
     response = sdk_response(ResponsesPresenter(store, OWNER).whole(forced_turn(), META, answer))
     assert [item.type for item in response.output] == ["reasoning", "custom_tool_call"]
-    call = response.output[1]
+    call = of(ResponseCustomToolCall, response.output[1])
     assert (call.name, call.input, call.namespace) == ("apply_patch", PATCH_TEXT, None) and call.call_id.startswith("call_")
     stored = store.get(OWNER, META.response_id)
     assert stored is not None and stored.conversation[-1].tool_calls == [

@@ -25,7 +25,7 @@ def test_what_one_worker_stores_the_other_reads_and_deletes(tmp_path: Path) -> N
     assert one.put(A, "resp_a", b'{"id":"resp_a"}', conversation)
     found = other.get(A, "resp_a")
     assert found is not None
-    assert bytes(found.response) == b'{"id":"resp_a"}' and found.conversation == conversation  # type: ignore[arg-type]
+    assert bytes(found.response) == b'{"id":"resp_a"}' and found.conversation == conversation
     assert msgspec.json.encode(found.response) == b'{"id":"resp_a"}'
     assert other.delete(A, "resp_a") and one.get(A, "resp_a") is None and not one.delete(A, "resp_a")
 

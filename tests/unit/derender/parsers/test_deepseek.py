@@ -10,6 +10,7 @@ differs from DeepSeek's own is written in `tests.support.deepseek`.
 from __future__ import annotations
 
 import json
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -320,7 +321,7 @@ def _json_or_raw(text: str) -> Any:
 @pytest.mark.parametrize("tools", ["deepseek_v3", V31])
 def test_stop_string_inside_a_call(vocab: TokenVocab, tokenizer: Any, enc: Any, eos: int, tools: str) -> None:
     write = v3_call if tools == "deepseek_v3" else v31_call
-    ids = enc("R.</think>", SB, write("get_weather", {"city": "Lyon", "days": 3}), SE) + [eos]
+    ids = [*enc("R.</think>", SB, write("get_weather", {"city": "Lyon", "days": 3}), SE), eos]
     got = chunked_answer(vocab, chat_options(tools, stop=["Lyon"]), ids, prompt_ids(tokenizer), finish_reason="stop")
     assert [(c["name"], c["arguments"]) for c in got["tool_calls"]] == [("get_weather", '{"city": ""}')]
     # onehop: `stop`, not `tool_calls`, when a stop string cut the call short (chat.py).
@@ -333,7 +334,7 @@ def test_reasoning_tokens_are_the_ids_routed_to_reasoning(vocab: TokenVocab, tok
         ids = head + inner + enc("</think>ok") + [eos]
         run = stream(vocab, chat_options(), ids, fixed(3), prompt_ids=prompt, finish_reason="stop")
         assert run.folded.usage.completion_tokens_details.reasoning_tokens == len(inner)
-    closed = stream(vocab, chat_options(), inner + [eos], prompt_ids=prompt_ids(tokenizer, "closed"), finish_reason="stop")
+    closed = stream(vocab, chat_options(), [*inner, eos], prompt_ids=prompt_ids(tokenizer, "closed"), finish_reason="stop")
     assert closed.folded.usage.completion_tokens_details.reasoning_tokens == 0
 
 
@@ -351,7 +352,7 @@ def test_forced_tool_choice_primes_the_call(vocab: TokenVocab, tokenizer: Any, e
     closing = "\n```" if tools == "deepseek_v3" else ""
     assert options.forced_prefix is not None and options.forced_prefix.startswith(SB + CB)
     prompt = prompt_ids(tokenizer) + enc(options.forced_prefix)
-    got = chunked_answer(vocab, options, enc(rest + closing, CE, SE) + [eos], prompt, finish_reason="stop")
+    got = chunked_answer(vocab, options, [*enc(rest + closing, CE, SE), eos], prompt, finish_reason="stop")
     assert [(c["name"], json.loads(c["arguments"])) for c in got["tool_calls"]] == expected
     assert (got["reasoning"], got["content"], got["finish_reason"]) == (None, None, "tool_calls")
 
@@ -365,7 +366,7 @@ def test_written_calls_parse_back(vocab: TokenVocab, tokenizer: Any, enc: Any, e
     assert reasoning is not None
     text = reasoning("Check both.") + "On it." + factory.format_calls(calls)
     prompt = prompt_ids(tokenizer, "bare")
-    got = chunked_answer(vocab, chat_options(tools), enc(text) + [eos], prompt, finish_reason="stop")
+    got = chunked_answer(vocab, chat_options(tools), [*enc(text), eos], prompt, finish_reason="stop")
     assert (got["reasoning"], got["content"]) == ("\nCheck both.\n", "\n\nOn it.")
     assert [(c["name"], json.loads(c["arguments"])) for c in got["tool_calls"]] == [
         ("get_weather", {"city": "Zürich", "days": 3}),
@@ -376,14 +377,14 @@ def test_written_calls_parse_back(vocab: TokenVocab, tokenizer: Any, enc: Any, e
 @pytest.mark.parametrize("tools", ["deepseek_v3", V31])
 def test_text_route_gives_the_token_route_answer(vocab: TokenVocab, tokenizer: Any, enc: Any, eos: int, tools: str) -> None:
     write = v3_call if tools == "deepseek_v3" else v31_call
-    ids = enc("Plan.</think>Sure.\n", SB, write("get_weather", NON_ASCII), write("get_time", UTC), SE, " bye") + [eos]
+    ids = [*enc("Plan.</think>Sure.\n", SB, write("get_weather", NON_ASCII), write("get_time", UTC), SE, " bye"), eos]
     options = chat_options(tools)
     prompt = prompt_ids(tokenizer)
     reference = comparable_response(whole(vocab, options, ids, prompt_ids=prompt, finish_reason="stop"))
     derender = ChatDerender(vocab, options, model="m", prompt_token_ids=prompt, new_tool_call_id=counter_ids())
     text = tokenizer.decode(ids[:-1])
-    cuts = list(range(0, len(text), 3)) + [len(text)]
-    for start, end in zip(cuts, cuts[1:], strict=False):
+    cuts = [*range(0, len(text), 3), len(text)]
+    for start, end in itertools.pairwise(cuts):
         derender.step_text(0, text[start:end], finish_reason="stop" if end == len(text) else None)
     assert comparable_response(derender.response()) == reference
 

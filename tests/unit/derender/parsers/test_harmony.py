@@ -347,7 +347,7 @@ def test_reasoning_tokens_count_analysis_and_call_arguments(
 ) -> None:
     """vLLM's count: non-special tokens of analysis content and of commentary to a recipient."""
     options = chat_options()
-    output = enc(analysis("Think it over."), NEXT, preamble("P."), NEXT, WEATHER) + [ids_of(CALL)]
+    output = [*enc(analysis("Think it over."), NEXT, preamble("P."), NEXT, WEATHER), ids_of(CALL)]
     expected = len(enc("Think it over.")) + len(enc(json.dumps(PARIS)))
     for sizes in CHUNKINGS[:3]:
         run = stream(vocab, options, output, sizes, prompt_ids=prompt, finish_reason="stop", stop_reason=ids_of(CALL))
@@ -358,7 +358,7 @@ def test_forced_named_call_is_primed(vocab: TokenVocab, enc: Any, ids_of: Any, p
     options = chat_options(tool_choice={"type": "function", "function": {"name": "get_time"}})
     assert options.forced_prefix == f"{CHANNEL}commentary to=functions.get_time {CONSTRAIN}json{MESSAGE}"
     got = chunked_answer(
-        vocab, options, enc(json.dumps(UTC)) + [ids_of(CALL)], prompt, finish_reason="stop", stop_reason=ids_of(CALL)
+        vocab, options, [*enc(json.dumps(UTC)), ids_of(CALL)], prompt, finish_reason="stop", stop_reason=ids_of(CALL)
     )
     assert [(c["name"], json.loads(c["arguments"])) for c in got["tool_calls"]] == [("get_time", UTC)]
     assert got["content"] is None and got["reasoning"] is None
@@ -367,7 +367,7 @@ def test_forced_named_call_is_primed(vocab: TokenVocab, enc: Any, ids_of: Any, p
 def test_forced_required_call_names_itself(vocab: TokenVocab, enc: Any, ids_of: Any, prompt: list[int]) -> None:
     options = chat_options(tool_choice="required")
     assert options.forced_prefix == f"{CHANNEL}commentary to=functions."
-    output = enc(f"get_weather {CONSTRAIN}json{MESSAGE}{json.dumps(PARIS)}") + [ids_of(CALL)]
+    output = [*enc(f"get_weather {CONSTRAIN}json{MESSAGE}{json.dumps(PARIS)}"), ids_of(CALL)]
     got = chunked_answer(vocab, options, output, prompt, finish_reason="stop", stop_reason=ids_of(CALL))
     assert [(c["name"], json.loads(c["arguments"])) for c in got["tool_calls"]] == [("get_weather", PARIS)]
 
@@ -379,7 +379,7 @@ def test_format_calls_reads_back(vocab: TokenVocab, enc: Any, ids_of: Any, promp
     got = chunked_answer(
         vocab,
         chat_options(),
-        enc(text[: -len(CALL)]) + [ids_of(CALL)],
+        [*enc(text[:-len(CALL)]), ids_of(CALL)],
         prompt,
         finish_reason="stop",
         stop_reason=ids_of(CALL),
@@ -466,7 +466,7 @@ def test_text_route_finds_markers_in_text(vocab: TokenVocab, enc: Any, ids_of: A
     options = chat_options(skip_special_tokens=False)
     output = enc(analysis("R."), NEXT, preamble("P."), NEXT, WEATHER)
     finish = {"finish_reason": "stop", "stop_reason": ids_of(CALL)}
-    expected = chunked_answer(vocab, options, output + [ids_of(CALL)], prompt, **finish)
+    expected = chunked_answer(vocab, options, [*output, ids_of(CALL)], prompt, **finish)
     text = vocab.backend.decode(output, skip_special_tokens=False)
     derender = ChatDerender(vocab, options, model="m", prompt_token_ids=prompt, new_tool_call_id=counter_ids())
     for at in range(0, len(text), 7):

@@ -313,7 +313,7 @@ def _json_or_raw(text: str) -> Any:
 
 
 def test_stop_string_inside_a_call(vocab: TokenVocab, tokenizer: Any, enc: Any, im_end: int) -> None:
-    ids = enc("R.</think>", SB, call("get_weather", {"city": "Lyon", "days": 3}, 0), SE) + [im_end]
+    ids = [*enc("R.</think>", SB, call("get_weather", {"city": "Lyon", "days": 3}, 0), SE), im_end]
     got = chunked_answer(vocab, chat_options(stop=["Lyon"]), ids, prompt_ids(tokenizer, "pre_open"))
     assert [(c["id"], c["arguments"]) for c in got["tool_calls"]] == [("functions.get_weather:0", '{"city": ""}')]
     # onehop: `stop`, not `tool_calls`, when a stop string cut the call short (chat.py).
@@ -322,7 +322,7 @@ def test_stop_string_inside_a_call(vocab: TokenVocab, tokenizer: Any, enc: Any, 
 
 @pytest.mark.parametrize("skip", [True, False])
 def test_skip_special_tokens_either_way(vocab: TokenVocab, tokenizer: Any, enc: Any, im_end: int, skip: bool) -> None:
-    ids = enc("R.</think>Hi<|im_user|> ", SB, call("get_time", UTC, 0), SE) + [im_end]
+    ids = [*enc("R.</think>Hi<|im_user|> ", SB, call("get_time", UTC, 0), SE), im_end]
     got = chunked_answer(vocab, chat_options(skip_special_tokens=skip), ids, prompt_ids(tokenizer, "pre_open"))
     assert (got["reasoning"], got["content"]) == ("R.", "Hi")  # the space before the call is dropped
     assert [c["arguments"] for c in got["tool_calls"]] == ['{"tz": "UTC"}']
@@ -342,7 +342,7 @@ def test_reasoning_tokens_are_the_ids_inside_reasoning(
             vocab, chat_options(), ids, fixed(3), prompt_ids=prompt_ids(tokenizer, "pre_open"), finish_reason=finish
         )
         assert run.folded.usage.completion_tokens_details.reasoning_tokens == len(inner)
-    unended = stream(vocab, chat_options(), inner + [im_end], prompt_ids=prompt_ids(tokenizer, "pre_open")).folded
+    unended = stream(vocab, chat_options(), [*inner, im_end], prompt_ids=prompt_ids(tokenizer, "pre_open")).folded
     assert unended.usage.completion_tokens_details.reasoning_tokens == len(inner)  # the EOS is not reasoning
 
 
@@ -352,10 +352,10 @@ def test_forced_tool_choice_primes_the_call(
 ) -> None:
     if tool_choice == "named":
         options = chat_options(tool_choice={"type": "function", "function": {"name": "get_weather"}})
-        output = enc('{"city": "Oslo"}', CE, SE) + [im_end]
+        output = [*enc('{"city": "Oslo"}', CE, SE), im_end]
     else:
         options = chat_options(tool_choice="required")
-        output = enc("get_time:0", AB, '{"tz": "UTC"}', CE, SE) + [im_end]
+        output = [*enc("get_time:0", AB, '{"tz": "UTC"}', CE, SE), im_end]
     assert options.forced_prefix is not None and options.forced_prefix.startswith(SB + CB + "functions.")
     prompt = prompt_ids(tokenizer, "pre_open") + enc(options.forced_prefix)
     got = chunked_answer(vocab, options, output, prompt)
@@ -367,7 +367,7 @@ def test_forced_tool_choice_primes_the_call(
 def test_written_calls_parse_back(vocab: TokenVocab, tokenizer: Any, enc: Any, im_end: int) -> None:
     calls = [ToolCallText("get_weather", {"city": "Zürich", "days": 3}), ToolCallText("get_time", {})]
     text = kimi_k2.format_reasoning("Check both.") + "On it." + kimi_k2.format_calls(calls)
-    got = chunked_answer(vocab, chat_options(), enc(text) + [im_end], prompt_ids(tokenizer, "open_turn"))
+    got = chunked_answer(vocab, chat_options(), [*enc(text), im_end], prompt_ids(tokenizer, "open_turn"))
     assert (got["reasoning"], got["content"]) == ("Check both.", "On it.")
     assert [(c["id"], json.loads(c["arguments"])) for c in got["tool_calls"]] == [
         ("functions.get_weather:0", {"city": "Zürich", "days": 3}),
@@ -436,7 +436,7 @@ def test_text_route_gives_the_token_route_answer(vocab: TokenVocab, tokenizer: A
     """An engine in `text` mode (special tokens kept) sends text without ids: the markers are
     found by their strings, and the answer is the token route's."""
     vector = VECTORS["parallel_calls"]
-    ids = enc(*vector.output) + [im_end]
+    ids = [*enc(*vector.output), im_end]
     prompt = prompt_ids(tokenizer, "pre_open")
     expected = chunked_answer(vocab, chat_options(), ids, prompt)
     text = "".join(s if isinstance(s, str) else s.text for s in vector.output)

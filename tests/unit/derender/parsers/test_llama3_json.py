@@ -195,18 +195,18 @@ def test_calls_right_after_reasoning(vocab: TokenVocab, enc: Any, eot: int, prom
     """Llama 3 has no reasoning parser of its own; a distilled reasoning model (DeepSeek-R1-Distill-Llama)
     pairs one with llama3_json: the output after `</think>` is what is read for calls."""
     options = chat_options(reasoning="deepseek_r1")
-    got = answer(vocab, options, enc("Plan.</think>\n\n", TAG, W + "; " + T) + [eot], prompt)
+    got = answer(vocab, options, [*enc("Plan.</think>\n\n", TAG, W + "; " + T), eot], prompt)
     assert (got["reasoning"], got["content"]) == ("Plan.", None)
     assert [(c["name"], json.loads(c["arguments"])) for c in got["tool_calls"]] == [
         ("get_weather", PARIS),
         ("get_time", UTC),
     ]
-    text = answer(vocab, options, enc("Plan.</think>Sunny, 20 degrees.") + [eot], prompt)
+    text = answer(vocab, options, [*enc("Plan.</think>Sunny, 20 degrees."), eot], prompt)
     assert (text["reasoning"], text["content"], text["tool_calls"]) == ("Plan.", "Sunny, 20 degrees.", [])
 
 
 def test_stop_string_inside_a_call(vocab: TokenVocab, enc: Any, eot: int, prompt: list[int]) -> None:
-    ids = enc(call("get_weather", {"city": "Lyon", "days": 3})) + [eot]
+    ids = [*enc(call("get_weather", {"city": "Lyon", "days": 3})), eot]
     got = answer(vocab, chat_options(stop=["Lyon"]), ids, prompt)
     assert [(c["name"], c["arguments"]) for c in got["tool_calls"]] == [("get_weather", '{"city": ""}')]
     # onehop: `stop`, not `tool_calls`, when a stop string cut the call short (chat.py).
@@ -215,14 +215,14 @@ def test_stop_string_inside_a_call(vocab: TokenVocab, enc: Any, eot: int, prompt
 
 def test_skip_special_tokens_either_way(vocab: TokenVocab, enc: Any, eot: int, prompt: list[int]) -> None:
     for skip in (True, False):
-        ids = enc(TAG, W, "; ", TAG, T) + [eot]
+        ids = [*enc(TAG, W, "; ", TAG, T), eot]
         got = answer(vocab, chat_options(skip_special_tokens=skip), ids, prompt)
         assert [(c["name"], json.loads(c["arguments"])) for c in got["tool_calls"]] == [
             ("get_weather", PARIS),
             ("get_time", UTC),
         ]
         assert got["content"] is None
-        text = enc(TAG, "Not a call.") + [eot]
+        text = [*enc(TAG, "Not a call."), eot]
         kept = answer(vocab, chat_options(skip_special_tokens=skip), text, prompt)
         assert kept["content"] == ("" if skip else TAG) + "Not a call."
 
@@ -235,7 +235,7 @@ def test_forced_tool_choice_primes_the_call(vocab: TokenVocab, enc: Any, eot: in
         (required, 'get_time", "parameters": {"tz": "UTC"}}', ("get_time", UTC)),
     ):
         assert options.forced_prefix is not None and options.forced_prefix.startswith('{"name": ')
-        got = answer(vocab, options, enc(output) + [eot], prompt + enc(options.forced_prefix))
+        got = answer(vocab, options, [*enc(output), eot], prompt + enc(options.forced_prefix))
         assert [(c["name"], json.loads(c["arguments"])) for c in got["tool_calls"]] == [expected]
         assert (got["content"], got["finish_reason"]) == (None, "tool_calls")
 
@@ -246,7 +246,7 @@ def test_written_calls_parse_back(vocab: TokenVocab, enc: Any, eot: int, prompt:
     # A forced call is the written call's opening, so a model (or the sim) continues it as it writes calls.
     assert text.startswith(llama3_json.forced_prefix("get_weather"))
     assert text.startswith(llama3_json.forced_prefix(None))
-    got = answer(vocab, chat_options(), enc(text) + [eot], prompt)
+    got = answer(vocab, chat_options(), [*enc(text), eot], prompt)
     assert got["content"] is None
     assert [(c["name"], json.loads(c["arguments"])) for c in got["tool_calls"]] == [
         (c.name, dict(c.arguments)) for c in calls
@@ -272,7 +272,7 @@ def test_parser_work_does_not_grow_with_output(vocab: TokenVocab, enc: Any, eot:
 def test_text_route_gives_the_token_route_answer(vocab: TokenVocab, enc: Any, eot: int, prompt: list[int]) -> None:
     """An engine in `text` mode sends text without ids: the tag is found by its string."""
     text = TAG + W + "; " + T
-    expected = answer(vocab, chat_options(), enc(TAG, W + "; " + T) + [eot], prompt)
+    expected = answer(vocab, chat_options(), [*enc(TAG, W + "; " + T), eot], prompt)
     for width in (1, 3, 7, 40):
         derender = ChatDerender(vocab, chat_options(), model="m", prompt_token_ids=prompt)
         pieces = [text[i : i + width] for i in range(0, len(text), width)]

@@ -250,7 +250,7 @@ def test_vectors_in_every_chunking(vocab: TokenVocab, enc: Any, eos: int, prompt
 
 
 def test_stop_string_inside_a_call(vocab: TokenVocab, enc: Any, eos: int, prompt: list[int]) -> None:
-    ids = enc("R.</think>", block(invoke("get_weather", ("days", "2"), ("city", "Lyon")))) + [eos]
+    ids = [*enc("R.</think>", block(invoke("get_weather", ("days", "2"), ("city", "Lyon")))), eos]
     got = chunked_answer(vocab, chat_options(stop=["Lyon"]), ids, prompt, finish_reason="stop")
     assert [(c["name"], c["arguments"]) for c in got["tool_calls"]] == [("get_weather", '{"days": 2}')]
     # onehop: `stop`, not `tool_calls`, when a stop string cut the call short (chat.py).
@@ -262,13 +262,13 @@ def test_prompt_that_closes_think_starts_in_content(tokenizer: Any, vocab: Token
         USER, tools=TOOLS, add_generation_prompt=True, tokenize=False, enable_thinking=False
     )
     closed = list(tokenizer.encode(text, add_special_tokens=False))
-    got = chunked_answer(vocab, chat_options(), enc("Sure. ", block(UTC)) + [eos], closed, finish_reason="stop")
+    got = chunked_answer(vocab, chat_options(), [*enc("Sure. ", block(UTC)), eos], closed, finish_reason="stop")
     assert (got["reasoning"], got["content"], len(got["tool_calls"])) == (None, "Sure.", 1)
 
 
 def test_append_think_keeps_the_output_whole(vocab: TokenVocab, enc: Any, eos: int, prompt: list[int]) -> None:
     options = chat_options(reasoning="minimax_m2_append_think")
-    got = chunked_answer(vocab, options, enc("R.</think>\n\nHi ", block(UTC)) + [eos], prompt, finish_reason="stop")
+    got = chunked_answer(vocab, options, [*enc("R.</think>\n\nHi ", block(UTC)), eos], prompt, finish_reason="stop")
     assert (got["reasoning"], got["content"]) == (None, "<think>R.</think>\n\nHi")
     assert [c["arguments"] for c in got["tool_calls"]] == ['{"tz": "UTC"}']
 
@@ -279,7 +279,7 @@ def test_reasoning_tokens_are_the_ids_inside_reasoning(
     inner = enc("Two short thoughts.")
     run = stream(vocab, chat_options(), inner + enc("</think>ok") + [eos], fixed(3), prompt_ids=prompt)
     assert run.folded.usage.completion_tokens_details.reasoning_tokens == len(inner)
-    unended = stream(vocab, chat_options(), inner + [eos], prompt_ids=prompt, finish_reason="stop").folded
+    unended = stream(vocab, chat_options(), [*inner, eos], prompt_ids=prompt, finish_reason="stop").folded
     assert unended.usage.completion_tokens_details.reasoning_tokens == len(inner)  # the EOS is not reasoning
 
 
@@ -295,7 +295,7 @@ def test_forced_tool_choice_primes_the_call(vocab: TokenVocab, enc: Any, eos: in
     for tool_choice, output, expected in forced:
         options = chat_options(tool_choice=tool_choice)
         assert options.forced_prefix is not None and options.forced_prefix.startswith(START)
-        ids = enc(output, END) + [eos]
+        ids = [*enc(output, END), eos]
         got = chunked_answer(vocab, options, ids, prompt + enc(options.forced_prefix), finish_reason="stop")
         assert [(c["name"], json.loads(c["arguments"])) for c in got["tool_calls"]] == [expected]
         assert (got["reasoning"], got["content"], got["finish_reason"]) == (None, None, "tool_calls")
@@ -307,7 +307,7 @@ def test_written_calls_parse_back(vocab: TokenVocab, enc: Any, eos: int, prompt:
         ToolCallText("get_time", {}),
     ]
     text = minimax_m2.format_reasoning("Check both.") + "On it." + minimax_m2.format_calls(calls)
-    got = chunked_answer(vocab, chat_options(), enc(text) + [eos], prompt, finish_reason="stop")
+    got = chunked_answer(vocab, chat_options(), [*enc(text), eos], prompt, finish_reason="stop")
     assert (got["reasoning"], got["content"]) == ("Check both.", "\n\nOn it.")
     assert [(c["name"], json.loads(c["arguments"])) for c in got["tool_calls"]] == [
         ("get_weather", {"city": "Zürich\nNord", "days": 3, "opts": {"x": [1, None]}}),
@@ -330,7 +330,7 @@ def test_string_values_stream_as_they_arrive(vocab: TokenVocab, enc: Any, eos: i
 def test_text_route_gives_the_token_route_answer(vocab: TokenVocab, enc: Any, eos: int, prompt: list[int]) -> None:
     """An engine in `text` mode sends text without ids: the markers are found by their strings."""
     text = "Two.</think>\n\n" + block(PARIS, UTC)
-    expected = chunked_answer(vocab, chat_options(), enc(text) + [eos], prompt, finish_reason="stop")
+    expected = chunked_answer(vocab, chat_options(), [*enc(text), eos], prompt, finish_reason="stop")
     for width in (1, 7, 40):
         derender = ChatDerender(vocab, chat_options(), model="m", prompt_token_ids=prompt)
         pieces = [text[i : i + width] for i in range(0, len(text), width)]

@@ -208,7 +208,7 @@ def _json_or_raw(text: str) -> Any:
 
 
 def test_stop_string_inside_a_call(vocab: TokenVocab, enc: Any, eos: int, prompt: list[int]) -> None:
-    ids = enc(call("get_weather", {"city": "Lyon", "days": 3})) + [eos]
+    ids = [*enc(call("get_weather", {"city": "Lyon", "days": 3})), eos]
     got = chunked_answer(vocab, chat_options(stop=["Lyon"]), ids, prompt, finish_reason="stop", stop_reason="Lyon")
     assert [(c["name"], c["arguments"]) for c in got["tool_calls"]] == [("get_weather", '{"city": ""}')]
     # onehop: `stop`, not `tool_calls`, when a stop string cut the call short (chat.py).
@@ -217,7 +217,7 @@ def test_stop_string_inside_a_call(vocab: TokenVocab, enc: Any, eos: int, prompt
 
 @pytest.mark.parametrize("skip", [True, False])
 def test_skip_special_tokens_either_way(vocab: TokenVocab, enc: Any, eos: int, prompt: list[int], skip: bool) -> None:
-    ids = enc(T, "R.", ET, "Hi[INST] ", TIME) + [eos]
+    ids = [*enc(T, "R.", ET, "Hi[INST] ", TIME), eos]
     got = chunked_answer(vocab, chat_options(skip_special_tokens=skip), ids, prompt, finish_reason="stop")
     assert (got["reasoning"], got["content"]) == ("R.", "Hi")
     assert [c["arguments"] for c in got["tool_calls"]] == ['{"tz": "UTC"}']
@@ -241,10 +241,10 @@ def test_forced_tool_choice_primes_the_call(
 ) -> None:
     if tool_choice == "named":
         options = chat_options(tool_choice={"type": "function", "function": {"name": "get_weather"}})
-        output = enc('{"city": "Oslo"}') + [eos]
+        output = [*enc('{"city": "Oslo"}'), eos]
     else:
         options = chat_options(tool_choice="required")
-        output = enc("get_time", A, '{"tz": "UTC"}') + [eos]
+        output = [*enc("get_time", A, '{"tz": "UTC"}'), eos]
     assert options.forced_prefix is not None and options.forced_prefix.startswith(TC)
     primed = prompt + enc(options.forced_prefix)
     got = chunked_answer(vocab, options, output, primed, finish_reason="stop")
@@ -256,7 +256,7 @@ def test_forced_tool_choice_primes_the_call(
 def test_written_calls_parse_back(vocab: TokenVocab, enc: Any, eos: int, prompt: list[int]) -> None:
     calls = [ToolCallText("get_weather", {"city": "Zürich", "days": 3}), ToolCallText("get_time", {})]
     text = mistral.format_reasoning("Check both.") + "On it." + mistral.format_calls(calls)
-    got = chunked_answer(vocab, chat_options(), enc(text) + [eos], prompt, finish_reason="stop")
+    got = chunked_answer(vocab, chat_options(), [*enc(text), eos], prompt, finish_reason="stop")
     assert (got["reasoning"], got["content"]) == ("Check both.", "On it.")
     assert [(c["name"], json.loads(c["arguments"])) for c in got["tool_calls"]] == [
         ("get_weather", {"city": "Zürich", "days": 3}),
@@ -295,7 +295,7 @@ def test_text_route_gives_the_token_route_answer(vocab: TokenVocab, enc: Any, eo
     """An engine in `text` mode (special tokens kept) sends text without ids: the markers are
     found by their strings, and the answer is the token route's."""
     vector = VECTORS["parallel_calls"]
-    ids = enc(*vector.output) + [eos]
+    ids = [*enc(*vector.output), eos]
     expected = chunked_answer(vocab, chat_options(), ids, prompt, finish_reason="stop")
     text = "".join(s if isinstance(s, str) else s.text for s in vector.output)
     for width in (1, 3, 7, 40):

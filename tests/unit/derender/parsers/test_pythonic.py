@@ -251,7 +251,7 @@ def _json_or_raw(text: str) -> Any:
 
 
 def test_stop_string_inside_a_call(vocab: TokenVocab, enc: Any, eot: int) -> None:
-    ids = enc('[get_weather(city="Lyon", days=3)]') + [eot]
+    ids = [*enc('[get_weather(city="Lyon", days=3)]'), eot]
     got = chunked_answer(vocab, chat_options(stop=["Lyon"]), ids, finish_reason="stop")
     assert [(c["name"], c["arguments"]) for c in got["tool_calls"]] == [("get_weather", '{"city": ""}')]
     # onehop: `stop`, not `tool_calls`, when a stop string cut the call short (chat.py).
@@ -267,7 +267,7 @@ def test_forced_tool_choice_primes_the_call(vocab: TokenVocab, enc: Any, eot: in
         options = chat_options(tool_choice="required")
         output, expected = 'get_time(tz="UTC")]', [clock()]
     assert options.forced_prefix == ("[get_weather(" if tool_choice == "named" else "[")
-    got = chunked_answer(vocab, options, enc(output) + [eot], finish_reason="stop")
+    got = chunked_answer(vocab, options, [*enc(output), eot], finish_reason="stop")
     assert [(c["name"], json.loads(c["arguments"])) for c in got["tool_calls"]] == expected
     assert (got["content"], got["finish_reason"]) == (None, "tool_calls")
 
@@ -279,10 +279,10 @@ def test_written_calls_parse_back(vocab: TokenVocab, enc: Any, eot: int, parser:
         {},
         {"extra": [1, 2.5, {"k": [True, None]}], "s": "a)b]c,"},
     ]
-    calls = [ToolCallText(name, args) for name, args in zip(("get_weather", "get_time", "x.y"), arguments)]
+    calls = [ToolCallText(name, args) for name, args in zip(("get_weather", "get_time", "x.y"), arguments, strict=True)]
     text = pythonic.format_calls(calls)
     assert text.startswith("[get_weather(city=") and text.endswith(")]")
-    got = chunked_answer(vocab, chat_options(parser=parser), enc(text) + [eot], finish_reason="stop")
+    got = chunked_answer(vocab, chat_options(parser=parser), [*enc(text), eot], finish_reason="stop")
     assert [(c["name"], json.loads(c["arguments"])) for c in got["tool_calls"]] == [
         (c.name, c.arguments) for c in calls
     ]
@@ -330,7 +330,7 @@ def test_wrapper_markers_need_their_ids(vocab: TokenVocab) -> None:
 def test_text_route_gives_the_token_route_answer(vocab: TokenVocab, enc: Any, eot: int) -> None:
     """An engine in `text` mode sends text without ids: the answer is the token route's."""
     text = "[get_weather(city='Paris', days=2), get_time(tz=\"UTC\")]\nDone."
-    expected = chunked_answer(vocab, chat_options(), enc(text) + [eot], finish_reason="stop")
+    expected = chunked_answer(vocab, chat_options(), [*enc(text), eot], finish_reason="stop")
     for width in (1, 3, 7, 40):
         derender = ChatDerender(vocab, chat_options(), model="m")
         pieces = [text[i : i + width] for i in range(0, len(text), width)]

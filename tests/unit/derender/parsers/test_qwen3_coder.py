@@ -141,7 +141,7 @@ def test_call_after_reasoning_with_typed_values(qwen3_vocab: TokenVocab, enc: An
         ("level", "7"),
         ("size", "4.0"),
     )
-    got = answer(qwen3_vocab, enc(text) + [IM_END_ID], opts=auto)
+    got = answer(qwen3_vocab, [*enc(text), IM_END_ID], opts=auto)
     assert got.reasoning == "\nLet me see.\n"
     assert got.content is None
     assert got.finish_reason == "tool_calls"
@@ -168,10 +168,10 @@ def test_call_after_reasoning_with_typed_values(qwen3_vocab: TokenVocab, enc: An
 
 def test_call_right_after_think_end_and_inside_reasoning(qwen3_vocab: TokenVocab, enc: Any, auto: ChatOptions) -> None:
     tz = call("get_time", ("tz", "UTC"))
-    right_after = answer(qwen3_vocab, enc("<think>\nGo.\n</think>" + tz) + [IM_END_ID], opts=auto)
+    right_after = answer(qwen3_vocab, [*enc("<think>\nGo.\n</think>" + tz), IM_END_ID], opts=auto)
     assert right_after.content is None
     assert right_after.calls == [("get_time", {"tz": "UTC"})]
-    inside = answer(qwen3_vocab, enc("<think>\nI will call " + tz) + [IM_END_ID], opts=auto)
+    inside = answer(qwen3_vocab, [*enc("<think>\nI will call " + tz), IM_END_ID], opts=auto)
     assert inside.reasoning == "\nI will call "
     assert inside.content is None
     assert inside.calls == [("get_time", {"tz": "UTC"})]
@@ -180,7 +180,7 @@ def test_call_right_after_think_end_and_inside_reasoning(qwen3_vocab: TokenVocab
 def test_parallel_calls_and_a_parameterless_one(qwen3_vocab: TokenVocab, enc: Any, auto: ChatOptions) -> None:
     calls = (call("get_weather", ("city", "Paris")), call("get_weather", ("city", "Rome")), call("ping"))
     text = THINK + "\n".join(calls)
-    got = answer(qwen3_vocab, enc(text) + [IM_END_ID], opts=auto)
+    got = answer(qwen3_vocab, [*enc(text), IM_END_ID], opts=auto)
     assert got.calls == [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"}), ("ping", {})]
     assert got.raw_arguments[2] == "{}"
     assert got.content is None
@@ -191,7 +191,7 @@ def test_multiline_non_ascii_values_keep_inner_newlines(qwen3_vocab: TokenVocab,
     text = THINK + call("get_weather", ("city", "Zürich 世界 🫠𓀀"), ("note", code)) + (
         "\n<tool_call>\n<function=get_time>\n<parameter=tz>Asia/東京</parameter>\n</function>\n</tool_call>"
     )
-    got = answer(qwen3_vocab, enc(text) + [IM_END_ID], opts=auto)
+    got = answer(qwen3_vocab, [*enc(text), IM_END_ID], opts=auto)
     # One framing newline is trimmed at each end of a value, no more.
     assert got.calls == [
         ("get_weather", {"city": "Zürich 世界 🫠𓀀", "note": code}),
@@ -202,7 +202,7 @@ def test_multiline_non_ascii_values_keep_inner_newlines(qwen3_vocab: TokenVocab,
 
 def test_content_before_and_after_calls(qwen3_vocab: TokenVocab, enc: Any, auto: ChatOptions) -> None:
     text = THINK + "Let me check.\n" + call("get_time", ("tz", "UTC")) + "\nIt is noon.\n"
-    got = answer(qwen3_vocab, enc(text) + [IM_END_ID], opts=auto)
+    got = answer(qwen3_vocab, [*enc(text), IM_END_ID], opts=auto)
     # Whitespace right before a call is dropped (issue #27), after it content starts from the
     # first non-space (trailing whitespace after a call is dropped).
     assert got.content == "\n\nLet me check.\nIt is noon."
@@ -211,12 +211,12 @@ def test_content_before_and_after_calls(qwen3_vocab: TokenVocab, enc: Any, auto:
 
 def test_whitespace_only_content_around_calls_is_null(qwen3_vocab: TokenVocab, enc: Any, auto: ChatOptions) -> None:
     text = THINK + call("get_time", ("tz", "UTC")) + "\n\n"
-    assert answer(qwen3_vocab, enc(text) + [IM_END_ID], opts=auto).content is None
+    assert answer(qwen3_vocab, [*enc(text), IM_END_ID], opts=auto).content is None
 
 
 def test_thinking_disabled_is_all_content(qwen3_vocab: TokenVocab, enc: Any) -> None:
     opts = options(request(tool_choice="auto", chat_template_kwargs={"enable_thinking": False}))
-    got = answer(qwen3_vocab, enc("Sure.\n" + call("get_time", ("tz", "UTC"))) + [IM_END_ID], opts=opts)
+    got = answer(qwen3_vocab, [*enc("Sure.\n" + call("get_time", ("tz", "UTC"))), IM_END_ID], opts=opts)
     assert got.reasoning is None
     assert got.content == "Sure."
     assert got.calls == [("get_time", {"tz": "UTC"})]
@@ -227,7 +227,7 @@ def test_values_without_framing_newlines_and_spaced_tags(qwen3_vocab: TokenVocab
         "<tool_call>\n<function= get_weather >\n<parameter=city>Oslo</ parameter >"
         "< parameter = days>\n\n2\n\n</parameter>\n<parameter=unit >c</parameter></function>\n</tool_call>"
     )
-    got = answer(qwen3_vocab, enc(text) + [IM_END_ID], opts=auto)
+    got = answer(qwen3_vocab, [*enc(text), IM_END_ID], opts=auto)
     # vLLM's regex: spaces inside tags are allowed, the name keeps trailing spaces.
     assert got.calls == [("get_weather", {"city": "Oslo", "days": 2, "unit ": "c"})]
 
@@ -239,7 +239,7 @@ def test_values_the_schema_does_not_type_stay_strings(qwen3_vocab: TokenVocab, e
     text = THINK + call("get_weather", ("city", "7"), ("extra", "42"), ("days", "seven"), ("opts", '{"a": 1')) + call(
         "ping", ("q", "5")
     ) + call("lookup", ("n", "1"), ("flag", "true"))
-    got = answer(qwen3_vocab, enc(text) + [IM_END_ID], opts=auto)
+    got = answer(qwen3_vocab, [*enc(text), IM_END_ID], opts=auto)
     assert got.calls == [
         ("get_weather", {"city": "7", "extra": "42", "days": "seven", "opts": '{"a": 1'}),
         ("ping", {"q": "5"}),
@@ -297,7 +297,7 @@ def test_only_string_only_parameters_stream() -> None:
 
 def test_string_values_stream_as_they_arrive(qwen3_vocab: TokenVocab, enc: Any, auto: ChatOptions) -> None:
     text = THINK + call("get_weather", ("days", "3"), ("city", "A long city name that streams"))
-    run = stream(qwen3_vocab, auto, enc(text) + [IM_END_ID])
+    run = stream(qwen3_vocab, auto, [*enc(text), IM_END_ID])
     fragments = [
         d["function"]["arguments"]
         for delta in run.folded.deltas
@@ -346,11 +346,11 @@ def test_truncated_in_the_name_or_before_it(qwen3_vocab: TokenVocab, enc: Any, a
 def test_stop_string_inside_a_call(qwen3_vocab: TokenVocab, enc: Any) -> None:
     opts = options(request(tool_choice="auto"), stop=["Lyon"])
     text = THINK + call("get_weather", ("days", "2"), ("city", "Lyon"), ("note", "x"))
-    got = answer(qwen3_vocab, enc(text) + [IM_END_ID], opts=opts, finish_reason="stop")
+    got = answer(qwen3_vocab, [*enc(text), IM_END_ID], opts=opts, finish_reason="stop")
     assert got.calls == [("get_weather", {"days": 2})]
     assert got.content is None
     opts = options(request(tool_choice="auto"), stop=["ly"])
-    got = answer(qwen3_vocab, enc(THINK + call("get_weather", ("city", "Lyon is lovely"))) + [IM_END_ID], opts=opts)
+    got = answer(qwen3_vocab, [*enc(THINK + call("get_weather", ("city", "Lyon is lovely"))), IM_END_ID], opts=opts)
     assert got.calls == [("get_weather", {"city": "Lyon is love"})]
 
 
@@ -369,7 +369,7 @@ def test_unclosed_tags(qwen3_vocab: TokenVocab, enc: Any, auto: ChatOptions) -> 
         # </function> missing: </tool_call> closes the call and the text after it is content
         "<tool_call>\n<function=get_time>\n<parameter=tz>\nCET\n</parameter>\n</tool_call>\nDone."
     )
-    got = answer(qwen3_vocab, enc(text) + [IM_END_ID], opts=auto)
+    got = answer(qwen3_vocab, [*enc(text), IM_END_ID], opts=auto)
     assert got.calls == [
         ("get_weather", {"city": "Paris", "days": 2}),
         ("get_time", {"tz": "UTC"}),
@@ -381,18 +381,18 @@ def test_unclosed_tags(qwen3_vocab: TokenVocab, enc: Any, auto: ChatOptions) -> 
 
 def test_blocks_that_never_name_a_function_are_content(qwen3_vocab: TokenVocab, enc: Any, auto: ChatOptions) -> None:
     hermes_style = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
-    got = answer(qwen3_vocab, enc(THINK + hermes_style + "\n<tool_call>\n</tool_call>") + [IM_END_ID], opts=auto)
+    got = answer(qwen3_vocab, [*enc(THINK + hermes_style + "\n<tool_call>\n</tool_call>"), IM_END_ID], opts=auto)
     assert got.calls == []
     assert got.content == "\n\n" + hermes_style + "\n<tool_call>\n</tool_call>"
     assert got.finish_reason == "stop"
-    nameless = answer(qwen3_vocab, enc(THINK + "<function=>\n</function> ok") + [IM_END_ID], opts=auto)
+    nameless = answer(qwen3_vocab, [*enc(THINK + "<function=>\n</function> ok"), IM_END_ID], opts=auto)
     assert nameless.calls == []
     assert nameless.content == "\n\n<function=>\n</function> ok"
 
 
 def test_bare_function_without_tool_call(qwen3_vocab: TokenVocab, enc: Any, auto: ChatOptions) -> None:
     text = THINK + "Sure <function=get_time>\n<parameter=tz>\nUTC\n</parameter>\n</function>\n</tool_call>\nThanks!"
-    got = answer(qwen3_vocab, enc(text) + [IM_END_ID], opts=auto)
+    got = answer(qwen3_vocab, [*enc(text), IM_END_ID], opts=auto)
     assert got.calls == [("get_time", {"tz": "UTC"})]
     assert got.content == "\n\nSure\nThanks!"
 
@@ -402,27 +402,27 @@ def test_marker_text_split_across_tokens_is_text(qwen3_vocab: TokenVocab, enc: A
     # `<function=` after it opens a bare call, as in vLLM's streamed answer.
     rest = "_call>\n<function=get_time>\n<parameter=tz>\nUTC\n</parameter>\n</function>\n</tool_call>"
     ids = enc(THINK, "<tool", rest)
-    got = answer(qwen3_vocab, ids + [IM_END_ID], opts=auto)
+    got = answer(qwen3_vocab, [*ids, IM_END_ID], opts=auto)
     assert got.content == "\n\n<tool_call>"
     assert got.calls == [("get_time", {"tz": "UTC"})]
 
 
 def test_literal_markers_and_tags_inside_a_value(qwen3_vocab: TokenVocab, enc: Any, auto: ChatOptions) -> None:
     value = "print('<tool_call>')  # </tool_call> <function=x> </para <parameterX"
-    got = answer(qwen3_vocab, enc(THINK + call("get_weather", ("note", value))) + [IM_END_ID], opts=auto)
+    got = answer(qwen3_vocab, [*enc(THINK + call("get_weather", ("note", value))), IM_END_ID], opts=auto)
     assert got.calls == [("get_weather", {"note": value})]
 
 
 def test_repeated_parameter_parses_to_its_last_value(qwen3_vocab: TokenVocab, enc: Any, auto: ChatOptions) -> None:
     text = THINK + call("get_weather", ("city", "A"), ("days", "1"), ("city", "B"))
-    got = answer(qwen3_vocab, enc(text) + [IM_END_ID], opts=auto)
+    got = answer(qwen3_vocab, [*enc(text), IM_END_ID], opts=auto)
     assert got.calls == [("get_weather", {"city": "B", "days": 1})]  # vLLM: first position, last value
 
 
 def test_parallel_tool_calls_false_keeps_the_first(qwen3_vocab: TokenVocab, enc: Any) -> None:
     opts = options(request(tool_choice="auto", parallel_tool_calls=False))
     text = THINK + call("get_time", ("tz", "UTC")) + "\n" + call("ping") + "\n" + call("get_time", ("tz", "CET"))
-    got = answer(qwen3_vocab, enc(text) + [IM_END_ID], opts=opts)
+    got = answer(qwen3_vocab, [*enc(text), IM_END_ID], opts=opts)
     assert got.calls == [("get_time", {"tz": "UTC"})]
     assert got.content is None
 
@@ -432,7 +432,7 @@ def test_parallel_tool_calls_false_keeps_the_first(qwen3_vocab: TokenVocab, enc:
 )
 def test_no_tool_parsing_without_tools(qwen3_vocab: TokenVocab, enc: Any, req: ChatCompletionRequest) -> None:
     text = call("get_time", ("tz", "UTC"))
-    got = answer(qwen3_vocab, enc(THINK + text) + [IM_END_ID], opts=options(req))
+    got = answer(qwen3_vocab, [*enc(THINK + text), IM_END_ID], opts=options(req))
     assert got.calls == []
     assert got.content == "\n\n" + text
     assert got.finish_reason == "stop"
@@ -456,7 +456,7 @@ def test_format_calls_round_trips(qwen3_vocab: TokenVocab, enc: Any, auto: ChatO
     assert text.startswith("<tool_call>\n<function=get_weather>\n<parameter=city>\nSão Paulo\nBR\n</parameter>\n")
     assert '<parameter=opts>\n{"a": [1]}\n</parameter>\n' in text
     assert text.endswith("</function>\n</tool_call>\n<tool_call>\n<function=ping>\n</function>\n</tool_call>")
-    got = answer(qwen3_vocab, enc(THINK + text) + [IM_END_ID], opts=auto)
+    got = answer(qwen3_vocab, [*enc(THINK + text), IM_END_ID], opts=auto)
     assert got.calls == [(c.name, dict(c.arguments)) for c in calls]
 
 
@@ -465,13 +465,13 @@ def test_forced_named_and_required_tool_choice(qwen3_vocab: TokenVocab, enc: Any
     assert forced_prefix(None) == "<tool_call>\n<function="
     named = options(request(tool_choice={"type": "function", "function": {"name": "get_time"}}))
     assert named.forced_prefix == "<tool_call>\n<function=get_time>\n"
-    ids = enc("<parameter=tz>\nUTC\n</parameter>\n</function>\n</tool_call>") + [IM_END_ID]
+    ids = [*enc("<parameter=tz>\nUTC\n</parameter>\n</function>\n</tool_call>"), IM_END_ID]
     got = answer(qwen3_vocab, ids, opts=named)
     assert got.calls == [("get_time", {"tz": "UTC"})]
     assert got.reasoning is None and got.content is None
     required = options(request(tool_choice="required"))
     assert required.forced_prefix == "<tool_call>\n<function="
-    got = answer(qwen3_vocab, enc("ping>\n</function>\n</tool_call>") + [IM_END_ID], opts=required)
+    got = answer(qwen3_vocab, [*enc("ping>\n</function>\n</tool_call>"), IM_END_ID], opts=required)
     assert got.calls == [("ping", {})]
 
 
@@ -481,7 +481,7 @@ def test_text_route_gives_the_token_route_answer(
     """The text route recovers `<tool_call>` from text: same answer, text fed in uneven deltas."""
     text = THINK + "Ok.\n" + call("get_weather", ("city", "Paris"), ("days", "2")) + "\n" + call("ping") + "\nBye."
     ids = qwen3_tokenizer.encode(text, add_special_tokens=False)
-    reference = answer(qwen3_vocab, ids + [IM_END_ID], opts=auto)
+    reference = answer(qwen3_vocab, [*ids, IM_END_ID], opts=auto)
     derender = ChatDerender(qwen3_vocab, auto, model="m", new_tool_call_id=counter_ids())
     chunks = derender.start()
     for start in range(0, len(text), 7):
