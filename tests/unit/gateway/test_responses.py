@@ -4,7 +4,7 @@ store, and the answer and its events, checked against the `openai` SDK's own typ
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import msgspec
@@ -551,7 +551,7 @@ def answer_chunks(finish: str = "tool_calls") -> list[ChatCompletionChunk]:
     ]
 
 
-async def replay(chunks: list[ChatCompletionChunk]) -> AsyncIterator[ChatCompletionChunk]:
+async def replay(chunks: list[ChatCompletionChunk]) -> AsyncGenerator[ChatCompletionChunk, None]:
     for item in chunks:
         yield item
 
@@ -647,7 +647,7 @@ async def test_a_failure_before_the_first_chunk_sends_nothing() -> None:
     async def no_engine() -> ChatCompletionChunk:
         raise EngineUnavailable("no engine")
 
-    async def failing() -> AsyncIterator[ChatCompletionChunk]:
+    async def failing() -> AsyncGenerator[ChatCompletionChunk, None]:
         yield await no_engine()  # reading the first chunk fails
 
     frames = ResponsesPresenter(None, OWNER).stream(turn_of(input="Hi", stream=True), META, failing())
@@ -658,7 +658,7 @@ async def test_a_failure_before_the_first_chunk_sends_nothing() -> None:
 async def test_closing_the_stream_closes_the_chunks() -> None:
     closed = []
 
-    async def endless() -> AsyncIterator[ChatCompletionChunk]:
+    async def endless() -> AsyncGenerator[ChatCompletionChunk, None]:
         try:
             while True:
                 yield chunk(content="x")
@@ -667,7 +667,7 @@ async def test_closing_the_stream_closes_the_chunks() -> None:
 
     frames = ResponsesPresenter(None, OWNER).stream(turn_of(input="Hi", stream=True), META, endless())
     await anext(frames)
-    await frames.aclose()  # type: ignore[attr-defined]
+    await frames.aclose()
     assert closed == [True]
 
 
