@@ -18,12 +18,22 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict, Unpack
 
 import pytest
 
 from engine.derender.vocab import TokenVocab
 from tests.support.vllm_oracle import chunkings, compare, onehop_answer, onehop_full, run_oracle, vllm_python
+
+
+class CompareOptions(TypedDict, total=False):
+    """`compare`'s switches, passed through by the checks below."""
+
+    id_prefix: bool
+    reasoning_tokens: bool
+    stop_reason: bool
+    json_arguments: bool
+
 
 VLLM_VERSION = "0.32.0"
 NO_VLLM = "no vLLM venv: run scripts/setup_vllm.sh or set ONEHOP_VLLM_PYTHON"
@@ -251,7 +261,7 @@ def stream_check(
     lost: set[str] | None = None,
     seen: set[tuple[str, str]] | None = None,
     normal_calls: Callable[[Sequence[tuple[str, str]]], Any] = list,
-    **compare_options: bool,
+    **compare_options: Unpack[CompareOptions],
 ) -> Check:
     """The usual `Check`: vLLM's streamed answer reconciled with `deviations`, then compared with onehop's."""
 
@@ -269,7 +279,7 @@ def full_diffs(
     deviations: Sequence[Deviation],
     *,
     normal_calls: Callable[[Sequence[tuple[str, str]]], Any] = list,
-    **compare_options: bool,
+    **compare_options: Unpack[CompareOptions],
 ) -> list[str]:
     """What differs between onehop's and vLLM's non-streamed answers, once `deviations` are reconciled."""
     ours = onehop_full(vocab, case)
