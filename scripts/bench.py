@@ -233,7 +233,7 @@ def find_vllm_python(explicit: str | None) -> tuple[Path | None, str]:
     """vLLM's venv python: --vllm-python, $ONEHOP_VLLM_PYTHON, else scripts/setup_vllm.sh's last line."""
     if explicit:
         where = f"--vllm-python {explicit}"
-        candidate: str | None = explicit
+        candidate = explicit
     elif os.environ.get("ONEHOP_VLLM_PYTHON"):
         candidate = os.environ["ONEHOP_VLLM_PYTHON"]
         where = f"ONEHOP_VLLM_PYTHON={candidate}"

@@ -194,7 +194,9 @@ def run_vllm(python: Path, tokenizer_dir: Path, work: Workload, repeats: int) ->
 
 def fold(chunks: list[Any]) -> dict[str, Any]:
     """Joined reasoning/content/tool calls, to check (a) and (b) agree."""
-    reasoning, content, calls = [], [], {}
+    reasoning: list[str] = []
+    content: list[str] = []
+    calls: dict[int, dict[str, str]] = {}
     for chunk in chunks:
         body = msgspec.json.decode(chunk[len(SSE_PREFIX) : -len(SSE_SUFFIX)]) if isinstance(chunk, bytes) else msgspec.to_builtins(chunk)
         for choice in body["choices"]:

@@ -111,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(ensure_tokenizer())
     ids = tokenizer.encode(INSTANCE.model_dump_json(), add_special_tokens=False)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert isinstance(eos, int), eos
     results: dict[str, list[dict[str, float]]] = {"llguidance": [], "xgrammar": []}
     for _ in range(args.rounds):  # interleaved: both see the same machine load
         results["llguidance"].append(bench_llguidance(tokenizer, ids, eos))

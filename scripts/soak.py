@@ -190,9 +190,8 @@ def chat_body(rng: random.Random, stream: bool) -> dict[str, Any]:
 
 
 def completion_body(rng: random.Random, stream: bool) -> dict[str, Any]:
-    prompt: str | list[str] = f"Once upon a time, lighthouse {rng.randint(1, 1000)}"
-    if rng.random() < 0.2:
-        prompt = [prompt, "The harbor at night"]
+    first = f"Once upon a time, lighthouse {rng.randint(1, 1000)}"
+    prompt: str | list[str] = [first, "The harbor at night"] if rng.random() < 0.2 else first
     return {"model": MODEL, "prompt": prompt, "stream": stream, "max_tokens": rng.randint(8, 64)}
 
 

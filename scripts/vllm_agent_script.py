@@ -60,11 +60,13 @@ class _Turn:
         return logits
 
 
-class AgentScript(AdapterLogitsProcessor):
+class AgentScript(AdapterLogitsProcessor):  # type: ignore[misc]  # vLLM has no type information here
     def __init__(self, vllm_config: VllmConfig, device: torch.device, is_pin_memory: bool) -> None:
         super().__init__(vllm_config, device, is_pin_memory)
         self.tokenizer = AutoTokenizer.from_pretrained(vllm_config.model_config.tokenizer)
-        self.end = int(self.tokenizer.convert_tokens_to_ids(END))
+        end = self.tokenizer.convert_tokens_to_ids(END)
+        assert isinstance(end, int), end
+        self.end = end
         self.calls: dict[str, dict[str, Any]] = json.loads(os.environ.get(CALLS_ENV, "{}"))
 
     def is_argmax_invariant(self) -> bool:
@@ -75,5 +77,6 @@ class AgentScript(AdapterLogitsProcessor):
 
     def plan(self, prompt_ids: list[int]) -> list[int]:
         prompt = self.tokenizer.decode(prompt_ids)
+        assert isinstance(prompt, str)
         text = THINK + plan_text(prompt, self.calls)
         return [*self.tokenizer.encode(text, add_special_tokens=False), self.end]

@@ -134,7 +134,7 @@ class Env:
 
     case: Case
     tokenizer: Any
-    parser_cls: type | None
+    parser_cls: type[Any] | None  # a vLLM parser class (vLLM is untyped here), or none configured
     model_config: Any
     request: Any
     chat_template_kwargs: dict[str, Any]

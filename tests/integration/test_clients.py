@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, SecretStr
 
 from tests.support.engine import engine_server
 from tests.support.gateway import gateway_server
@@ -33,7 +33,7 @@ async def base(qwen3_tokenizer_dir: Path) -> AsyncIterator[str]:
 async def test_langchain_structured_output_by_its_default_method(base: str, route: str) -> None:
     from langchain_openai import ChatOpenAI
 
-    llm = ChatOpenAI(model="sim", base_url=base, api_key="none", max_retries=0, default_headers={"onehop-route": route})
+    llm = ChatOpenAI(model="sim", base_url=base, api_key=SecretStr("none"), max_retries=0, default_headers={"onehop-route": route})
     city = await llm.with_structured_output(City).ainvoke("Describe a city.")
     assert isinstance(city, City)
 
@@ -48,7 +48,7 @@ async def test_langchain_tool_round_trip(base: str) -> None:
         """The weather in a city."""
         return f"sunny in {city}"
 
-    llm = ChatOpenAI(model="sim", base_url=base, api_key="none", max_retries=0).bind_tools([get_weather])
+    llm = ChatOpenAI(model="sim", base_url=base, api_key=SecretStr("none"), max_retries=0).bind_tools([get_weather])
     messages: list[Any] = [HumanMessage("Weather in Paris?")]
     first = await llm.ainvoke(messages)
     assert first.tool_calls and first.tool_calls[0]["name"] == "get_weather"
@@ -113,6 +113,6 @@ async def test_agents_sdk_default_agent_with_a_tool_and_an_output_type(qwen3_tok
 async def test_langchain_responses_api(base: str) -> None:
     from langchain_openai import ChatOpenAI
 
-    llm = ChatOpenAI(model="sim", base_url=base, api_key="none", max_retries=0, use_responses_api=True)
+    llm = ChatOpenAI(model="sim", base_url=base, api_key=SecretStr("none"), max_retries=0, use_responses_api=True)
     answer = await llm.ainvoke("Say something.")
     assert answer.text

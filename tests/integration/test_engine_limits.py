@@ -283,7 +283,8 @@ async def test_configured_limits_apply(qwen3_tokenizer: Any, qwen3_tokenizer_dir
     prompt = _prompt(qwen3_tokenizer)
     limits = engine_limits(max_num_seqs=2, max_logprobs=-1, max_stop=1, max_string_chars=3)
     async with engine_server(qwen3_tokenizer_dir, limits=limits) as (base, _), aiohttp.ClientSession() as session:
-        for sampling, field in [({"n": 3}, "n"), ({"stop": ["a", "b"]}, "stop"), ({"bad_words": ["abcd"]}, "bad_words")]:
+        refused: list[tuple[dict[str, Any], str]] = [({"n": 3}, "n"), ({"stop": ["a", "b"]}, "stop"), ({"bad_words": ["abcd"]}, "bad_words")]
+        for sampling, field in refused:
             status, body = await post_json(session, base + GENERATE, _body(prompt, sampling))
             _assert_refused(status, body, field)
         status, body = await post_json(session, base + GENERATE, _body(prompt, {"n": 2, "logprobs": -1, "stop": "abc"}))

@@ -9,7 +9,7 @@ from typing import Any
 
 import aiohttp
 import msgspec
-from openai.types.chat import ChatCompletionMessageParam
+from openai.types.chat import ChatCompletionFunctionToolParam, ChatCompletionMessageParam
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -22,7 +22,7 @@ from tests.support.engine import engine_server, post_json, sse_payloads, stream_
 from tests.support.streams import fold_chunks
 
 GENERATE = "/inference/v1/generate"
-TOOLS = [
+TOOLS: list[ChatCompletionFunctionToolParam] = [
     {
         "type": "function",
         "function": {

@@ -175,7 +175,7 @@ async def test_prompt_text_stays_out_of_the_logs(
     qwen3_tokenizer_dir: Path, unused_tcp_port: int, caplog: pytest.LogCaptureFixture
 ) -> None:
     secret = "walrus-umbrella-7731"
-    messages = [{"role": "user", "content": f"my secret is {secret}"}]
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": f"my secret is {secret}"}]
     caplog.set_level("DEBUG")
     async with (
         gateway_server(qwen3_tokenizer_dir, f"http://127.0.0.1:{unused_tcp_port}") as (base, _),

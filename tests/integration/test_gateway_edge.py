@@ -93,8 +93,8 @@ async def _declared_too_large(base: str, path: str, limit: int) -> dict[str, Any
     """POST headers declaring one byte over `limit`, and no body: the error, answered at once."""
     reader, writer = await asyncio.open_connection(*_address(base))
     try:
-        head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {limit + 1}\r\n\r\n"
-        writer.write(head.encode())  # and no body at all
+        request = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {limit + 1}\r\n\r\n"
+        writer.write(request.encode())  # and no body at all
         await writer.drain()
         # The answer, not the close: aiohttp lingers up to 10 s reading a body it refused.
         head = await reader.readuntil(b"\r\n\r\n")

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import openai
-from openai.types.chat import ChatCompletionMessageParam
+from openai.types.chat import ChatCompletionFunctionToolParam, ChatCompletionMessageParam
 import pytest
 
 from engine.derender.parsers import TOOL_PARSERS
@@ -18,9 +18,10 @@ from tests.support import glm_tokenizer, harmony_tokenizer, kimi_k2, llama3, min
 from tests.support.engine import engine_server
 from tests.support.family_tokenizers import build_family_tokenizer
 from tests.support.gateway import gateway_server
+from tests.support.typed import function_calls
 
 ROUTES = ["derender", "text", "tokens"]
-TYPED_TOOLS = [
+TYPED_TOOLS: list[ChatCompletionFunctionToolParam] = [
     {
         "type": "function",
         "function": {
@@ -41,7 +42,7 @@ TYPED_TOOLS = [
     }
 ]
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "A table for four, please."}]
-SCHEMA_TYPES = {"restaurant": str, "guests": int, "budget": (int, float), "terrace": bool, "tags": list}
+SCHEMA_TYPES: dict[str, type | tuple[type, ...]] = {"restaurant": str, "guests": int, "budget": (int, float), "terrace": bool, "tags": list}
 
 # tool parser -> (reasoning parser or None, the family's marker tokens added to the Qwen3 tokenizer).
 # The chat template stays Qwen3's, so the sim reads the prompt the same way for every family;
@@ -85,26 +86,22 @@ async def family_client(request: Any, qwen3_tokenizer_dir: Path) -> AsyncIterato
                 await client.close()
 
 
-def _route(name: str) -> dict[str, Any]:
-    return {"extra_headers": {"onehop-route": name}}
-
-
 async def _full(client: openai.AsyncOpenAI, route: str) -> dict[str, Any]:
     completion = await client.chat.completions.create(
-        model="sim", messages=MESSAGES, tools=TYPED_TOOLS, seed=4, **_route(route)  # type: ignore[arg-type]
+        model="sim", messages=MESSAGES, tools=TYPED_TOOLS, seed=4, extra_headers={"onehop-route": route}
     )
     message = completion.choices[0].message
     return {
         "content": message.content,
         "reasoning": getattr(message, "reasoning", None),
-        "calls": [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []],
+        "calls": [(c.function.name, json.loads(c.function.arguments)) for c in function_calls(message.tool_calls)],
         "finish": completion.choices[0].finish_reason,
     }
 
 
 async def _streamed(client: openai.AsyncOpenAI, route: str) -> dict[str, Any]:
     stream = await client.chat.completions.create(
-        model="sim", messages=MESSAGES, tools=TYPED_TOOLS, seed=4, stream=True, **_route(route)  # type: ignore[arg-type]
+        model="sim", messages=MESSAGES, tools=TYPED_TOOLS, seed=4, stream=True, extra_headers={"onehop-route": route}
     )
     content, reasoning, finish = "", "", None
     calls: dict[int, dict[str, str]] = {}

@@ -257,8 +257,8 @@ async def test_deeply_nested_json_is_a_400_naming_the_field(qwen3_tokenizer_dir:
                 assert "nest" in error["message"]
         # Nesting a real schema has (a few levels) is fine.
         tool = {"type": "function", "function": {"name": "f", "parameters": json.loads(_nested(8))}}
-        body = {"model": "sim", "messages": MESSAGES, "tools": [tool], "max_tokens": 2}
-        async with session.post(base + "/chat/completions", json=body) as response:
+        fine = {"model": "sim", "messages": MESSAGES, "tools": [tool], "max_tokens": 2}
+        async with session.post(base + "/chat/completions", json=fine) as response:
             assert response.status == 200, await response.text()
 
 
@@ -292,8 +292,8 @@ async def test_careless_requests_get_a_clear_error_in_openai_shape(qwen3_tokeniz
         cases.append(("POST", chat, {}, json.dumps({"model": "sim", "messages": MESSAGES, "max_tokens": 10**30}), 400, (invalid, None)))
         too_long = json.dumps({"model": "sim", "prompt": [1] * 33000, "max_tokens": 2})
         cases.append(("POST", base + "/completions", {}, too_long, 400, (invalid, "context_length_exceeded")))
-        for url, request in ((chat, {"messages": MESSAGES}), (base + "/completions", {"prompt": "hi"})):
-            unknown = json.dumps({"model": "sim", **request, "foo_bar": 1})
+        for url, fields in ((chat, {"messages": MESSAGES}), (base + "/completions", {"prompt": "hi"})):
+            unknown = json.dumps({"model": "sim", **fields, "foo_bar": 1})
             cases.append(("POST", url, {}, unknown, 400, (invalid, "unknown_parameter")))
         for method, url, headers, data, status, kind in cases:
             headers = {"Content-Type": "application/json", **headers} if data is not None else headers

@@ -13,7 +13,7 @@ import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import aiohttp
 import openai
@@ -33,8 +33,17 @@ from tests.support.tools import WEATHER_TOOLS
 
 ROUTES = ["derender", "text", "tokens"]
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is the weather in Paris?"}]
-QWEN = {"reasoning_parser": "qwen3", "tool_parser": "hermes"}
-KIMI = {"reasoning_parser": "kimi_k2", "tool_parser": "kimi_k2"}
+
+
+class Parsers(TypedDict):
+    """A model's parser pair, as both the engine and the gateway config name it."""
+
+    reasoning_parser: str
+    tool_parser: str
+
+
+QWEN = Parsers(reasoning_parser="qwen3", tool_parser="hermes")
+KIMI = Parsers(reasoning_parser="kimi_k2", tool_parser="kimi_k2")
 
 
 def _kimi_dir() -> Path:

@@ -171,7 +171,7 @@ def test_feedback_reads_what_prometheus_clients_parser_reads() -> None:
         for sample in family.samples:
             if sample.name in expected:
                 expected[sample.name] += sample.value
-    sample = parse_sample(text, at=1.0)
-    assert (sample.cpu_seconds, sample.in_flight) == (expected[CPU_METRIC], int(expected[IN_FLIGHT_METRIC])) == (3.875, 3)
+    parsed = parse_sample(text, at=1.0)
+    assert (parsed.cpu_seconds, parsed.in_flight) == (expected[CPU_METRIC], int(expected[IN_FLIGHT_METRIC])) == (3.875, 3)
     with pytest.raises(ValueError):
         parse_sample("<html><body>502 Bad Gateway</body></html>", at=1.0)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import openai
+from openai import Omit, omit
 from openai.types.chat import ChatCompletionMessageParam
 import pytest
 from tokenizers import Tokenizer
@@ -27,6 +28,7 @@ from tests.support.engine import engine_server
 from tests.support.gateway import gateway_server
 from tests.support.real_vocabularies import deepseek_dir, o200k_harmony_dir, tekken_v3_dir
 from tests.support.tools import WEATHER_TOOLS
+from tests.support.typed import function_calls, openai_tools
 
 ROUTES = ["derender", "text", "tokens"]
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Weather in Zürich?"}]
@@ -101,26 +103,27 @@ async def served(request: Any) -> AsyncIterator[Served]:
             await client.close()
 
 
-def _extra(case: Case, route: str) -> dict[str, Any]:
-    extra: dict[str, Any] = {"extra_headers": {"onehop-route": route}}
-    if case.template_kwargs:
-        extra["extra_body"] = {"chat_template_kwargs": case.template_kwargs}
-    return extra
+TOOLS = openai_tools(WEATHER_TOOLS)
 
 
-async def _answer(served: Served, route: str, *, stream: bool, **request: Any) -> dict[str, Any]:
+async def _answer(served: Served, route: str, *, stream: bool, max_tokens: int | Omit = omit) -> dict[str, Any]:
     create = served.client.chat.completions.create
-    extra = _extra(served.case, route)
+    headers = {"onehop-route": route}
+    template = {"chat_template_kwargs": served.case.template_kwargs} if served.case.template_kwargs else None
     if not stream:
-        completion = await create(model="sim", messages=MESSAGES, tools=WEATHER_TOOLS, **extra, **request)  # type: ignore[arg-type]
+        completion = await create(
+            model="sim", messages=MESSAGES, tools=TOOLS, max_tokens=max_tokens, extra_headers=headers, extra_body=template
+        )
         message = completion.choices[0].message
         return {
             "reasoning": getattr(message, "reasoning", None),
             "content": message.content,
-            "calls": [(c.function.name, c.function.arguments) for c in message.tool_calls or []],
+            "calls": [(c.function.name, c.function.arguments) for c in function_calls(message.tool_calls)],
             "finish": completion.choices[0].finish_reason,
         }
-    chunks = await create(model="sim", messages=MESSAGES, tools=WEATHER_TOOLS, stream=True, **extra, **request)  # type: ignore[arg-type]
+    chunks = await create(
+        model="sim", messages=MESSAGES, tools=TOOLS, stream=True, max_tokens=max_tokens, extra_headers=headers, extra_body=template
+    )
     reasoning, content, finish = "", "", None
     calls: dict[int, list[str]] = {}
     async for chunk in chunks:

@@ -116,4 +116,6 @@ async def test_policy_file_picks_the_route(qwen3_tokenizer_dir: Path, tmp_path: 
         await client.close()
     assert (wide.headers["onehop-route"], plain.headers["onehop-route"]) == ("tokens", "derender")
     assert "wide-logprobs" in wide.headers["onehop-policy"]
-    assert len(wide.parse().choices[0].logprobs.content[0].top_logprobs) == 8
+    logprobs = wide.parse().choices[0].logprobs
+    assert logprobs is not None and logprobs.content
+    assert len(logprobs.content[0].top_logprobs) == 8

@@ -26,6 +26,7 @@ from tests.integration.test_engine_server import MESSAGES, TOOLS
 from tests.support import vllm033
 from tests.support.engine import AppServer, engine_server
 from tests.support.gateway import gateway_server
+from tests.support.typed import function_calls
 
 SCALE_OUT_OFF = {  # vLLM 0.33's answer with --enable-scale-out off
     "error": {
@@ -125,12 +126,14 @@ async def test_non_streaming_chat_uses_vllms_derender(qwen3_tokenizer_dir: Path)
     assert completion.id.startswith("chatcmpl-") and completion.model == "sim" and completion.object == "chat.completion"
     choice, theirs = completion.choices[0], via_onehop.choices[0]
     assert choice.finish_reason == "tool_calls" == theirs.finish_reason
+    assert choice.message.model_extra is not None
     assert choice.message.model_extra["reasoning"] == theirs.message.model_extra["reasoning"]
     assert choice.message.content == theirs.message.content
-    assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []] == [
+    calls = function_calls(choice.message.tool_calls)
+    assert [(c.function.name, c.function.arguments) for c in calls] == [
         (c.function.name, c.function.arguments) for c in theirs.message.tool_calls or []
     ]
-    assert choice.message.tool_calls and choice.message.tool_calls[0].function.name == "get_weather"
+    assert calls and calls[0].function.name == "get_weather"
     assert choice.logprobs is not None and theirs.logprobs is not None
     assert [t.token for t in choice.logprobs.content or []] == [t.token for t in theirs.logprobs.content or []]
     assert completion.usage is not None and via_onehop.usage is not None

@@ -206,7 +206,7 @@ async def test_claude_codes_first_request_is_served(keyed: tuple[str, GatewaySta
             assert answer.status == 200, await answer.text()
             events = [line.split(": ", 1)[1] for line in (await answer.text()).splitlines() if line.startswith("event: ")]
         assert events[0] == "message_start" and events[-1] == "message_stop" and "content_block_delta" in events
-    assert sum(sample.value for sample in state.metrics.ignored_fields.collect()[0].samples) == 0  # every field known
+    assert sum(sample.value for sample in next(iter(state.metrics.ignored_fields.collect())).samples) == 0  # every field known
 
 
 async def test_keys_as_x_api_key_or_bearer(keyed: tuple[str, GatewayState]) -> None:
@@ -245,10 +245,9 @@ async def test_context_management_is_applied_and_reported(client: anthropic.Asyn
     async with client.beta.messages.stream(model="sim", max_tokens=50, messages=history, context_management=edits) as stream:
         streamed = await stream.get_final_message()
     assert streamed.context_management == answer.context_management
+    wrong_keep: Any = {"edits": [{"type": "clear_thinking_20251015", "keep": 2}]}  # keep must be an object
     with pytest.raises(anthropic.BadRequestError) as refused:
-        await client.beta.messages.create(
-            model="sim", max_tokens=50, messages=history, context_management={"edits": [{"type": "clear_thinking_20251015", "keep": 2}]}
-        )
+        await client.beta.messages.create(model="sim", max_tokens=50, messages=history, context_management=wrong_keep)
     assert refused.value.body["error"]["message"].startswith("context_management.edits[0].keep: ")  # type: ignore[index]
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 import pytest
@@ -11,9 +11,9 @@ from aiohttp import web
 from gateway.remote import RemoteUnavailable, _post
 
 
-async def serve(handler: Callable[[web.Request], web.StreamResponse]) -> tuple[web.AppRunner, str]:
+async def serve(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> tuple[web.AppRunner, str]:
     app = web.Application()
-    app.router.add_post("/v1/chat/completions/derender", handler)  # type: ignore[arg-type]
+    app.router.add_post("/v1/chat/completions/derender", handler)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)

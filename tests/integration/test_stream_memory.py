@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import aiohttp
 
@@ -104,7 +105,7 @@ class _Samples:
 
     rows: list[tuple[float, int, int]] = field(default_factory=list)
 
-    def growth(self, column: int) -> int:
+    def growth(self, column: Literal[1, 2]) -> int:
         """RSS growth from the first sample at a quarter of the answer to the highest after it."""
         later = [row[column] for row in self.rows if row[0] >= 0.25]
         assert len(later) >= 5, f"too few samples after the first quarter: {self.rows}"

@@ -59,11 +59,11 @@ async def test_serve_answers_parse_and_vllms_kinds_from_a_random_model(tiny_mode
             ({"json_object": True}, r"\{.*"),  # a random model's keys are unbounded: a JSON object's prefix
         ]
         for constraint, pattern in kinds:
-            answer = await client.chat.completions.create(
+            constrained = await client.chat.completions.create(
                 model=model, messages=[{"role": "user", "content": "x"}], max_tokens=60,
                 extra_body={**NO_THINKING, "structured_outputs": {**constraint, "disable_any_whitespace": True}},
             )
-            content = answer.choices[0].message.content or ""
+            content = constrained.choices[0].message.content or ""
             assert re.fullmatch(pattern, content, re.S), (constraint, content)
         try:
             await client.chat.completions.create(

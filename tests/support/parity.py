@@ -26,6 +26,7 @@ import pytest
 from engine.derender.vocab import TokenVocab
 from tests.support.vllm_oracle import chunkings, compare, onehop_answer, run_oracle, vllm_python
 
+
 VLLM_VERSION = "0.32.0"
 NO_VLLM = "no vLLM venv: run scripts/setup_vllm.sh or set ONEHOP_VLLM_PYTHON"
 

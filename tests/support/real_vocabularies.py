@@ -86,7 +86,7 @@ def _write_deepseek(out: Path) -> None:
 
 
 def _write_tekken_v3(out: Path) -> None:
-    from transformers.integrations.mistral import MistralConverter
+    from transformers.integrations.mistral.tokenizer import MistralConverter
 
     tokenizer = MistralConverter(vocab_file=str(tekken_v3_file())).converted()
     tokenizer.save(str(out / "tokenizer.json"))

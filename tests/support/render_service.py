@@ -21,6 +21,8 @@ import msgspec
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from tests.support.typed import token_ids
+
 
 @dataclass
 class RenderCalls:
@@ -35,7 +37,7 @@ def _generate_request(token_ids: list[int]) -> dict[str, Any]:
 
 @asynccontextmanager
 async def render_service(tokenizer_dir: Path) -> AsyncIterator[tuple[str, RenderCalls]]:
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, BatchEncoding
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     calls = RenderCalls()
@@ -43,10 +45,11 @@ async def render_service(tokenizer_dir: Path) -> AsyncIterator[tuple[str, Render
     async def chat(request: web.Request) -> web.Response:
         body = msgspec.json.decode(await request.read())
         kwargs = body.get("chat_template_kwargs") or {}
-        ids = tokenizer.apply_chat_template(
+        encoded = tokenizer.apply_chat_template(
             body["messages"], tools=body.get("tools"), add_generation_prompt=True, tokenize=True, **kwargs
         )
-        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # newer transformers: a BatchEncoding
+        # newer transformers: a BatchEncoding
+        ids = token_ids(encoded["input_ids"] if isinstance(encoded, BatchEncoding) else encoded)
         calls.chat += 1
         calls.prompts.append(ids)
         return web.json_response(_generate_request(ids))

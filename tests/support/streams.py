@@ -104,6 +104,7 @@ def fold_chunks(chunks: Sequence[ChatCompletionChunk]) -> Folded:
                 folded.logprobs += [msgspec.to_builtins(e) for e in choice.logprobs.content]
             if choice.finish_reason is not None:
                 folded.finish_reason = choice.finish_reason
+                assert choice.stop_reason is not msgspec.UNSET, "the finishing chunk carries stop_reason"
                 folded.stop_reason = choice.stop_reason
     return folded
 

@@ -245,7 +245,7 @@ def test_tools_without_system_get_their_own(qwen3_tokenizer: Any) -> None:
 @pytest.mark.parametrize("arguments", ['{"city": "Paris"}', {"city": "Paris"}], ids=["json-string", "dict"])
 def test_assistant_tool_calls(qwen3_tokenizer: Any, arguments: str | dict[str, str]) -> None:
     call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"role": "user", "content": "Weather in Paris and the time?"},
         {"role": "assistant", "content": "Checking.", "tool_calls": [call, {"function": {"name": "now", "arguments": {}}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "18C"},
@@ -269,7 +269,7 @@ def test_tool_call_without_content_starts_the_turn(qwen3_tokenizer: Any) -> None
 
 
 def test_reasoning_kept_only_after_last_query(qwen3_tokenizer: Any) -> None:
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"role": "user", "content": "Q1"},
         {"role": "assistant", "content": "A1", "reasoning_content": "old thoughts"},
         {"role": "user", "content": "Q2"},

@@ -194,6 +194,7 @@ async def test_auto_tool_call_parses(sim: SimBackend, render: Any, qwen3_vocab: 
     choice = derendered(qwen3_vocab, prompt, batches).choices[0]
     assert choice.finish_reason == "tool_calls"
     assert choice.message.reasoning  # thinking was left open
+    assert choice.message.tool_calls is not msgspec.UNSET
     (call,) = choice.message.tool_calls
     arguments = json.loads(call.function.arguments)
     assert isinstance(arguments, dict)
@@ -266,12 +267,13 @@ async def test_script_cycles_and_its_markers_parse(
     texts = [qwen3_tokenizer.decode(ids_of(await collect(backend, request(prompt)))) for _ in range(3)]
     assert texts == [thought + "<|im_end|>", call + "<|im_end|>", thought + "<|im_end|>"]
     choice = derendered(qwen3_vocab, prompt, await collect(backend, request(prompt))).choices[0]
+    assert choice.message.tool_calls is not msgspec.UNSET
     assert choice.message.tool_calls[0].function.name == "search"
 
 
 # -- agent mode -----------------------------------------------------------------
 
-AGENT_CALLS = {"exec_command": {"cmd": "echo hi"}, "search": {"query": "onehop", "limit": 3}, "get_weather": {}}
+AGENT_CALLS: dict[str, dict[str, Any]] = {"exec_command": {"cmd": "echo hi"}, "search": {"query": "onehop", "limit": 3}, "get_weather": {}}
 CALLED = [
     *HELLO,
     {
@@ -291,6 +293,7 @@ async def test_agent_calls_the_first_configured_tool_offered(
     choice = derendered(qwen3_vocab, prompt, await collect(backend, request(prompt))).choices[0]
     assert choice.finish_reason == "tool_calls"
     assert choice.message.reasoning  # thinking was left open
+    assert choice.message.tool_calls is not msgspec.UNSET
     (call,) = choice.message.tool_calls
     assert (call.function.name, json.loads(call.function.arguments)) == ("search", AGENT_CALLS["search"])
 
@@ -301,6 +304,7 @@ async def test_agent_answers_tool_results_with_their_text(make: Make, render: An
     choice = derendered(qwen3_vocab, prompt, await collect(backend, request(prompt))).choices[0]
     assert choice.finish_reason == "stop" and not choice.message.tool_calls
     assert choice.message.reasoning
+    assert choice.message.content is not None
     assert choice.message.content.strip() == "The command printed: onehop-agent-OK"  # after the blank line that closes </think>
     closed = render(CALLED, tools=TOOLS, thinking=False)
     plain = derendered(qwen3_vocab, closed, await collect(backend, request(closed)), thinking=False).choices[0]
@@ -346,6 +350,7 @@ async def test_agent_on_gpt_oss_answers_on_the_final_channel(qwen3_tokenizer_dir
     if results:
         assert message.content == "The command printed: onehop-agent-OK" and not message.tool_calls
     else:
+        assert message.tool_calls is not msgspec.UNSET
         (call,) = message.tool_calls
         assert (call.function.name, json.loads(call.function.arguments)) == ("search", AGENT_CALLS["search"])
 
@@ -453,7 +458,7 @@ async def test_too_many_logprobs_and_duplicate_ids_are_refused(slow: SimBackend,
     await anext(stream)
     with pytest.raises(BackendRequestError):
         await collect(backend, request(prompt, "dup"))
-    await stream.aclose()  # type: ignore[attr-defined]
+    await stream.aclose()
 
 
 # -- cancellation ---------------------------------------------------------------
@@ -485,7 +490,7 @@ async def test_aclose_ends_the_request(slow: SimBackend, render: Any) -> None:
     stream = backend.generate(request(render(HELLO), "c"))
     await anext(stream)
     assert backend.running() == {"c"}
-    await stream.aclose()  # type: ignore[attr-defined]
+    await stream.aclose()
     await wait_idle(backend)
 
 

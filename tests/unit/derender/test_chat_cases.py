@@ -90,7 +90,7 @@ def cut_inside_last_character(tokenizer: Any, text: str) -> list[int]:
     return ids[:cut]
 
 
-CUT_CASES = {
+CUT_CASES: dict[str, tuple[str, dict[str, str | None]]] = {
     "content": ("<think>\nok\n</think>\n\nSee 世界 🫠", {"reasoning": "\nok\n", "content": "\n\nSee 世界"}),
     "reasoning": ("<think>\nThe weather 🫠", {"reasoning": "\nThe weather", "content": None}),
     "arguments": (

@@ -45,7 +45,7 @@ def test_rechunking_gives_the_same_completion(qwen3_tokenizer: Any, qwen3_vocab:
     assert lp is not None
     assert len(lp.tokens) == len(derender.choices[0].token_ids)
     # Keyed by decoded string, as the legacy format is: two byte tokens can collide on U+FFFD.
-    assert all(1 <= len(top) <= 2 for top in lp.top_logprobs)
+    assert all(top is not None and 1 <= len(top) <= 2 for top in lp.top_logprobs)
     # Offsets are positions in the text, each token starting where the previous one ended.
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
     assert response.usage.completion_tokens == len(derender.choices[0].token_ids)

@@ -24,6 +24,7 @@ def entry(vocab: TokenVocab, sampled: int, padded: int) -> GenerateLogProbsConte
 
 def test_a_candidate_past_the_vocabulary_shows_as_an_empty_token(qwen3_vocab: TokenVocab) -> None:
     sampled = qwen3_vocab.backend.token_to_id("Hello")
+    assert sampled is not None
     padded = qwen3_vocab.size + 137  # an embedding row past the tokenizer (Qwen3 pads to 151,936)
     (token,) = chat_logprobs(qwen3_vocab, [entry(qwen3_vocab, sampled, padded)], top_n=2)
     assert token.token == "Hello" and token.bytes == list(b"Hello")

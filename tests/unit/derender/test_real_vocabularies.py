@@ -255,7 +255,9 @@ def test_mistral_reasoning_without_think_serves_the_model_without_reasoning(
         assert bind_parsers(vocab, "mistral", "mistral") is bound
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "[THINK]" in warnings[0].getMessage()
-    ids = [*tokenizer.encode("Sunny, 21 °C in Zürich 🫠.", add_special_tokens=False).ids, tokenizer.token_to_id(mistral.EOS)]
+    eos = tokenizer.token_to_id(mistral.EOS)
+    assert eos is not None
+    ids = [*tokenizer.encode("Sunny, 21 °C in Zürich 🫠.", add_special_tokens=False).ids, eos]
     answer = chunked_answer(vocab, _options(FAMILIES["mistral-tekken-v3"]), ids, finish_reason="stop")
     assert (answer["reasoning"], answer["content"], answer["finish_reason"]) == (None, "Sunny, 21 °C in Zürich 🫠.", "stop")
 
@@ -284,7 +286,9 @@ def test_every_reasoning_family_serves_a_vocabulary_without_its_markers(
     """The rule of issue #27 for every family: markers missing, the text is content."""
     tokenizer, vocab = tekken
     text = "Plain text, 世界 🫠."
-    ids = [*tokenizer.encode(text, add_special_tokens=False).ids, tokenizer.token_to_id(mistral.EOS)]
+    eos = tokenizer.token_to_id(mistral.EOS)
+    assert eos is not None
+    ids = [*tokenizer.encode(text, add_special_tokens=False).ids, eos]
     answer = chunked_answer(vocab, ChatOptions(reasoning_parser=name), ids, finish_reason="stop")
     assert (answer["reasoning"], answer["finish_reason"]) == (None, "stop")
     assert answer["content"].endswith(text)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import pytest
 
@@ -20,7 +20,7 @@ class _Source:
         self.produced = 0
         self.closed = False
 
-    async def stream(self) -> AsyncIterator[str]:
+    async def stream(self) -> AsyncGenerator[str, None]:
         try:
             for i in range(self.items):
                 if i == self.fail_at:
@@ -54,7 +54,7 @@ async def test_a_slow_reader_holds_the_streams_back() -> None:
         assert produced <= read + len(sources) + len(sources), (produced, read)
         if read == 50:
             break
-    await stream.aclose()  # type: ignore[attr-defined]
+    await stream.aclose()
     assert all(source.closed for source in sources)
 
 

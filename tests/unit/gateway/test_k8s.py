@@ -82,7 +82,7 @@ def test_every_manifest_is_named_and_namespaced() -> None:
 def test_gateway_config_decodes() -> None:
     config = _gateway_config()
     assert config.host == "0.0.0.0"
-    assert config.tokenizer.startswith("/models/")
+    assert config.tokenizer is not None and config.tokenizer.startswith("/models/")
     assert config.admission.max_concurrency is not None
     assert config.tracing.endpoint is not None
     assert config.auth.api_keys_file is not None and not config.auth.protect_metrics
@@ -121,7 +121,7 @@ def test_deployment_mounts_config_secret_and_models() -> None:
     assert source(posixpath.dirname(config.auth.api_keys_file))["secret"]["secretName"] == "onehop-api-keys"
     claim = source("/models")["persistentVolumeClaim"]
     assert claim["claimName"] == "models" and mounts["/models"]["readOnly"] is True
-    assert config.tokenizer.startswith("/models/")
+    assert config.tokenizer is not None and config.tokenizer.startswith("/models/")
 
 
 def test_deployment_runs_the_mounted_config() -> None:

@@ -4,10 +4,11 @@ stream accumulator), over an in-process transport."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import anthropic
+from anthropic.types import ToolParam
 import httpx2
 import msgspec
 import pytest
@@ -45,7 +46,7 @@ from gateway.translate import Presented, Turn, turn
 
 _encode = msgspec.json.Encoder().encode
 META = Presented(response_id="msg_0123", model="client-name", created=0, prompt_tokens=12)
-WEATHER = {"name": "get_weather", "description": "Weather now", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
+WEATHER: ToolParam = {"name": "get_weather", "description": "Weather now", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
 
 
 def chat_of(**body: Any) -> ChatCompletionRequest:
@@ -308,7 +309,7 @@ EVENTS = [
 ]
 
 
-async def aiter_of(items: list[ChatCompletionChunk]) -> AsyncIterator[ChatCompletionChunk]:
+async def aiter_of(items: list[ChatCompletionChunk]) -> AsyncGenerator[ChatCompletionChunk, None]:
     for item in items:
         yield item
 
@@ -356,7 +357,12 @@ def sse(body: bytes) -> httpx2.Response:
 async def test_the_sdk_accumulates_the_stream() -> None:
     body = await frames_of(CHUNKS)
     sent: list[dict[str, Any]] = []
-    client = sdk(lambda request: sent.append(request) or sse(body))
+
+    def handler(request: dict[str, Any]) -> httpx2.Response:
+        sent.append(request)
+        return sse(body)
+
+    client = sdk(handler)
     async with client.messages.stream(
         model="client-name", max_tokens=64, messages=[{"role": "user", "content": "weather?"}],
         tools=[WEATHER], tool_choice={"type": "auto"}, thinking={"type": "adaptive"}, metadata={"user_id": "u"},
@@ -391,9 +397,10 @@ async def test_empty_stream_still_starts_and_stops() -> None:
 async def test_nothing_is_written_before_the_first_chunk() -> None:
     """An engine that fails before answering gets an HTTP status, not a started stream."""
 
-    async def failing() -> AsyncIterator[ChatCompletionChunk]:
+    async def failing() -> AsyncGenerator[ChatCompletionChunk, None]:
+        for chunk in list[ChatCompletionChunk]():  # none: a generator that fails at its first read
+            yield chunk
         raise errors.EngineUnavailable("no engine")
-        yield  # pragma: no cover
 
     with pytest.raises(errors.EngineUnavailable):
         await anext(MessagesPresenter().stream(turn_of(stream=True), META, failing()))
@@ -402,7 +409,7 @@ async def test_nothing_is_written_before_the_first_chunk() -> None:
 async def test_leaving_the_stream_closes_the_chunks() -> None:
     closed: list[bool] = []
 
-    async def endless() -> AsyncIterator[ChatCompletionChunk]:
+    async def endless() -> AsyncGenerator[ChatCompletionChunk, None]:
         try:
             while True:
                 yield chunk(content="x")
@@ -411,7 +418,7 @@ async def test_leaving_the_stream_closes_the_chunks() -> None:
 
     frames = MessagesPresenter().stream(turn_of(stream=True), META, endless())
     await anext(frames)
-    await frames.aclose()  # type: ignore[attr-defined]
+    await frames.aclose()
     assert closed == [True]
 
 

@@ -291,7 +291,7 @@ def test_count_tokens_sees_the_prompt_a_message_would() -> None:
 
 
 def test_sampling_extras_pass_to_the_chat_request() -> None:
-    extras = {"ignore_eos": True, "min_p": 0.05, "repetition_penalty": 1.1, "seed": 7, "frequency_penalty": 0.2, "presence_penalty": 0.1,
+    extras: dict[str, Any] = {"ignore_eos": True, "min_p": 0.05, "repetition_penalty": 1.1, "seed": 7, "frequency_penalty": 0.2, "presence_penalty": 0.1,
               "min_tokens": 3, "stop_token_ids": [2], "skip_special_tokens": False}
     chat = translated(messages=[{"role": "user", "content": "hi"}], **extras).chat
     assert {name: getattr(chat, name) for name in extras} == extras

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import random
 import tracemalloc
+from typing import Any
 
 import msgspec
 
@@ -21,8 +22,8 @@ from engine.openai_schema import (
 )
 from gateway.config import ResponseStoreConfig
 from gateway.response_store import ENTRY_OVERHEAD, ResponseStore, entry_size
-from gateway.responses import ResponsesPresenter, decode_request, to_chat
-from gateway.translate import Presented, turn
+from gateway.responses import ResponsesPresenter, ResponsesRequest, decode_request, to_chat
+from gateway.translate import Presented, Turn, turn
 
 A, B = "tenant:a", "tenant:b"
 
@@ -104,7 +105,7 @@ def test_every_owner_together_stays_in_the_whole_bound() -> None:
 # ------------------------------------------------------------ what it holds, measured
 
 
-def _answer(rng: random.Random) -> tuple[object, Presented]:
+def _answer(rng: random.Random) -> tuple[tuple[Turn[ResponsesRequest], ChatCompletion], Presented]:
     """A stored turn of varied size: a prompt of 0-8 KiB, an answer of 1-400 tokens, with
     logprobs (the worst case as Python objects: a list of byte values per token) half the time."""
     words = [f"w{rng.randrange(10_000)}" for _ in range(rng.randrange(1, 400))]
@@ -118,7 +119,7 @@ def _answer(rng: random.Random) -> tuple[object, Presented]:
     logprobs = ChatLogprobs(content=[entry(word) for word in words]) if with_logprobs else None
     choice = ChatCompletionChoice(index=0, message=message, logprobs=logprobs, finish_reason="stop")
     completion = ChatCompletion(model="sim", choices=[choice], usage=Usage(prompt_tokens=10, completion_tokens=len(words), total_tokens=10 + len(words)))
-    body = {"model": "sim", "input": "x" * rng.randrange(0, 8192), "metadata": {"n": str(rng.random())}}
+    body: dict[str, Any] = {"model": "sim", "input": "x" * rng.randrange(0, 8192), "metadata": {"n": str(rng.random())}}
     if with_logprobs:
         body["top_logprobs"] = 5
     request = decode_request(msgspec.json.encode(body)).request

@@ -30,7 +30,7 @@ from engine.derender.parsers.base import ToolCallText
 from engine.derender.parsers.glm import format_calls_45, format_calls_47, forced_prefix_45, forced_prefix_47
 from engine.derender.text import TextParams
 from engine.derender.vocab import TokenVocab, vocab_for
-from engine.openai_schema import ChatCompletionRequest
+from engine.openai_schema import ChatCompletionRequest, DeltaFunctionCall
 from tests.support.glm_tokenizer import glm_token_id, glm_tokenizer_dir
 from tests.support.streams import FAMILY_CHUNKINGS, comparable_response, stream, whole
 
@@ -355,7 +355,7 @@ def test_marker_text_split_across_tokens(glm: Glm) -> None:
     split_start = answer(glm, glm.enc("r</think>Say <", "tool", "_call>get_time</tool_call>"))
     # Not the <tool_call> token: text, as in vLLM's stream.
     assert split_start.calls == [] and split_start.content == "Say <tool_call>get_time</tool_call>"
-    parts = ("r</think><tool_call>get_time<", "arg", "_key>tz</", "arg_key><arg", "_value>UTC</arg_val")
+    parts: tuple[str, ...] = ("r</think><tool_call>get_time<", "arg", "_key>tz</", "arg_key><arg", "_value>UTC</arg_val")
     parts += ("ue></tool_call>",)
     split_tags = answer(glm, glm.enc(*parts))
     assert split_tags.calls == [("get_time", {"tz": "UTC"})]  # arg tags are read from text
@@ -446,7 +446,7 @@ def test_string_values_stream_before_they_close(glm: Glm) -> None:
     for token_id in ids:
         chunk = derender.step(0, [token_id])
         for tc in (chunk.choices[0].delta.tool_calls or []) if chunk is not None else []:
-            if tc.function is not None and tc.function.arguments:
+            if isinstance(tc.function, DeltaFunctionCall) and tc.function.arguments:
                 fragments.append(tc.function.arguments)
     # One fragment per few tokens of the value, not one at its end.
     assert len(fragments) > 20

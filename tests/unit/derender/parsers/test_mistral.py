@@ -357,6 +357,7 @@ LEGACY_VECTORS: dict[str, Vector] = {
 def test_legacy_vector_in_every_chunking(name: str, v3_vocab: TokenVocab, v3_tokenizer: Tokenizer) -> None:
     vector = LEGACY_VECTORS[name]
     eos_id = v3_tokenizer.token_to_id(EOS)
+    assert eos_id is not None
     ids = encode_fast(v3_tokenizer, vector.output) + ([eos_id] if vector.eos else [])
     got = chunked_answer(v3_vocab, chat_options(reasoning=None), ids, [], **_finish(vector.eos))
     assert (got["reasoning"], got["content"], got["finish_reason"]) == (vector.reasoning, vector.content, vector.finish)
