@@ -25,6 +25,7 @@ RUN pip install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} torch==2.13.0
 COPY pyproject.toml README.md ./
 COPY engine ./engine
 COPY gateway ./gateway
+COPY onehop ./onehop
 RUN pip install '.[engine]'
 
 # Not root; a home for the tiny model's cache (`onehop serve` builds it on first run).

@@ -221,13 +221,12 @@ def check_custom_grammar(syntax: str, definition: str, param: str, limits: Gramm
 
 @lru_cache(maxsize=64)  # agents send the same grammar on every turn
 def _compile_error(syntax: str, definition: str) -> str | None:
-    from engine.backends.base import BackendRequestError  # llguidance, only when a grammar comes
-    from engine.backends.grammar_compile import compile_grammar
+    from engine.grammar_compile import GrammarError, compile_grammar  # llguidance, only when a grammar comes
 
     constraint = StructuredOutputs(grammar=definition) if syntax == "lark" else StructuredOutputs(regex=definition)
     try:
         compile_grammar(constraint)
-    except BackendRequestError as exc:
+    except GrammarError as exc:
         return str(exc).split(": ", 1)[-1]
     return None
 

@@ -1,4 +1,5 @@
-"""Start-up checks the command line runs before it loads a model or starts a worker.
+"""The gateway's start-up checks, run before it loads a model or starts a worker
+(`onehop.preflight` adds the engine's, for the commands that run one).
 
 A mistake in a command or a config file should cost its user one line and a
 second, not a model load, a traceback or a supervisor restarting workers that
@@ -18,6 +19,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the command line imports this module: `onehop --help` stays fast
     from gateway.config import GatewayConfig, ModelConfig
 
+EXIT_USAGE = 2
+"""A command or config that cannot start: argparse's own status for bad arguments."""
 EXIT_CONFIG = 78
 """sysexits' EX_CONFIG: what a worker exits with when its configuration cannot serve, so the
 supervisor stops instead of starting it again (a restart cannot fix a config)."""
@@ -49,11 +52,10 @@ def port_error(host: str, port: int, exc: OSError) -> str:
 
 
 @contextmanager
-def startup_errors(host: str, port: int) -> Iterator[None]:
-    """What a server start raises for a model, parser or config it cannot serve, or a port it
-    cannot take, as one line (anything else is a bug and keeps its traceback)."""
-    from engine.backends.base import BackendError
-    from engine.config import ConfigError as EngineConfigError
+def startup_errors(host: str, port: int, also: tuple[type[Exception], ...] = ()) -> Iterator[None]:
+    """What a gateway start raises for a model, parser or config it cannot serve, or a port it
+    cannot take, as one line (anything else is a bug and keeps its traceback). `also`: more
+    errors that mean the same, from what else the process starts (`onehop.preflight`: an engine)."""
     from engine.derender.parsers.base import UnknownParser
     from gateway.auth import KeyFileError
     from gateway.chat_template import ChatTemplateError
@@ -61,32 +63,23 @@ def startup_errors(host: str, port: int) -> Iterator[None]:
     from gateway.policy import PolicyError
     from gateway.tokenizer_folder import TokenizerFolderError
 
-    try:
-        yield
-    except OSError as exc:
-        if exc.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):  # taken since check_port
-            raise StartupError(port_error(host, port, exc)) from exc
-        raise
-    except (
-        BackendError,
-        EngineConfigError,
+    one_line: tuple[type[Exception], ...] = (
         UnknownParser,
         ChatTemplateError,
         ConfigError,
         TokenizerFolderError,
         PolicyError,
         KeyFileError,
-    ) as exc:
+        *also,
+    )
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):  # taken since check_port
+            raise StartupError(port_error(host, port, exc)) from exc
+        raise
+    except one_line as exc:
         raise StartupError(str(exc)) from exc
-
-
-def check_model_folder(path: str) -> None:
-    """A model or tokenizer folder given on the command line exists and is a folder."""
-    folder = Path(path)
-    if not folder.exists():
-        raise StartupError(f"the model folder {path} does not exist")
-    if not folder.is_dir():
-        raise StartupError(f"{path} is not a folder: --model takes a model (or tokenizer) folder")
 
 
 def check_gateway(config: GatewayConfig) -> None:

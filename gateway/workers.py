@@ -2,8 +2,8 @@
 
 One Python process relays on one core; a pod usually has more. Each worker
 is a whole gateway (its own event loop, engine connections, renderer and
-pools) started as `onehop gateway --config FILE --workers 1` with the run's
-settings in its environment, and every worker listens on the same port with
+pools) started as `python -m gateway --config FILE --workers 1` (the gateway
+alone, no engine code) with the run's settings in its environment, and every worker listens on the same port with
 `SO_REUSEPORT`, so the kernel spreads new connections over them.
 
 The supervisor (this module, in the parent process) does not serve:
@@ -40,6 +40,7 @@ cache. Each response names its worker in the `onehop-worker` header.
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import logging
 import math
@@ -55,8 +56,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gateway.preflight import EXIT_CONFIG, StartupError, port_error, startup_errors
-from gateway.worker_env import PORT_ENV, RUN_DIR_ENV, WORKER_ENV, run_dir, worker_port
+from gateway.preflight import EXIT_CONFIG, StartupError, check_gateway, check_port, port_error, startup_errors
+from gateway.worker_env import PORT_ENV, RUN_DIR_ENV, WORKER_ENV, run_dir, worker_index, worker_port
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,45 @@ GIVE_UP = 5
 """Quick deaths in a row (each within STABLE_S of its start) after which the supervisor gives up."""
 STOP_GRACE_S = 60.0
 """How long workers may drain after SIGTERM before they are killed."""
+
+
+def add_options(parser: argparse.ArgumentParser) -> None:
+    """The options of `onehop gateway`, and of `python -m gateway`, which runs the same."""
+    parser.add_argument(
+        "--config", type=Path, required=True, metavar="FILE", help="the gateway's YAML config (required)"
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="gateway processes sharing the port (default: the CPUs this process may use; 1: no supervisor)",
+    )
+
+
+def run_gateway(config_file: Path, workers: int | None) -> int:
+    """The gateway alone: one process, a supervisor of `workers`, or (started by one) a worker.
+    A config that cannot serve raises `StartupError` before anything starts."""
+    from gateway.app import serve
+    from gateway.config import ConfigError, load_config
+
+    if worker_index() is not None:
+        return serve_worker(config_file)  # its supervisor checked the config
+    try:
+        config = load_config(config_file)
+    except ConfigError as exc:
+        raise StartupError(str(exc)) from exc
+    count = default_workers() if workers is None else workers
+    if count < 1:
+        raise StartupError("--workers must be at least 1")
+    check_port(config.host, config.port)
+    check_gateway(config)
+    if count == 1:
+        with startup_errors(config.host, config.port):
+            serve(config)
+        return 0
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return Supervisor(config_file, count, config.host, config.port).run()
 
 
 def default_workers() -> int:
@@ -212,7 +252,7 @@ class Supervisor:
             shutil.rmtree(folder, ignore_errors=True)
 
     def _start(self, slot: _Worker, env: dict[str, str]) -> None:
-        command = [sys.executable, "-m", "gateway", "gateway", "--config", str(self.config), "--workers", "1"]
+        command = [sys.executable, "-m", "gateway", "--config", str(self.config), "--workers", "1"]
         slot.process = subprocess.Popen(command, env={**env, WORKER_ENV: str(slot.index)}, pass_fds=(self._parent_fd,))
         slot.started = time.monotonic()
         slot.restart_at = None

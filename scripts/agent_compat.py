@@ -219,7 +219,7 @@ def start_onehop(folder: Path) -> Server:
     port = free_port()
     options = {"mode": "agent", "agent_calls": AGENT_CALLS, "max_model_len": MAX_MODEL_LEN}
     argv = [
-        sys.executable, "-m", "gateway", "serve", "--backend", "sim", "--model", str(ensure_tokenizer()),
+        sys.executable, "-m", "onehop", "serve", "--backend", "sim", "--model", str(ensure_tokenizer()),
         "--served-model-name", MODEL, "--alias", "claude-*", "--port", str(port),
         "--reasoning-parser", "qwen3", "--tool-parser", "hermes",
         *(f"--backend-option={key}={json.dumps(value)}" for key, value in options.items()),

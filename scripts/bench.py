@@ -756,7 +756,7 @@ class Launcher:
         if self._onehop_vllm is None:
             assert self.vllm_python is not None
             port = free_port()
-            argv = [str(self.vllm_python), "-m", "gateway", "engine", "--backend", "vllm", "--model", str(model_dir)]
+            argv = [str(self.vllm_python), "-m", "onehop", "engine", "--backend", "vllm", "--model", str(model_dir)]
             argv += ["--served-model-name", MODEL, "--port", str(port)]
             argv += ["--backend-option", f"max_model_len={VLLM_MAX_MODEL_LEN}"]
             self._onehop_vllm = spawn_vllm("engine_onehop_vllm", argv, port, self.folder)

@@ -115,7 +115,7 @@ def process_cpu(pid: int) -> float:
 
 def start_engine(tokenizer_dir: Path, port: int, script: str) -> subprocess.Popen[bytes]:
     options = ["--backend-option", "mode=script", "--backend-option", "script=" + json.dumps([script])]
-    command = [sys.executable, "-m", "gateway", "engine", "--backend", "sim", "--model", str(tokenizer_dir), "--port", str(port)]
+    command = [sys.executable, "-m", "onehop", "engine", "--backend", "sim", "--model", str(tokenizer_dir), "--port", str(port)]
     return subprocess.Popen(command + options, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 

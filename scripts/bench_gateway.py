@@ -323,7 +323,7 @@ def child_env() -> dict[str, str]:
 
 
 def spawn(args: list[str], log: Path, *, module: bool = True) -> subprocess.Popen[bytes]:
-    command = [sys.executable, *(["-m", "gateway"] if module else []), *args]
+    command = [sys.executable, *(["-m", "onehop"] if module else []), *args]
     with log.open("wb") as out:
         return subprocess.Popen(
             command, cwd=ROOT, env=child_env(), start_new_session=True, stdout=out, stderr=subprocess.STDOUT

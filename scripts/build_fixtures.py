@@ -12,7 +12,7 @@ from pathlib import Path
 # Runs from a checkout that may not be installed, so make the repo importable.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gateway.cli import main
+from onehop.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main(["fixtures", *sys.argv[1:]]))

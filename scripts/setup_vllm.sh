@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create (idempotently) a separate venv holding vLLM 0.32 for CPU, the
 # reference peer for onehop's benchmarks and vllm-marked tests, and able to
-# run onehop's own engine (`-m gateway engine --backend vllm`). vLLM never
+# run onehop's own engine (`-m onehop engine --backend vllm`). vLLM never
 # goes into the project's own environment.
 #
 #   ONEHOP_VLLM_VENV         where the venv lives ($HOME/.cache/onehop/vllm-venv)
@@ -82,5 +82,5 @@ if [ "${#MISSING[@]}" -gt 0 ]; then
 fi
 
 "$PY" -c "import vllm" >&2
-PYTHONPATH="$ROOT" "$PY" -c "import engine.app, engine.backends.vllm, engine.qwen3.fixtures, gateway.cli" >&2
+PYTHONPATH="$ROOT" "$PY" -c "import engine.app, engine.backends.vllm, engine.qwen3.fixtures, onehop.cli" >&2
 echo "$PY"

@@ -19,8 +19,7 @@ from typing import BinaryIO
 
 import msgspec
 
-from engine.backends.base import BackendRequestError
-from engine.backends.grammar_compile import compile_grammar
+from engine.grammar_compile import GrammarError, compile_grammar
 from engine.protocol import ProtocolError, StructuredOutputs
 
 CHECK_STACK_BYTES = 2 * 1024 * 1024
@@ -32,7 +31,7 @@ def check(body: bytes) -> str:
     """The error compiling the constraint in `body`, or "" when it compiles."""
     try:
         compile_grammar(_DECODE(body))
-    except BackendRequestError as exc:
+    except GrammarError as exc:
         return str(exc)
     except (msgspec.ValidationError, msgspec.DecodeError, ProtocolError) as exc:
         return f"invalid structured_outputs: {exc}"

@@ -61,7 +61,7 @@ from engine.backends.base import (
 )
 from engine.backends.grammar import ChoiceGrammar, GrammarTokenizer
 from engine.backends.grammar_check import DEFAULT_TIMEOUT_S, GrammarCheck, compile_executor
-from engine.backends.grammar_compile import CONSTRAINTS, compile_grammar
+from engine.grammar_compile import CONSTRAINTS, GrammarError, compile_grammar
 from engine.protocol import GenerateLogProb, GenerateLogProbsContent, SamplingParams, StructuredOutputs
 
 __all__ = ["HFBackend", "HFBackendConfig"]
@@ -784,7 +784,11 @@ class HFBackend:
 
     def _matchers(self, constraint: StructuredOutputs, n: int, waiting: frozenset[int] | None) -> list[ChoiceGrammar]:
         assert self._grammar_tokenizer is not None  # the executor exists only with it
-        first = ChoiceGrammar(self._grammar_tokenizer, compile_grammar(constraint), waiting)
+        try:
+            grammar = compile_grammar(constraint)
+        except GrammarError as exc:
+            raise BackendRequestError(str(exc)) from exc  # the client's fault: a 400
+        first = ChoiceGrammar(self._grammar_tokenizer, grammar, waiting)
         return [first] + [first.copy() for _ in range(n - 1)]
 
     async def generate(self, request: BackendRequest) -> AsyncGenerator[list[BackendOutput], None]:

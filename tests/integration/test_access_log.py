@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 
 from engine.config import EngineConfig
-from gateway.embedded import embedded
+from onehop.serve import embedded
 
 
 async def test_a_key_in_the_query_string_stays_out_of_the_access_log(

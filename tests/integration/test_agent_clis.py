@@ -142,12 +142,12 @@ def onehop(
     (tmp / "gateway.yaml").write_text(yaml.safe_dump(config))
     options = {"mode": "agent", "agent_calls": AGENT_CALLS}
     engine_command = [
-        sys.executable, "-m", "gateway", "engine", "--backend", "sim", "--model", str(folder),
+        sys.executable, "-m", "onehop", "engine", "--backend", "sim", "--model", str(folder),
         "--served-model-name", CODEX_MODEL, "--port", str(engine_port),
         "--reasoning-parser", reasoning_parser, "--tool-parser", tool_parser,
         *(f"--backend-option={key}={json.dumps(value)}" for key, value in options.items()),
     ]  # fmt: skip
-    gateway_command = [sys.executable, "-m", "gateway", "gateway", "--config", str(tmp / "gateway.yaml")]
+    gateway_command = [sys.executable, "-m", "onehop", "gateway", "--config", str(tmp / "gateway.yaml")]
     gateway_command += ["--workers", "1"]
     env = {**os.environ, KEYS_ENV: KEY}
     with log.open("wb") as sink:

@@ -28,7 +28,7 @@ START_S = 120
 
 def _onehop(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "gateway", *args], cwd=ROOT, capture_output=True, text=True, timeout=START_S
+        [sys.executable, "-m", "onehop", *args], cwd=ROOT, capture_output=True, text=True, timeout=START_S
     )
 
 
@@ -133,7 +133,7 @@ async def test_a_worker_config_error_ends_the_gateway_once(tmp_path: Path, qwen3
     async with engine_server(qwen3_tokenizer_dir) as (engine_url, _):
         config = _gateway_config(tmp_path, qwen3_tokenizer_dir, engines=[{"url": engine_url}])
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "gateway", "gateway", "--config", str(config), "--workers", "2",
+            sys.executable, "-m", "onehop", "gateway", "--config", str(config), "--workers", "2",
             cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         )
         out, err = await asyncio.wait_for(process.communicate(), START_S)
@@ -186,7 +186,7 @@ async def test_workers_exit_when_their_supervisor_is_killed(tmp_path: Path, qwen
         probe.bind(("127.0.0.1", 0))
         port = int(probe.getsockname()[1])
     config = _gateway_config(tmp_path, qwen3_tokenizer_dir, port=port)
-    command = [sys.executable, "-m", "gateway", "gateway", "--config", str(config), "--workers", "2"]
+    command = [sys.executable, "-m", "onehop", "gateway", "--config", str(config), "--workers", "2"]
     supervisor = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                   start_new_session=True)
     workers: set[int] = set()

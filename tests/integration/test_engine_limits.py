@@ -307,7 +307,7 @@ def test_limits_are_one_strict_struct() -> None:
 def test_cli_flags_reach_the_engine_config(
     qwen3_tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from gateway.cli import main
+    from onehop.cli import main
 
     seen: list[EngineConfig] = []
     monkeypatch.setattr("engine.app.run", seen.append)

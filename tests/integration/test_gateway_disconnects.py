@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.config import EngineConfig
 from engine.state import ENGINE
-from gateway.embedded import embedded
+from onehop.serve import embedded
 from gateway.state import GATEWAY
 
 STREAMS = 200

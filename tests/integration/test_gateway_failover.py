@@ -38,7 +38,7 @@ def _free_port() -> int:
 
 def _start_engine(tokenizer: Path, port: int) -> subprocess.Popen[bytes]:
     command = [
-        sys.executable, "-m", "gateway", "engine", "--backend", "sim", "--model", str(tokenizer),
+        sys.executable, "-m", "onehop", "engine", "--backend", "sim", "--model", str(tokenizer),
         "--served-model-name", "sim", "--port", str(port), "--backend-option", "itl_ms=25",
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.config import EngineConfig
-from gateway.embedded import embedded
+from onehop.serve import embedded
 
 EXAMPLES = int(os.environ.get("ONEHOP_FUZZ_EXAMPLES", "120"))
 

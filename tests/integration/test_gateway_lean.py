@@ -110,7 +110,7 @@ def test_an_idle_gateway_stays_under_its_memory_bound(qwen3_tokenizer_dir: Path,
             """),
         encoding="utf-8",
     )
-    process = subprocess.Popen([sys.executable, "-m", "gateway", "gateway", "--config", str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen([sys.executable, "-m", "onehop", "gateway", "--config", str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait_ready(f"http://127.0.0.1:{port}/v1/models", process)
         assert _rss_mib(process.pid) < IDLE_RSS_BOUND_MIB

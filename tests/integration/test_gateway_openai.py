@@ -13,7 +13,7 @@ from openai.types.chat import ChatCompletionMessageParam
 import pytest
 
 from engine.config import EngineConfig
-from gateway.embedded import embedded
+from onehop.serve import embedded
 from engine.state import ENGINE
 from gateway.state import GATEWAY
 

@@ -34,7 +34,7 @@ def _free_port() -> int:
 @asynccontextmanager
 async def _workers(config: Path, log: Path) -> AsyncIterator[tuple[str, subprocess.Popen[bytes]]]:
     port = yaml.safe_load(config.read_text())["port"]
-    command = [sys.executable, "-m", "gateway", "gateway", "--config", str(config), "--workers", "2"]
+    command = [sys.executable, "-m", "onehop", "gateway", "--config", str(config), "--workers", "2"]
     with log.open("wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
@@ -208,7 +208,7 @@ def test_workers_that_keep_dying_make_the_supervisor_give_up(qwen3_tokenizer_dir
         "model": "sim", "tokenizer": str(qwen3_tokenizer_dir), "engines": [{"url": "http://127.0.0.1:9"}],
         "host": "127.0.0.1", "port": _free_port(),
     }))
-    command = [sys.executable, "-m", "gateway", "gateway", "--config", str(config), "--workers", "2"]
+    command = [sys.executable, "-m", "onehop", "gateway", "--config", str(config), "--workers", "2"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
     process = subprocess.run(command, capture_output=True, timeout=120, env=env)
     assert process.returncode == 1, process.stderr.decode()[-2000:]

@@ -88,7 +88,7 @@ def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         probe.bind(("127.0.0.1", 0))
         port = int(probe.getsockname()[1])
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    command = [sys.executable, "-m", "gateway", "serve", "--backend", "sim", "--port", str(port)]
+    command = [sys.executable, "-m", "onehop", "serve", "--backend", "sim", "--port", str(port)]
     with log.open("wb") as out:
         process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=out)
     try:

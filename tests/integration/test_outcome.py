@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.config import EngineConfig
-from gateway.embedded import Embedded, embedded
+from onehop.serve import Embedded, embedded
 from gateway.outcome import CLIENT_GONE, Outcome
 from gateway.state import GATEWAY
 

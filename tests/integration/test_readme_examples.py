@@ -50,7 +50,7 @@ def serve(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     with log.open("wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "gateway", "serve", "--port", str(port)], cwd=ROOT, stdout=out, stderr=out
+            [sys.executable, "-m", "onehop", "serve", "--port", str(port)], cwd=ROOT, stdout=out, stderr=out
         )
     try:
         deadline = time.monotonic() + START_S

@@ -11,7 +11,7 @@ import openai
 from pydantic import BaseModel, Field
 
 from engine.config import EngineConfig
-from gateway.embedded import embedded
+from onehop.serve import embedded
 
 
 class City(BaseModel):

@@ -15,7 +15,7 @@ import pytest
 from engine.config import EngineConfig
 from engine.telemetry import TracingConfig
 from gateway.config import EngineEndpoint, GatewayConfig, ModelConfig
-from gateway.embedded import embedded
+from onehop.serve import embedded
 from tests.support.engine import engine_server
 from tests.support.gateway import configured_gateway
 from tests.support.otlp import ReceivedSpan, Receiver, otlp_receiver

@@ -47,7 +47,7 @@ def _rss_bytes(pid: int) -> int:
 
 def _spawn(args: list[str]) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-    command = [sys.executable, "-m", "gateway", *args]
+    command = [sys.executable, "-m", "onehop", *args]
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
 
 

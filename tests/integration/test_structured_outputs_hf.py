@@ -17,7 +17,7 @@ import openai
 from pydantic import BaseModel, Field
 
 from engine.config import EngineConfig
-from gateway.embedded import embedded
+from onehop.serve import embedded
 from tests.support.engine import engine_server, post_json
 
 Short = Annotated[str, Field(max_length=12)]

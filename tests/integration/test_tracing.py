@@ -11,7 +11,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.telemetry import TracingConfig
-from gateway.embedded import embedded
+from onehop.serve import embedded
 from tests.support.otlp import Receiver, ReceivedSpan, otlp_receiver
 
 SECRET = "zebra-quartz-secret-prompt"

@@ -1,9 +1,14 @@
 """The package's import structure, read from the source with `ast` (nothing is imported).
 
-- no import circles among the modules of engine/ and gateway/: neither among the imports
-  that run when a module loads, nor once deferred imports (inside functions) and
+- no import circles among the modules of engine/, gateway/ and onehop/: neither among the
+  imports that run when a module loads, nor once deferred imports (inside functions) and
   `if TYPE_CHECKING:` imports are counted too;
-- engine/ never imports gateway/ (the engine runs without the gateway).
+- engine/ never imports gateway/ or onehop/ (the engine runs without the gateway);
+- gateway/ never imports onehop/, nor the engine's server or a backend (the gateway runs
+  without them: it shares the engine's protocol, derender, telemetry and HTTP plumbing only);
+- so onehop/ (the command line, `onehop serve`) is the one place that wires the two together.
+
+The rules count deferred and `if TYPE_CHECKING:` imports too.
 
 An import names the module it loads: `from a.b import c` is `a.b.c` when that is a module
 of the package, else `a.b`. A package's `__init__` that a submodule import runs on the way
@@ -19,7 +24,26 @@ from collections.abc import Iterator, Mapping, Set
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("engine", "gateway")
+PACKAGES = ("engine", "gateway", "onehop")
+
+ENGINE_SERVER_AND_BACKENDS = (
+    "engine.app",
+    "engine.generate",
+    "engine.state",
+    "engine.outputs",
+    "engine.vllm_derender",
+    "engine.metrics",
+    "engine.backends",
+)
+"""The engine's server and its backends (each name with its submodules). Not among them:
+`engine.http_server`, the HTTP server plumbing both servers share (the runner, `run_app`,
+connection limits, the event loop), which the gateway's app uses."""
+
+RULES: dict[str, tuple[str, ...]] = {
+    "engine": ("gateway", "onehop"),
+    "gateway": ("onehop", *ENGINE_SERVER_AND_BACKENDS),
+}
+"""Package → what none of its modules may import (each name with its submodules)."""
 
 Graph = Mapping[str, Set[str]]
 
@@ -163,7 +187,26 @@ def _describe(graph: Graph, circles: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-# ------------------------------------------------------------ the detector itself
+# ------------------------------------------------------------ forbidden imports
+
+
+def _within(module: str, name: str) -> bool:
+    return module == name or module.startswith(name + ".")
+
+
+def forbidden_imports(graph: Graph, rules: Mapping[str, tuple[str, ...]]) -> list[str]:
+    """Each `importer -> imported` edge of `graph` that `rules` forbid, sorted."""
+    return sorted(
+        f"{module} -> {target}"
+        for module, targets in graph.items()
+        for package, banned in rules.items()
+        if _within(module, package)
+        for target in targets
+        if any(_within(target, name) for name in banned)
+    )
+
+
+# ------------------------------------------------------------ the detectors themselves
 
 
 def test_cycles_finds_a_circle_and_only_its_members() -> None:
@@ -215,6 +258,48 @@ def test_import_graph_reads_the_forms_of_import(tmp_path: Path) -> None:
     assert cycles(everywhere) == [["pkg.a", "pkg.d"]]
 
 
+def test_forbidden_imports_flags_each_forbidden_edge_and_only_those() -> None:
+    graph = {
+        "gateway.a": {"engine.backends.hf", "engine.http_server", "engine.derender.chat", "engine.application"},
+        "gateway.b": {"engine.app", "onehop.serve"},
+        "gateway.c": {"engine.backends", "gateway.a"},
+        "engine.x": {"gateway.b", "onehop", "engine.protocol"},
+        "onehop.cli": {"engine.app", "engine.backends.base", "gateway.a"},
+    }
+    assert forbidden_imports(graph, RULES) == [
+        "engine.x -> gateway.b",
+        "engine.x -> onehop",
+        "gateway.a -> engine.backends.hf",
+        "gateway.b -> engine.app",
+        "gateway.b -> onehop.serve",
+        "gateway.c -> engine.backends",
+    ]
+
+
+def test_forbidden_imports_counts_deferred_and_type_checking_imports(tmp_path: Path) -> None:
+    for folder in ("engine/backends", "gateway"):
+        (tmp_path / folder).mkdir(parents=True)
+    sources = {
+        "engine/__init__.py": "",
+        "engine/http_server.py": "",
+        "engine/backends/__init__.py": "",
+        "engine/backends/base.py": "",
+        "engine/app.py": "",
+        "gateway/__init__.py": "",
+        "gateway/late.py": "def later():\n    from engine.backends.base import BackendError\n",
+        "gateway/hint.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from engine import app\n",
+        "gateway/plumbing.py": "from engine.http_server import *\n",
+    }
+    for name, text in sources.items():
+        (tmp_path / name).write_text(text)
+    modules = parse_modules(module_files(tmp_path, ("engine", "gateway")))
+    assert forbidden_imports(import_graph(modules, deferred=False), RULES) == []
+    assert forbidden_imports(import_graph(modules, deferred=True), RULES) == [
+        "gateway.hint -> engine.app",
+        "gateway.late -> engine.backends.base",
+    ]
+
+
 # ------------------------------------------------------------ the package
 
 
@@ -234,6 +319,8 @@ def test_the_graph_is_read_from_the_real_package() -> None:
     assert "gateway.splice" in graph["gateway.relay"]
     assert "engine.protocol" in graph["engine.outputs"]
     assert sum(len(targets) for targets in graph.values()) > 300
+    assert {"engine.app", "gateway.app", "onehop.preflight"} <= graph["onehop.serve"] | graph["onehop.cli"]
+    assert "engine.http_server" in graph["gateway.app"]  # the shared plumbing the rules allow
 
 
 def test_no_import_circles_when_modules_load() -> None:
@@ -248,13 +335,11 @@ def test_no_import_circles_counting_deferred_and_type_checking_imports() -> None
     assert not circles, "import circles (deferred and TYPE_CHECKING imports counted):\n" + _describe(graph, circles)
 
 
-def test_engine_never_imports_gateway() -> None:
-    graph = _graph(True)
-    wrong = sorted(
-        f"{module} -> {target}"
-        for module, targets in graph.items()
-        if module.split(".")[0] == "engine"
-        for target in targets
-        if target.split(".")[0] == "gateway"
-    )
-    assert not wrong, "engine modules that import gateway modules:\n" + "\n".join(wrong)
+def test_engine_never_imports_gateway_or_onehop() -> None:
+    wrong = forbidden_imports(_graph(True), {"engine": RULES["engine"]})
+    assert not wrong, "engine modules that import gateway or onehop modules:\n" + "\n".join(wrong)
+
+
+def test_gateway_never_imports_onehop_the_engine_server_or_a_backend() -> None:
+    wrong = forbidden_imports(_graph(True), {"gateway": RULES["gateway"]})
+    assert not wrong, "gateway modules that import onehop, the engine's server or a backend:\n" + "\n".join(wrong)

@@ -74,7 +74,7 @@ def engines(vllm_python: Path, tiny_model_dir: Path) -> Iterator[dict[str, str]]
     model = str(tiny_model_dir)
     stock_port, onehop_port = free_port(), free_port()
     stock = ["bash", str(ROOT / "scripts" / "vllm_serve.sh"), model, str(stock_port)]
-    onehop = [str(vllm_python), "-m", "gateway", "engine", "--backend", "vllm", "--model", model]
+    onehop = [str(vllm_python), "-m", "onehop", "engine", "--backend", "vllm", "--model", model]
     specs = [
         ("stock vLLM", [*stock, "--max-model-len", str(MAX_MODEL_LEN)], stock_port),
         (

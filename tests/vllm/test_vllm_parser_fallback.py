@@ -64,7 +64,7 @@ def report(vllm_python: Path, tiny_model_dir: Path) -> dict[str, Any]:
 def engine_url(vllm_python: Path, tiny_model_dir: Path) -> Iterator[str]:
     port = free_port()
     argv = [
-        str(vllm_python), "-m", "gateway", "engine", "--backend", "vllm", "--model", str(tiny_model_dir),
+        str(vllm_python), "-m", "onehop", "engine", "--backend", "vllm", "--model", str(tiny_model_dir),
         "--tool-parser", "qwen3_json", "--reasoning-parser", "qwen3",
         "--port", str(port), "--backend-option", f"max_model_len={MAX_MODEL_LEN}",
     ]  # fmt: skip

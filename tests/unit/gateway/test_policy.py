@@ -286,7 +286,7 @@ def test_explain_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
 
 
 def test_cli_policy_check_and_explain(tmp_path: Path, capsys: Any) -> None:
-    from gateway.cli import main
+    from onehop.cli import main
 
     root = Path(__file__).resolve().parents[3]
     assert main(["policy", "check", str(root / "configs" / "policy.yaml")]) == 0

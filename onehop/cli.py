@@ -7,22 +7,20 @@ subcommand is one ``_add_*`` function and one handler.
 A start that cannot succeed (a missing model folder or config file, a port in
 use, a config that no worker could serve) ends with one line on stderr and
 exit status 2, checked before any model loads: handlers raise
-``StartupError`` (``gateway.preflight``) and ``main`` prints it.
+``StartupError`` (``gateway.preflight``, ``onehop.preflight``) and ``main`` prints it.
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gateway.preflight import StartupError, check_model_folder, check_port, startup_errors
-
-EXIT_USAGE = 2
-"""A command or config that cannot start: argparse's own status for bad arguments."""
+from gateway.preflight import EXIT_USAGE, StartupError, check_port
+from gateway.workers import add_options, run_gateway
+from onehop.preflight import check_model_folder, startup_errors
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
@@ -246,7 +244,7 @@ def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def _run_serve(args: argparse.Namespace) -> int:
     from engine.config import EngineConfig
-    from gateway.embedded import serve
+    from onehop.serve import serve
 
     check_port(args.host, args.port)
     engine = EngineConfig(
@@ -270,43 +268,12 @@ def _add_gateway(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="the OpenAI gateway alone, against the engines in a YAML config",
         description="Serve the OpenAI API against engines listed in a YAML config (see configs/gateway.yaml).",
     )
-    gateway.add_argument(
-        "--config", type=Path, required=True, metavar="FILE", help="the gateway's YAML config (required)"
-    )
-    gateway.add_argument(
-        "--workers",
-        type=int,
-        default=None,
-        metavar="N",
-        help="gateway processes sharing the port (default: the CPUs this process may use; 1: no supervisor)",
-    )
+    add_options(gateway)
     gateway.set_defaults(func=_run_gateway)
 
 
 def _run_gateway(args: argparse.Namespace) -> int:
-    from gateway.app import serve
-    from gateway.config import ConfigError, load_config
-    from gateway.preflight import check_gateway
-    from gateway.worker_env import worker_index
-    from gateway.workers import Supervisor, default_workers, serve_worker
-
-    if worker_index() is not None:
-        return serve_worker(args.config)  # its supervisor checked the config
-    try:
-        config = load_config(args.config)
-    except ConfigError as exc:
-        raise StartupError(str(exc)) from exc
-    workers = default_workers() if args.workers is None else args.workers
-    if workers < 1:
-        raise StartupError("--workers must be at least 1")
-    check_port(config.host, config.port)
-    check_gateway(config)
-    if workers == 1:
-        with startup_errors(config.host, config.port):
-            serve(config)
-        return 0
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return Supervisor(args.config, workers, config.host, config.port).run()
+    return run_gateway(args.config, args.workers)
 
 
 def _add_policy(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

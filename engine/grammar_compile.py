@@ -1,5 +1,6 @@
 """A structured-output constraint → its llguidance grammar, checked (torch-free, so the
-grammar check child (`grammar_child`) starts in a fraction of a second).
+grammar check child (`engine.backends.grammar_child`) starts in a fraction of a second, and
+the gateway checks a custom tool's grammar with it without loading a backend).
 
 The mapping follows vLLM's `guidance` backend: a JSON schema (whitespace between tokens
 flexible unless `disable_any_whitespace`), `json_object` as the schema `{"type": "object"}`,
@@ -18,13 +19,18 @@ import llguidance
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # a TypedDict of the stubs only
 
-from engine.backends.base import BackendRequestError
 from engine.protocol import StructuredOutputs
 
 CONSTRAINTS = frozenset({"json", "json_object", "regex", "choice", "grammar"})
 """What the hf backend enforces (vLLM's `structural_tag` is not mapped)."""
 
 log = logging.getLogger("onehop.engine.grammar")
+
+
+class GrammarError(ValueError):
+    """A constraint that cannot be compiled: the client's fault. The backends raise it on as
+    their `BackendRequestError` (a 400), with the same message."""
+
 
 SHORT_ERROR_CHARS = 300
 """A library error as a client sees it: llguidance's panics carry a Rust backtrace of 70+
@@ -46,12 +52,12 @@ def short_error(error: str) -> str:
 
 
 def compile_grammar(constraint: StructuredOutputs) -> str:
-    """The llguidance grammar for a constraint, checked (a bad schema or regex is a 400).
+    """The llguidance grammar for a constraint, checked (a bad schema or regex is a GrammarError).
 
     Compiling recurses on the calling thread's stack: call it only where a crash cannot
     take the engine down (`grammar_check`), or after such a call passed on a smaller stack."""
     if constraint.kind not in CONSTRAINTS:
-        raise BackendRequestError(f"the hf backend cannot enforce structured_outputs.{constraint.kind}")
+        raise GrammarError(f"the hf backend cannot enforce structured_outputs.{constraint.kind}")
     flexible: JsonCompileOptions = {"whitespace_flexible": not constraint.disable_any_whitespace}
     try:
         if constraint.json is not None:
@@ -69,10 +75,10 @@ def compile_grammar(constraint: StructuredOutputs) -> str:
             assert constraint.grammar is not None
             grammar = llguidance.grammar_from("grammar", constraint.grammar)
     except (ValueError, TypeError, RecursionError) as exc:
-        raise BackendRequestError(f"invalid structured_outputs.{constraint.kind}: {short_error(str(exc))}") from exc
+        raise GrammarError(f"invalid structured_outputs.{constraint.kind}: {short_error(str(exc))}") from exc
     error = llguidance.LLMatcher.validate_grammar(grammar)  # "" when it is valid
     if error:
-        raise BackendRequestError(f"invalid structured_outputs.{constraint.kind}: {short_error(error)}")
+        raise GrammarError(f"invalid structured_outputs.{constraint.kind}: {short_error(error)}")
     return grammar
 
 
