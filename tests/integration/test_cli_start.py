@@ -21,6 +21,10 @@ import yaml
 
 from tests.support.engine import engine_server
 
+# A long scenario (kills, crashes, hundreds of streams): kept out of the default suite, run
+# by CI's `-m slow` stage.
+SLOW = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 START_S = 120
 """Bound on a command that must fail at start (it loads no model: a few seconds)."""
@@ -181,6 +185,7 @@ async def _both_workers_answer(base: str, supervisor: subprocess.Popen[bytes]) -
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@SLOW
 async def test_workers_exit_when_their_supervisor_is_killed(tmp_path: Path, qwen3_tokenizer_dir: Path) -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

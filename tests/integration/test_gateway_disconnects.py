@@ -7,12 +7,17 @@ import random
 from pathlib import Path
 
 import aiohttp
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.config import EngineConfig
 from engine.state import ENGINE
 from onehop.serve import embedded
 from gateway.state import GATEWAY
+
+# A long scenario (kills, crashes, hundreds of streams): kept out of the default suite, run
+# by CI's `-m slow` stage.
+SLOW = pytest.mark.slow
 
 STREAMS = 200
 CONCURRENCY = 50
@@ -42,6 +47,7 @@ async def _cut_stream(session: aiohttp.ClientSession, url: str, rng: random.Rand
     response.close()
 
 
+@SLOW
 async def test_two_hundred_cut_streams_leave_no_engine_request(qwen3_tokenizer_dir: Path) -> None:
     engine = EngineConfig(backend="sim", model=str(qwen3_tokenizer_dir), served_model_name="sim", backend_options={"itl_ms": 2})
     async with embedded(engine, host="127.0.0.1", port=0, route="derender") as running:

@@ -20,12 +20,17 @@ from pathlib import Path
 
 import aiohttp
 import openai
+import pytest
 from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import Health
 from tests.support.engine import wait_healthy
 from tests.support.gateway import gateway_server
+
+# A long scenario (kills, crashes, hundreds of streams): kept out of the default suite, run
+# by CI's `-m slow` stage.
+SLOW = pytest.mark.slow
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me a long story."}]
 
@@ -71,6 +76,7 @@ def _circuits(text: str) -> dict[str, float]:
     return {}
 
 
+@SLOW
 async def test_engine_killed_mid_run_then_restarted(qwen3_tokenizer_dir: Path) -> None:
     # A generous check timeout: on a loaded machine a live engine must never look dead; the
     # killed one refuses connections at once, so detection does not wait for it.

@@ -22,10 +22,15 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from gateway.config import Timeouts
 from tests.support.engine import engine_server
 from tests.support.gateway import gateway_server
+
+# A long scenario (kills, crashes, hundreds of streams): kept out of the default suite, run
+# by CI's `-m slow` stage.
+SLOW = pytest.mark.slow
 
 ROUTES = ("derender", "text", "tokens")
 STREAMS = 150
@@ -160,6 +165,7 @@ def _request(n: int) -> bytes:
     ).encode()
 
 
+@SLOW
 async def test_many_sequential_slowly_read_streams_on_every_route_all_end_whole(qwen3_tokenizer_dir: Path) -> None:
     async with (
         engine_server(qwen3_tokenizer_dir, backend_options={"itl_ms": 1}) as (engine_url, _),

@@ -16,10 +16,15 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import aiohttp
+import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.engine import engine_server
+
+# A long scenario (kills, crashes, hundreds of streams): kept out of the default suite, run
+# by CI's `-m slow` stage.
+SLOW = pytest.mark.slow
 
 REQUESTS = 40
 CHAT = {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -158,6 +163,7 @@ async def _turn(base: str, previous: str | None) -> tuple[str, str | None]:
         return (await response.json())["id"], response.headers.get("onehop-worker")
 
 
+@SLOW
 async def test_a_conversation_crosses_workers_and_a_killed_worker_comes_back(
     qwen3_tokenizer_dir: Path, tmp_path: Path
 ) -> None:
@@ -194,6 +200,7 @@ async def test_a_conversation_crosses_workers_and_a_killed_worker_comes_back(
             assert await asyncio.to_thread(process.wait, 60) == 0
 
 
+@SLOW
 def test_workers_that_keep_dying_make_the_supervisor_give_up(qwen3_tokenizer_dir: Path, tmp_path: Path) -> None:
     """Workers that die at once for a reason other than their config (here: each exits 3 as
     its interpreter starts) end the supervisor with status 1 after a few restarts, rather

@@ -22,6 +22,10 @@ from gateway.config import Auth, ResponseStoreConfig
 from tests.support.engine import engine_server
 from tests.support.gateway import gateway_server
 
+# A long scenario (kills, crashes, hundreds of streams): kept out of the default suite, run
+# by CI's `-m slow` stage.
+SLOW = pytest.mark.slow
+
 KEYS = {"alpha": "key-alpha", "beta": "key-beta"}
 
 
@@ -138,6 +142,7 @@ async def test_one_tenants_answers_evict_its_own_not_anothers(qwen3_tokenizer_di
         assert 2 <= found.count(200) <= 5  # 100 KB of ~20 KB answers
 
 
+@SLOW
 async def test_the_store_holds_about_its_byte_bound(qwen3_tokenizer_dir: Path, tmp_path: Path) -> None:
     """Filled several times over with answers of varied size (some with logprobs, which as
     Python objects take several times their JSON), the process grows by little more than

@@ -25,8 +25,13 @@ from pathlib import Path
 from typing import Literal
 
 import aiohttp
+import pytest
 
 from tests.support.engine import wait_healthy
+
+# A long scenario (kills, crashes, hundreds of streams): kept out of the default suite, run
+# by CI's `-m slow` stage.
+SLOW = pytest.mark.slow
 
 TOKENS = 4096
 STEP_MS = 1  # the sim's pace: a 4k-token answer takes a few seconds, long enough to sample
@@ -142,6 +147,7 @@ async def _sample(streams: list[_Stream], engine: int, gateway: int, samples: _S
         await asyncio.sleep(0.05)
 
 
+@SLOW
 async def test_long_logprob_streams_keep_memory_flat(qwen3_tokenizer_dir: Path, tmp_path: Path) -> None:
     streams = [_Stream("derender"), _Stream("tokens")]
     samples = _Samples()
