@@ -411,6 +411,7 @@ async def test_health_models_capabilities_and_metrics(qwen3_tokenizer: Any, qwen
     assert gaps["tokens"] >= 1 and gaps["text"] >= 1
 
 
+@pytest.mark.slow  # loads the tiny model with torch; CI's `-m slow` stage runs it
 async def test_routes_agree_on_the_hf_backend(qwen3_tokenizer: Any, tiny_model_dir: Path, qwen3_vocab: Any, session: Any) -> None:
     """A real (tiny, random) model with seeded sampling: the three routes still give one answer."""
     prompt = render(qwen3_tokenizer)

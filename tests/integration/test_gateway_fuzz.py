@@ -9,11 +9,16 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.config import EngineConfig
 from onehop.serve import embedded
+
+# A long run (hundreds of generated bodies): kept out of the default suite, run by CI's
+# `-m slow` stage.
+pytestmark = pytest.mark.slow
 
 EXAMPLES = int(os.environ.get("ONEHOP_FUZZ_EXAMPLES", "120"))
 

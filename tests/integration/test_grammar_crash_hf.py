@@ -22,9 +22,9 @@ from tests.support.engine import engine_server, post_json
 from tests.support.gateway import gateway_server
 from tests.support.grammars import many_choices, ref_chain, rule_chain
 
-# A long scenario (kills, crashes, hundreds of streams): kept out of the default suite, run
-# by CI's `-m slow` stage.
-SLOW = pytest.mark.slow
+# A crashing grammar library and the tiny model loaded with torch: kept out of the default suite,
+# run by CI's `-m slow` stage.
+pytestmark = pytest.mark.slow
 
 HF = {"backend": "hf", "backend_options": {"threads": 1}}
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -83,7 +83,6 @@ async def test_crashing_constraints_through_every_api_are_400s_naming_the_bound(
         await _serves(session, base)
 
 
-@SLOW
 async def test_a_constraint_that_crashes_the_library_past_raised_bounds_leaves_the_engine_serving(
     tiny_model_dir: Path,
 ) -> None:
@@ -114,7 +113,6 @@ async def test_a_constraint_that_crashes_the_library_past_raised_bounds_leaves_t
         assert status == 400 and "\n" not in message and "backtrace" not in message and len(message) < 500, (status, message)
 
 
-@SLOW
 async def test_health_answers_while_a_large_allowed_grammar_compiles(tiny_model_dir: Path) -> None:
     """30,000 choices (allowed here) take seconds to compile; the engine's event loop is never
     held meanwhile: no wait between two `/health` answers comes near a tenth of that time.

@@ -17,6 +17,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+# The examples run against `onehop serve` started by its command line (torch and the tiny
+# model): kept out of the default suite, run by CI's `-m slow` stage.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 README_URL = "http://127.0.0.1:8000"
 START_S = 180

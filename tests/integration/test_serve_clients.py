@@ -8,10 +8,15 @@ from pathlib import Path
 
 import anthropic
 import openai
+import pytest
 from pydantic import BaseModel, Field
 
 from engine.config import EngineConfig
 from onehop.serve import embedded
+
+# Each test starts `onehop serve`, the tiny model loaded with torch: kept out of the default
+# suite, run by CI's `-m slow` stage.
+pytestmark = pytest.mark.slow
 
 
 class City(BaseModel):

@@ -14,11 +14,16 @@ from typing import Annotated, Any, Literal
 
 import aiohttp
 import openai
+import pytest
 from pydantic import BaseModel, Field
 
 from engine.config import EngineConfig
 from onehop.serve import embedded
 from tests.support.engine import engine_server, post_json
+
+# Each test loads the tiny model with torch: kept out of the default suite, run by CI's
+# `-m slow` stage.
+pytestmark = pytest.mark.slow
 
 Short = Annotated[str, Field(max_length=12)]
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
