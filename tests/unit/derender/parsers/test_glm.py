@@ -5,7 +5,7 @@ the GLM test template; it is streamed one token per chunk, in widths 2..8 and
 in random splits, and every folded answer must equal the non-streamed
 `response()`. Expected answers follow vLLM 0.32's `glm45`/`glm47` parsers
 except where vLLM loses text or writes invalid JSON (the module docstring of
-`engine.derender.parsers.glm`; tests/vllm/test_parity_glm.py has those cases
+`engine.derender.parsers.glm`; tests/vllm/parity_cases/glm.py has those cases
 against vLLM itself).
 
 The tokenizer is Qwen3's BPE with GLM's added tokens (`tests.support.glm_tokenizer`

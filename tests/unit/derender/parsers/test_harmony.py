@@ -5,7 +5,7 @@ folded stream must equal the non-streamed `response()` for every chunking
 (DERENDER_CASES' master test), and that answer must be the expected one. The
 expected answers are vLLM 0.32's (`parser/harmony.py` over
 `openai_harmony.StreamableParser`), checked against the real parser in
-`tests/vllm/test_parity_harmony.py`, except the named deviations listed
+`tests/vllm/parity_cases/harmony.py`, except the named deviations listed
 there. The tokenizer is the offline Qwen3 BPE with Harmony's seven markers
 added as specials; how it differs from gpt-oss's is written in
 `tests.support.harmony_tokenizer`.

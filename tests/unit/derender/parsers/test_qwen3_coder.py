@@ -5,7 +5,7 @@ streamed one token per chunk, in fixed widths 2..8 and in random splits, and
 every folded answer must equal the non-streamed `response()`. The expected
 answers follow vLLM 0.32's `qwen3_coder` except where it loses text or writes
 invalid JSON (see the module docstring of `engine.derender.parsers.qwen3_coder`
-and tests/vllm/test_parity_qwen3_coder.py for those cases against vLLM).
+and tests/vllm/parity_cases/qwen3_coder.py for those cases against vLLM).
 
 The tokenizer is the offline Qwen3 one (`qwen3_tokenizer` fixture), which is
 the tokenizer Qwen3-Coder ships. Qwen3.5 and later have a larger vocabulary:
