@@ -104,25 +104,7 @@ def _add_engine(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     engine.add_argument("--host", default="127.0.0.1", help="address to listen on")
     engine.add_argument("--port", type=int, default=8100, help="port to listen on")
     engine.add_argument("--tokens-only", action="store_true", help="load no tokenizer: tokens mode only")
-    engine.add_argument(
-        "--reasoning-parser", default="auto", help="vLLM reasoning parser name, auto (from the model folder) or none"
-    )
-    engine.add_argument(
-        "--tool-parser", default="auto", help="vLLM tool-call parser name, auto (from the model folder) or none"
-    )
-    engine.add_argument(
-        "--reasoning-field",
-        choices=["reasoning", "reasoning_content", "both"],
-        default="reasoning",
-        help="where answers carry reasoning",
-    )
-    engine.add_argument(
-        "--backend-option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a field of the backend's config (VALUE parsed as JSON when it can be), e.g. itl_ms=20",
-    )
+    _add_model_options(engine)
     # vLLM's flag names; unset (None) keeps EngineLimits' default, which the help repeats.
     engine.add_argument("--max-num-seqs", type=int, default=None, help="most choices (n) per request (default 256)")
     engine.add_argument(
@@ -132,6 +114,29 @@ def _add_engine(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="most logprobs per token, -1 for the whole vocabulary (default 20)",
     )
     engine.set_defaults(func=_run_engine)
+
+
+def _add_model_options(command: argparse.ArgumentParser) -> None:
+    """The options `engine` and `serve` share: the model's parsers and the backend's config."""
+    command.add_argument(
+        "--reasoning-parser", default="auto", help="vLLM reasoning parser name, auto (from the model folder) or none"
+    )
+    command.add_argument(
+        "--tool-parser", default="auto", help="vLLM tool-call parser name, auto (from the model folder) or none"
+    )
+    command.add_argument(
+        "--reasoning-field",
+        choices=["reasoning", "reasoning_content", "both"],
+        default="reasoning",
+        help="where answers carry reasoning: vLLM's `reasoning` (default), the older `reasoning_content`, or both",
+    )
+    command.add_argument(
+        "--backend-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a field of the backend's config (VALUE parsed as JSON when it can be), e.g. itl_ms=20",
+    )
 
 
 def _backend_options(pairs: Sequence[str]) -> dict[str, object]:
@@ -220,25 +225,7 @@ def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="another model name clients may send, or a glob pattern of names"
         " (repeatable, e.g. 'claude-*'; default: none)",
     )
-    serve.add_argument(
-        "--reasoning-parser", default="auto", help="vLLM reasoning parser name, auto (from the model folder) or none"
-    )
-    serve.add_argument(
-        "--tool-parser", default="auto", help="vLLM tool-call parser name, auto (from the model folder) or none"
-    )
-    serve.add_argument(
-        "--reasoning-field",
-        choices=["reasoning", "reasoning_content", "both"],
-        default="reasoning",
-        help="where answers carry reasoning: vLLM's `reasoning` (default), the older `reasoning_content`, or both",
-    )
-    serve.add_argument(
-        "--backend-option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a field of the backend's config (VALUE parsed as JSON when it can be), e.g. itl_ms=20",
-    )
+    _add_model_options(serve)
     serve.set_defaults(func=_run_serve)
 
 
