@@ -36,20 +36,19 @@ from gateway.errors import (
     ERROR_BODIES,
     ErrorBody,
     ERROR_KEY,
-    REQUEST_ID_KEY,
     Handler,
     RouteNotFound,
     gateway_error_middleware,
     status_error_json,
 )
 from gateway.feedback import EngineFeedback
-from gateway.observe import GONE_KEY, MODEL_KEY, OPERATIONS, SPAN_KEY, STARTED_KEY, TALLY_KEY, describe_outcome
+from gateway.context import SPAN_KEY, STARTED_KEY, TALLY_KEY
+from gateway.observe import OPERATIONS, describe_outcome
 from gateway.outcome import CLIENT_GONE, Outcome, Tally
 from gateway.memory import release_freed_memory
 from gateway.lookups import handle_count_tokens, handle_delete_response, handle_get_response, handle_input_tokens
 from gateway.messages import error_body as messages_error_body
 from gateway.pipeline import handle_chat, handle_completion, handle_messages, handle_responses
-from gateway.routing import REASON_KEY, ROUTE_KEY
 from gateway.shared_responses import response_store
 from gateway.runtime import ModelRuntime
 from gateway.metrics import GatewayMetrics
@@ -228,7 +227,7 @@ async def observe_middleware(request: web.Request, handler: Handler) -> web.Stre
     state = request.app[GATEWAY]
     operation = OPERATIONS[endpoint]
     request[STARTED_KEY] = started = time.perf_counter()
-    request[TALLY_KEY] = Tally()
+    request[TALLY_KEY] = tally = Tally()
     state.metrics.in_flight.labels(endpoint).inc()
     status = CLIENT_GONE
     with state.tracing.tracer.start_as_current_span(
@@ -249,7 +248,7 @@ async def observe_middleware(request: web.Request, handler: Handler) -> web.Stre
             )
         try:
             response = await handler(request)
-            if not request.get(GONE_KEY):  # one that left mid-stream did not get the 200 it was sent
+            if not tally.client_gone:  # one that left mid-stream did not get the 200 it was sent
                 status = response.status
             return response
         finally:
@@ -260,11 +259,11 @@ async def observe_middleware(request: web.Request, handler: Handler) -> web.Stre
 def _outcome(request: web.Request, endpoint: str, status: int, duration_s: float, span: Span) -> Outcome:
     answered = request[TALLY_KEY]
     return Outcome(
-        request_id=request.get(REQUEST_ID_KEY),
+        request_id=answered.request_id,
         endpoint=endpoint,
-        model=request.get(MODEL_KEY),
+        model=answered.model,
         tenant=request.get(TENANT_KEY),
-        route=request.get(ROUTE_KEY, "none"),
+        route=answered.route or "none",
         status=status,
         error=request.get(ERROR_KEY),
         finish_reasons=answered.finish_reasons,
@@ -275,13 +274,14 @@ def _outcome(request: web.Request, endpoint: str, status: int, duration_s: float
 
 
 async def _answer_headers(request: web.Request, response: web.StreamResponse) -> None:
-    rid = request.get(REQUEST_ID_KEY)
-    if rid is not None:
-        response.headers[REQUEST_ID_HEADER] = rid
-    route = request.get(ROUTE_KEY)
-    if route is not None:
-        response.headers[ROUTE_RESPONSE_HEADER] = route
-    reason = request.get(REASON_KEY)
+    tally = request.get(TALLY_KEY)
+    if tally is None:
+        return
+    if tally.request_id is not None:
+        response.headers[REQUEST_ID_HEADER] = tally.request_id
+    if tally.route is not None:
+        response.headers[ROUTE_RESPONSE_HEADER] = tally.route
+    reason = tally.reason
     if reason is not None and request.app[GATEWAY].config.policy_header:
         response.headers[POLICY_RESPONSE_HEADER] = ascii_header(reason)
 

@@ -15,8 +15,6 @@ from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar
 
 import msgspec
-from aiohttp import web
-
 from engine.derender.chat import ChatDerender, ChatOptions, forced_tool_prefix
 from engine.derender.completion import CompletionDerender, CompletionOptions
 from engine.derender.parsers import bind_parsers
@@ -31,8 +29,8 @@ from engine.openai_schema import (
     CompletionRequest,
 )
 from gateway import remote
-from gateway.auth import TENANT_KEY, owner
 from gateway.config import Limits, Route
+from gateway.context import Edge, RequestContext
 from gateway.engine_request import chat_sampling, completion_sampling, constraint_kind
 from gateway.errors import InvalidRequest
 from gateway.policy import RequestFeatures
@@ -45,7 +43,7 @@ from gateway.responses import ResponsesPresenter, ResponsesRequest, forced_custo
 from gateway.responses import decode_request as decode_responses_request
 from gateway.responses import to_chat as responses_to_chat
 from gateway.runtime import ModelRuntime
-from gateway.state import GATEWAY, GatewayState
+from gateway.state import GatewayState
 from gateway.translate import Presenter, Turn, turn
 from gateway.unknown_fields import Decoded
 from gateway.validate import (
@@ -108,13 +106,13 @@ class Endpoint(Protocol[R]):
     chunk_decoder: msgspec.json.Decoder[Any]
     answer_decoder: msgspec.json.Decoder[Any]
 
-    def decode(self, body: bytes, http: web.Request) -> R: ...
+    def decode(self, body: bytes, edge: Edge, state: GatewayState) -> R: ...
 
     def forwarded(self, request: R, body: bytes) -> bytes:
         """The body engines and vLLM's services see: the client's, or the chat request it runs as."""
         ...
 
-    def presenter(self, http: web.Request, request: R) -> Presenter[Any] | None:
+    def presenter(self, request: R, edge: Edge, state: GatewayState) -> Presenter[Any] | None:
         """None: the answer is the chat or completion objects themselves; else what presents
         them in this API's shape."""
         ...
@@ -134,9 +132,9 @@ class Endpoint(Protocol[R]):
     async def render(self, model: ModelRuntime, request: R, body: bytes) -> list[list[int]]: ...
 
     def features(
-        self, request: R, model: str, prompts: list[list[int]], http: web.Request, sampling: dict[str, Any]
+        self, request: R, ctx: RequestContext, prompts: list[list[int]], sampling: dict[str, Any]
     ) -> RequestFeatures:
-        """What the policy looks at; `model` is the served name (an alias resolved)."""
+        """What the policy looks at (the model by its served name: an alias resolved)."""
         ...
 
     def sampling(self, request: R) -> dict[str, Any]:
@@ -189,8 +187,8 @@ class _Prompt(msgspec.Struct):
     prompt: msgspec.Raw = msgspec.Raw(b'""')
 
 
-def _headers(http: web.Request) -> dict[str, str]:
-    return {k.lower(): v for k, v in http.headers.items()}
+def _headers(ctx: Edge) -> dict[str, str]:
+    return {k.lower(): v for k, v in ctx.headers.items()}
 
 
 class Chat:
@@ -199,14 +197,14 @@ class Chat:
     chunk_decoder = CHAT_COMPLETION_CHUNK_DECODER
     answer_decoder = CHAT_COMPLETION_DECODER
 
-    def decode(self, body: bytes, http: web.Request) -> ChatCompletionRequest:
+    def decode(self, body: bytes, edge: Edge, state: GatewayState) -> ChatCompletionRequest:
         request: ChatCompletionRequest = decode(CHAT_COMPLETION_REQUEST_DECODER, body, "chat completion")
         return request
 
     def forwarded(self, request: ChatCompletionRequest, body: bytes) -> bytes:
         return body
 
-    def presenter(self, http: web.Request, request: ChatCompletionRequest) -> None:
+    def presenter(self, request: ChatCompletionRequest, edge: Edge, state: GatewayState) -> None:
         return None
 
     def check(self, request: ChatCompletionRequest, limits: Limits) -> None:
@@ -238,17 +236,12 @@ class Chat:
         return [rendered.token_ids + suffix]
 
     def features(
-        self,
-        request: ChatCompletionRequest,
-        model: str,
-        prompts: list[list[int]],
-        http: web.Request,
-        sampling: dict[str, Any],
+        self, request: ChatCompletionRequest, ctx: RequestContext, prompts: list[list[int]], sampling: dict[str, Any]
     ) -> RequestFeatures:
         kwargs = request.chat_template_kwargs or {}
         return RequestFeatures(
             endpoint="chat",
-            model=model,
+            model=ctx.model.name,
             stream=bool(request.stream),
             logprobs=bool(request.logprobs),
             top_logprobs=request.top_logprobs or 0,
@@ -258,8 +251,8 @@ class Chat:
             tools=bool(request.tools),
             forced_tool=bool(request.tools) and request.effective_tool_choice() not in (None, "none", "auto"),
             reasoning=bool(kwargs.get("enable_thinking", True)),
-            headers=_headers(http),
-            tenant=http.get(TENANT_KEY),
+            headers=_headers(ctx),
+            tenant=ctx.tenant,
             constraint=constraint_kind(sampling),
         )
 
@@ -310,14 +303,14 @@ class Completions:
     chunk_decoder = COMPLETION_CHUNK_DECODER
     answer_decoder = COMPLETION_DECODER
 
-    def decode(self, body: bytes, http: web.Request) -> CompletionRequest:
+    def decode(self, body: bytes, edge: Edge, state: GatewayState) -> CompletionRequest:
         request: CompletionRequest = decode(COMPLETION_REQUEST_DECODER, body, "completion")
         return request
 
     def forwarded(self, request: CompletionRequest, body: bytes) -> bytes:
         return body
 
-    def presenter(self, http: web.Request, request: CompletionRequest) -> None:
+    def presenter(self, request: CompletionRequest, edge: Edge, state: GatewayState) -> None:
         return None
 
     def check(self, request: CompletionRequest, limits: Limits) -> None:
@@ -346,24 +339,19 @@ class Completions:
         return [item.token_ids for item in rendered]
 
     def features(
-        self,
-        request: CompletionRequest,
-        model: str,
-        prompts: list[list[int]],
-        http: web.Request,
-        sampling: dict[str, Any],
+        self, request: CompletionRequest, ctx: RequestContext, prompts: list[list[int]], sampling: dict[str, Any]
     ) -> RequestFeatures:
         return RequestFeatures(
             endpoint="completions",
-            model=model,
+            model=ctx.model.name,
             stream=bool(request.stream),
             logprobs=request.logprobs is not None,
             top_logprobs=request.logprobs or 0,
             n=(request.n or 1) * len(prompts),
             max_tokens=request.max_tokens,
             prompt_tokens=sum(len(p) for p in prompts),
-            headers=_headers(http),
-            tenant=http.get(TENANT_KEY),
+            headers=_headers(ctx),
+            tenant=ctx.tenant,
             constraint=constraint_kind(sampling),
         )
 
@@ -435,9 +423,9 @@ class TranslatedChat(Generic[F]):
         return await CHAT.render(model, request.chat, request.chat_body)
 
     def features(
-        self, request: Turn[F], model: str, prompts: list[list[int]], http: web.Request, sampling: dict[str, Any]
+        self, request: Turn[F], ctx: RequestContext, prompts: list[list[int]], sampling: dict[str, Any]
     ) -> RequestFeatures:
-        return CHAT.features(request.chat, model, prompts, http, sampling)  # a chat, to the policy
+        return CHAT.features(request.chat, ctx, prompts, sampling)  # a chat, to the policy
 
     def sampling(self, request: Turn[F]) -> dict[str, Any]:
         return CHAT.sampling(request.chat)
@@ -464,11 +452,11 @@ class Responses(TranslatedChat[ResponsesRequest]):
     name = "responses"
     id_prefix = "resp_"
 
-    def decode(self, body: bytes, http: web.Request) -> Turn[ResponsesRequest]:
-        request = tolerated(decode_responses_request, self.name, body, http)
+    def decode(self, body: bytes, edge: Edge, state: GatewayState) -> Turn[ResponsesRequest]:
+        request = tolerated(decode_responses_request, self.name, body, state)
         history: list[Any] = []
         if request.previous_response_id is not None:
-            stored = http.app[GATEWAY].responses.get(owner(http), request.previous_response_id)
+            stored = state.responses.get(edge.owner, request.previous_response_id)
             if stored is None:
                 raise InvalidRequest(  # OpenAI's answer, a 400; another tenant's id gets it too
                     f"Previous response with id '{request.previous_response_id}' not found.",
@@ -476,15 +464,14 @@ class Responses(TranslatedChat[ResponsesRequest]):
                     code="previous_response_not_found",
                 )
             history = stored.conversation
-        state = http.app[GATEWAY]
-        policy = ToolPolicy(state.config.agents.hosted_tools, state.config.limits.grammar, _enforced(http, request))
+        policy = ToolPolicy(state.config.agents.hosted_tools, state.config.limits.grammar, _enforced(state, request))
         chat = responses_to_chat(request, history, policy)
         for kind in hosted_types(request.tools):  # left out: `refuse` raised above
             state.metrics.dropped_tools.labels(self.name, kind).inc()
         return turn(request, chat)
 
-    def presenter(self, http: web.Request, request: Turn[ResponsesRequest]) -> ResponsesPresenter:
-        return ResponsesPresenter(http.app[GATEWAY].responses, owner(http))
+    def presenter(self, request: Turn[ResponsesRequest], edge: Edge, state: GatewayState) -> ResponsesPresenter:
+        return ResponsesPresenter(state.responses, edge.owner)
 
 
 class Messages(TranslatedChat[MessagesRequest]):
@@ -493,21 +480,16 @@ class Messages(TranslatedChat[MessagesRequest]):
     name = "messages"
     id_prefix = "msg_"
 
-    def decode(self, body: bytes, http: web.Request) -> Turn[MessagesRequest]:
-        request = tolerated(decode_messages_request, self.name, body, http)
-        state = http.app[GATEWAY]
+    def decode(self, body: bytes, edge: Edge, state: GatewayState) -> Turn[MessagesRequest]:
+        request = tolerated(decode_messages_request, self.name, body, state)
         translated = translate_messages(request, state.config.agents)
         count_left_out(state, self.name, translated.dropped_tools, translated.ignored_edits)
-        if translated.applied is not None:
-            http[CONTEXT_EDITS_KEY] = translated.applied
-        return turn(request, translated.chat)
+        return turn(request, translated.chat, report=translated.applied)
 
-    def presenter(self, http: web.Request, request: Turn[MessagesRequest]) -> MessagesPresenter:
-        return MessagesPresenter(http.get(CONTEXT_EDITS_KEY))
-
-
-CONTEXT_EDITS_KEY = web.RequestKey("onehop_context_edits", ContextManagementResponse)
-"""What a Messages request's `context_management` edits did, for its answer."""
+    def presenter(self, request: Turn[MessagesRequest], edge: Edge, state: GatewayState) -> MessagesPresenter:
+        applied = request.report
+        assert applied is None or isinstance(applied, ContextManagementResponse)  # `decode` put it there
+        return MessagesPresenter(applied)
 
 
 def count_left_out(
@@ -520,17 +502,16 @@ def count_left_out(
         state.metrics.context_edits_ignored.labels(state.ignored_edits.label(kind)).inc()
 
 
-def _enforced(http: web.Request, request: ResponsesRequest) -> frozenset[str]:
+def _enforced(state: GatewayState, request: ResponsesRequest) -> frozenset[str]:
     """The grammar kinds the model's engines enforce, asked only when a custom tool is forced."""
     if not forced_custom(request):
         return frozenset()
-    engines = http.app[GATEWAY].model(request.model).engines
+    engines = state.model(request.model).engines
     return frozenset(kind for kind in GRAMMAR_KINDS.values() if engines.enforces(kind))
 
 
-def tolerated(decode: Callable[..., Decoded[R]], endpoint: str, body: bytes, http: web.Request) -> R:
+def tolerated(decode: Callable[..., Decoded[R]], endpoint: str, body: bytes, state: GatewayState) -> R:
     """The request, unknown top-level fields ignored (and counted) or refused as the config says."""
-    state = http.app[GATEWAY]
     decoded = decode(body, ignore_unknown=state.config.agents.unknown_fields == "ignore")
     if decoded.ignored:
         state.ignored_fields.record(endpoint, decoded.ignored, state.metrics.ignored_fields)

@@ -29,7 +29,7 @@ and as client libraries match on (`context_length_exceeded`, `model_not_found`,
 `gateway_error_middleware` maps every raised exception to one of these;
 engine 4xx answers are passed on with the engine's message. After the first
 byte of a stream, errors travel in-band (an error event, then `[DONE]`;
-`gateway.relay.respond_stream`).
+`gateway.responder.Responder.stream`).
 """
 
 from __future__ import annotations

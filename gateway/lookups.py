@@ -10,6 +10,7 @@ from aiohttp import web
 
 from gateway.auth import owner
 from engine.openai_schema import ChatCompletionRequest
+from gateway.context import Edge
 from gateway.endpoints import CHAT, RESPONSES, tolerated
 from gateway.errors import NotFound
 from gateway.messages import count_tokens_to_chat, decode_count_tokens_request
@@ -61,15 +62,16 @@ async def handle_delete_response(http: web.Request) -> web.Response:
 async def handle_count_tokens(http: web.Request) -> web.Response:
     state = http.app[GATEWAY]
     body = await read_body(http, state.config.timeouts.client_body_s)
-    chat = count_tokens_to_chat(tolerated(decode_count_tokens_request, "messages", body, http), state.config.agents)
+    chat = count_tokens_to_chat(tolerated(decode_count_tokens_request, "messages", body, state), state.config.agents)
     return _json(TokenCount(input_tokens=await _prompt_tokens(http, chat)))
 
 
 async def handle_input_tokens(http: web.Request) -> web.Response:
     """A Responses request's prompt (its stored conversation included), as `responses.create`
     would render it; only the fields that shape the prompt matter."""
-    body = await read_body(http, http.app[GATEWAY].config.timeouts.client_body_s)
-    chat = RESPONSES.decode(body, http).chat
+    state = http.app[GATEWAY]
+    body = await read_body(http, state.config.timeouts.client_body_s)
+    chat = RESPONSES.decode(body, Edge.of(http, RESPONSES.name, request_id=""), state).chat
     return _json(InputTokens(input_tokens=await _prompt_tokens(http, chat)))
 
 

@@ -19,26 +19,17 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from aiohttp import web
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from engine.telemetry import record_error
-from gateway.metrics import LocalHistogram
+from gateway.context import Edge
+from gateway.metrics import GatewayMetrics, LocalHistogram
 from gateway.outcome import Outcome, Tally, Tokens
-from gateway.state import GATEWAY, GatewayState
+from gateway.state import GatewayState
 
 OPERATIONS = {"chat": "chat", "completions": "text_completion", "responses": "chat", "messages": "chat"}
 """gen_ai.operation.name of each endpoint."""
-SPAN_KEY = web.RequestKey("onehop_span", Span)
-MODEL_KEY = web.RequestKey("onehop_model", str)
-"""The served model's name, once the request named a known one (a bounded metrics label)."""
-STARTED_KEY = web.RequestKey("onehop_started", float)
-"""perf_counter() at the request's arrival, for time to first token."""
-GONE_KEY = web.RequestKey("onehop_client_gone", bool)
-"""The client left mid-answer (counted as a 499 and a disconnect, not as the status it was sent)."""
-TALLY_KEY = web.RequestKey("onehop_tally", Tally)
-"""What the client was answered, for the request's outcome event."""
 
 
 @contextmanager
@@ -98,14 +89,6 @@ def describe_request(
     span.set_attributes(attributes)
 
 
-def tally(http: web.Request) -> Tally:
-    """The request's tally, where the responder records what the client was answered."""
-    found = http.get(TALLY_KEY)
-    if found is None:  # a request the observe middleware did not see (no outcome is emitted)
-        found = http[TALLY_KEY] = Tally()
-    return found
-
-
 def describe_outcome(outcome: Outcome) -> None:
     """The outcome on the request's server span: GenAI usage and finish reasons, route, status."""
     span = outcome.span
@@ -131,10 +114,10 @@ def describe_outcome(outcome: Outcome) -> None:
     span.set_attributes(attributes)
 
 
-def record_derender(http: web.Request, derender: Any) -> None:
+def record_derender(tally: Tally, derender: Any) -> None:
     """The outcome of the gateway's own derender (text and token routes): what the client saw."""
     reasons = [choice.finish_reason for choice in derender.choices]
-    tally(http).record(reasons, Tokens.of_usage(derender.usage()))
+    tally.record(reasons, Tokens.of_usage(derender.usage()))
 
 
 class StreamTimer:
@@ -146,10 +129,9 @@ class StreamTimer:
 
     __slots__ = ("_first", "_gaps", "_itl", "_last", "_span", "_started", "_ttft")
 
-    def __init__(self, http: web.Request, route: str) -> None:
-        metrics = http.app[GATEWAY].metrics
-        self._started = http.get(STARTED_KEY, time.perf_counter())
-        self._span = http.get(SPAN_KEY)
+    def __init__(self, ctx: Edge, metrics: GatewayMetrics, route: str) -> None:
+        self._started = ctx.started
+        self._span = ctx.span
         self._ttft = metrics.time_to_first_token.labels(route)
         self._itl = metrics.inter_token_latency.labels(route)
         self._gaps = LocalHistogram.like(self._itl)
@@ -161,7 +143,7 @@ class StreamTimer:
         if self._first:
             self._first = False
             self._ttft.observe(now - self._started)
-            if self._span is not None and self._span.is_recording():
+            if self._span.is_recording():
                 self._span.set_attribute("onehop.time_to_first_token_s", now - self._started)
         else:
             self._gaps.observe(now - self._last)
@@ -191,26 +173,26 @@ class DerenderWork:
         "_countdown",
         "_first",
         "_first_s",
-        "_http",
         "_mark",
+        "_metrics",
         "_route",
         "_sampled",
         "_sampled_s",
         "_span",
+        "_tally",
         "_untimed",
     )
 
-    def __init__(self, http: web.Request, route: str) -> None:
-        self._http = http
+    def __init__(self, ctx: Edge, state: GatewayState, route: str) -> None:
+        self._metrics = state.metrics
+        self._tally = ctx.tally
         self._route = route
         self._first = True
         self._first_s = self._sampled_s = self._mark = 0.0
         self._sampled = self._untimed = self._countdown = 0
-        parent = http.get(SPAN_KEY)
         self._span: Span | None = None
-        if parent is not None and parent.is_recording():
-            tracer = http.app[GATEWAY].tracing.tracer
-            self._span = tracer.start_span("derender", context=trace.set_span_in_context(parent))
+        if ctx.span.is_recording():
+            self._span = state.tracing.tracer.start_span("derender", context=trace.set_span_in_context(ctx.span))
 
     def begin(self) -> bool:
         """A read's derender starts; True when it is timed (`end()` then follows it)."""
@@ -244,12 +226,12 @@ class DerenderWork:
 
     def finish(self, derender: Any | None) -> None:
         """Record the work; `derender` (when one object saw the whole answer) describes the outcome."""
-        metrics = self._http.app[GATEWAY].metrics
+        metrics = self._metrics
         cpu_s = self.cpu_s
         metrics.derender_cpu.labels(self._route).inc(cpu_s)
         metrics.stage_seconds.labels("derender").observe(cpu_s)
         if derender is not None:
-            record_derender(self._http, derender)
+            record_derender(self._tally, derender)
         if self._span is not None:
             self._span.set_attributes(
                 {"onehop.route": self._route, "onehop.derender.cpu_s": cpu_s, "onehop.derender.chunks": self.chunks}

@@ -56,15 +56,24 @@ class Tokens(msgspec.Struct, frozen=True):
 
 
 class Tally:
-    """What one request's answer held so far; the responder writes it, the middleware reads it.
+    """What one request became so far; the pipeline writes it, the observe middleware reads it.
 
-    A later `record` replaces an earlier one: each is the whole answer's account (a fan-out
-    records its merged sum, not its legs).
+    Its id, model and route as they are settled, the client leaving, and the answer's
+    account: a later `record` replaces an earlier one, each being the whole answer's (a
+    fan-out records its merged sum, not its legs).
     """
 
-    __slots__ = ("finish_reasons", "tokens")
+    __slots__ = ("client_gone", "finish_reasons", "model", "reason", "request_id", "route", "tokens")
 
     def __init__(self) -> None:
+        self.request_id: str | None = None
+        self.model: str | None = None
+        """The served model's name, once the request named a known one (a bounded metrics label)."""
+        self.route: str | None = None
+        self.reason: str | None = None
+        """Why the policy (or the override header) chose the route."""
+        self.client_gone = False
+        """The client left mid-answer (counted as a 499 and a disconnect, not as the status it was sent)."""
         self.finish_reasons: tuple[str | None, ...] = ()
         self.tokens: Tokens | None = None
 

@@ -7,8 +7,11 @@
 Each endpoint is an adapter (`gateway.endpoints`) for the steps that differ;
 everything else happens here, once: the fan-out of several prompts (bounded,
 at the client's pace), aborts for a client that leaves, tracing. Retries
-before the first byte live in `EngineClient.open`; answers go out through
-`gateway.relay`'s responder.
+before the first byte live in `EngineClient.open`; each route's answer is made
+by its object (`gateway.routes`) and goes out through `gateway.responder`.
+
+The aiohttp request is read only here, at the edge (`serve`): every step after
+takes the request's context (`gateway.context`).
 
 A client that leaves cancels the handler: the engine streams are closed by
 their `async with`, and an abort goes to every engine that holds one of the
@@ -22,9 +25,8 @@ import asyncio
 import secrets
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from contextlib import aclosing, asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import msgspec
@@ -34,9 +36,9 @@ from msgspec import UNSET
 from engine.openai_schema import Usage
 from engine.protocol import ABORT_HANDLE_SEPARATOR
 from gateway import vllm_derender
+from gateway.context import Edge, RequestContext
 from gateway.disagg import prefill
 from gateway.endpoints import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Answer, Endpoint
-from gateway.engine_client import Target
 from gateway.engine_request import generate_body
 from gateway.engine_stream import EngineAnswer
 from gateway.errors import (
@@ -47,36 +49,13 @@ from gateway.errors import (
     RequestTimeout,
     UnsupportedMediaType,
 )
-from gateway.observe import (
-    GONE_KEY,
-    MODEL_KEY,
-    SPAN_KEY,
-    DerenderWork,
-    describe_model,
-    describe_request,
-    measured,
-    tally,
-)
+from gateway.observe import DerenderWork, describe_model, describe_request, measured
 from gateway.outcome import Tokens
-from gateway.relay import (
-    derender_answer,
-    derendered,
-    derendered_stream,
-    encoded,
-    read_answer,
-    relay_json,
-    relay_stream,
-    relayed_answer,
-    relayed_chunks,
-    remote_chunks,
-    remote_json,
-    remote_stream,
-    remote_whole,
-    respond_stream,
-)
+from gateway.relay import encoded
+from gateway.responder import Responder
+from gateway.routes import EngineRoute, Leg, Parsed, Relayed, Remote, Upstream, VllmForm
 from gateway.routing import choose_route
 from gateway.session import session_key
-from gateway.runtime import ModelRuntime
 from gateway.state import GATEWAY, GatewayState
 from gateway.translate import Presented
 from gateway.validate import check_buffered_answer, check_context, check_text_size, check_token_ids
@@ -102,21 +81,36 @@ async def handle_messages(http: web.Request) -> web.StreamResponse:
 
 
 async def serve(http: web.Request, endpoint: Endpoint[Any]) -> web.StreamResponse:
+    """The edge: the aiohttp request becomes a context; everything after works on the context."""
     state = http.app[GATEWAY]
     http[REQUEST_ID_KEY] = response_id = f"{endpoint.id_prefix}{uuid.uuid4().hex}"
+    edge = Edge.of(http, endpoint.name, response_id)
+    edge.tally.request_id = response_id
     body = await read_body(http, state.config.timeouts.client_body_s)
-    request = endpoint.decode(body, http)
-    server = http[SPAN_KEY]
+    request = endpoint.decode(body, edge, state)
+    ctx, sampling = checked(state, edge, endpoint, request, body)
+    async with state.admitted():
+        prompts, ctx = await prepare(state, ctx, endpoint, request, body, sampling)
+        exchange = Exchange(http, state, ctx, endpoint, request, endpoint.forwarded(request, body), prompts, sampling)
+        return await exchange.guarded()
+
+
+def checked(
+    state: GatewayState, edge: Edge, endpoint: Endpoint[Any], request: Any, body: bytes
+) -> tuple[RequestContext, dict[str, Any]]:
+    """The checks that cost little, before an admission slot is taken: the request's context
+    and its engine sampling parameters."""
+    server = edge.span
     describe_model(server, endpoint.name, request.model)
-    session = session_key(http, request)
+    session = session_key(edge.headers, request)
     if session is not None:
         server.set_attribute("session.id", session)
     endpoint.check(request, state.config.limits)
-    sampling = endpoint.sampling(request)
     model = state.model(request.model)
+    ctx = RequestContext.decoded(edge, model, request.model, session)
+    sampling = endpoint.sampling(request)
     check_token_ids(sampling, model.vocab.size)
     check_text_size(endpoint.text_chars(request), model.engines.max_model_len(), model.max_chars_per_token)
-    http[MODEL_KEY] = model.name
     described = endpoint.describe(request)
     if not described.stream:
         check_buffered_answer(
@@ -131,21 +125,28 @@ async def serve(http: web.Request, endpoint: Endpoint[Any]) -> web.StreamRespons
         server, max_tokens=described.max_tokens, temperature=described.temperature, top_p=described.top_p,
         n=described.n, seed=described.seed, stream=described.stream,
     )
-    server.set_attribute("gen_ai.response.id", response_id)
+    server.set_attribute("gen_ai.response.id", ctx.request_id)
     if state.tracing.record_content and server.is_recording():
         server.set_attribute("gen_ai.input.messages", endpoint.content(body))
-    async with state.admitted():
-        with measured(state, "render", server) as span:
-            prompts = await endpoint.render(model, request, body)
-            span.set_attribute("onehop.prompt_tokens", sum(len(p) for p in prompts))
-        check_context(prompts, model.engines.max_model_len())
-        features = endpoint.features(request, model.name, prompts, http, sampling)
-        target = await choose_route(state, model, http, features, prompts[0])
-        forwarded = endpoint.forwarded(request, body)
-        exchange = Exchange(
-            http, state, model, endpoint, request, forwarded, prompts, sampling, target, response_id, session
-        )
-        return await guard_disconnect(http, state, model, exchange.legs, exchange.run)
+    return ctx, sampling
+
+
+async def prepare(
+    state: GatewayState,
+    ctx: RequestContext,
+    endpoint: Endpoint[Any],
+    request: Any,
+    body: bytes,
+    sampling: dict[str, Any],
+) -> tuple[list[list[int]], RequestContext]:
+    """Render once, then route: the prompts and the routed context."""
+    model = ctx.model
+    with measured(state, "render", ctx.span) as span:
+        prompts = await endpoint.render(model, request, body)
+        span.set_attribute("onehop.prompt_tokens", sum(len(p) for p in prompts))
+    check_context(prompts, model.engines.max_model_len())
+    features = endpoint.features(request, ctx, prompts, sampling)
+    return prompts, await choose_route(state, ctx, features, prompts[0])
 
 
 JSON_TYPE = "application/json"
@@ -181,106 +182,96 @@ def with_abort_handle(request_id: str) -> str:
     return f"{request_id}{ABORT_HANDLE_SEPARATOR}{secrets.token_hex(16)}"
 
 
-@dataclass
-class Leg:
-    """One engine request: one prompt's generation (all its `n` choices)."""
-
-    index: int
-    request_id: str
-    """The engine request's id: the answer's id, then `#` and an abort handle drawn here
-    (`engine.protocol.ABORT_HANDLE_SEPARATOR`): only the whole id aborts it, and the gateway
-    logs only the answer's id, so whoever reads the logs or the answer cannot."""
-    prompt: list[int]
-    sent_to: str
-    """The engine that holds the generation (after any retries): aborts go there."""
-    prefilled_on: list[str] = field(default_factory=list)
-    """The prefill engine, when disaggregated: aborts go there too."""
-    kv: dict[str, Any] | None = None
-
-    def engines(self) -> list[str]:
-        return [self.sent_to, *self.prefilled_on]
-
-
-async def guard_disconnect(
-    http: web.Request,
-    state: GatewayState,
-    model: ModelRuntime,
-    legs: Sequence[Leg],
-    work: Callable[[], Awaitable[web.StreamResponse]],
-) -> web.StreamResponse:
-    """Run `work`; if the client leaves mid-way, abort every leg's engine requests too."""
-    try:
-        return await work()
-    except asyncio.CancelledError:
-        _abort(state, model, legs)
-        raise
-    except ClientGone as gone:  # it left between two writes, before its cancellation arrived
-        _abort(state, model, legs)
-        http[GONE_KEY] = True
-        http[SPAN_KEY].set_attribute("onehop.client_disconnected", True)
-        return gone.response
-
-
-def _abort(state: GatewayState, model: ModelRuntime, legs: Sequence[Leg]) -> None:
-    for leg in legs:
-        for url in leg.engines():
-            state.abort(model.engines, url, leg.request_id)
-
-
 class Exchange:
-    """The engine side of one client request, on the route the policy chose."""
+    """The engine side of one client request, on its route: its legs (one engine request per
+    prompt), the route object that turns each leg's answer into the client's, and the shape of
+    the answer: one leg as the route makes it, several merged, or presented in another API's shape."""
 
     def __init__(
         self,
         http: web.Request,
         state: GatewayState,
-        model: ModelRuntime,
+        ctx: RequestContext,
         endpoint: Endpoint[Any],
         request: Any,
         body: bytes,
         prompts: list[list[int]],
         sampling: dict[str, Any],
-        target: Target,
-        response_id: str,
-        session: str | None = None,
     ) -> None:
-        self.http = http
-        self.session = session
-        self.state = state
-        self.endpoint = endpoint
-        self.request = request
-        self.body = body
+        target = ctx.routed
+        if target.route == "tokens-remote" and len(prompts) > 1:
+            raise InvalidRequest("the tokens-remote route serves one prompt per request", param="prompt")
+        self.state, self.ctx, self.endpoint, self.request, self.body = state, ctx, endpoint, request, body
         self.target = target
-        self.route = target.route
         self.stream = bool(request.stream)
         options = request.stream_options if self.stream else None
         self.client_usage = bool(options and options.include_usage)
-        continuous = self.client_usage and bool(options and options.continuous_usage_stats)
         several = len(prompts) > 1
-        self.presenter = endpoint.presenter(http, request)
+        self.presenter = endpoint.presenter(request, ctx, state)
         self.answer = Answer(
-            model=model,
-            model_name=request.model or model.name,
-            response_id=response_id,
+            model=ctx.model,
+            model_name=ctx.model_name,
+            response_id=ctx.request_id,
             created=int(time.time()),
             # several answers: usage is summed here; a presenter reports it in its own shape
             include_usage=self.client_usage or several or self.presenter is not None,
-            continuous_usage=continuous,
+            continuous_usage=self.client_usage and bool(options and options.continuous_usage_stats),
             keep_answer=not self.stream,
         )
-        self.sampling = endpoint.route_sampling(sampling, model, target.route)
+        self.sampling = endpoint.route_sampling(sampling, ctx.model, target.route)
+        rid = ctx.request_id
         self.legs = [
-            Leg(i, with_abort_handle(response_id if not several else f"{response_id}-{i}"), prompt, target.endpoint.url)
+            Leg(i, with_abort_handle(rid if not several else f"{rid}-{i}"), prompt, target.endpoint.url)
             for i, prompt in enumerate(prompts)
         ]
-        self.mode = "tokens" if target.route in ("tokens", "tokens-remote") else "text"
         # A stock vLLM ≥ 0.33 takes the derender route in its own form (routing picks it
         # only for a non-streaming chat): parse_context in, GenerateDerenderResponse out.
         self.vllm_form = target.route == "derender" and target.engines.derender_form(target.endpoint.url) == "vllm"
-        self.work = DerenderWork(http, self.route) if target.route in ("text", "tokens") else None
-        self._derender: Any = None
-        if self.route == "tokens-remote" and several:
-            raise InvalidRequest("the tokens-remote route serves one prompt per request", param="prompt")
+        self.route = self._route()
+        self.responder = Responder(http, ctx, state.config.timeouts, state.metrics)
+
+    def _route(self) -> EngineRoute:
+        route, endpoint, answer = self.target.route, self.endpoint, self.answer
+        limits, engines = self.state.config.limits, self.target.engines
+        upstream = Upstream(self._open, engines.timeouts, limits.max_answer_bytes, self.ctx.tally)
+        if route == "derender" and self.vllm_form:
+            chat = endpoint.chat_request(self.request)
+            return VllmForm(upstream, answer, bool(chat is not None and chat.return_token_ids))
+        if route == "derender":
+            return Relayed(upstream, endpoint)
+        if route == "tokens-remote":
+            return Remote(upstream, endpoint, lambda leg: endpoint.remote_derender(answer, self.body, leg.prompt))
+        work = DerenderWork(self.ctx, self.state, route)
+        request = self.request
+        return Parsed(
+            upstream, route, lambda leg: endpoint.derender(request, answer, leg.prompt, leg.index), work, len(self.legs)
+        )
+
+    async def guarded(self) -> web.StreamResponse:
+        """The answer; if the client leaves mid-way, every leg's engine requests are aborted too."""
+        try:
+            return await self.run()
+        except asyncio.CancelledError:
+            self._abort()
+            raise
+        except ClientGone as gone:  # it left between two writes, before its cancellation arrived
+            self._abort()
+            self.ctx.tally.client_gone = True
+            self.ctx.span.set_attribute("onehop.client_disconnected", True)
+            return gone.response
+
+    def _abort(self) -> None:
+        engines = self.ctx.model.engines
+        for leg in self.legs:
+            for url in leg.engines():
+                self.state.abort(engines, url, leg.request_id)
+
+    async def run(self) -> web.StreamResponse:
+        await self._prefill()
+        try:
+            return await (self._respond_stream() if self.stream else self._respond_json())
+        finally:
+            self.route.finish()
 
     # ------------------------------------------------------------ engine requests
 
@@ -290,7 +281,7 @@ class Exchange:
             model=None,
             prompt_ids=leg.prompt,
             sampling=self.sampling,
-            route=self.route,
+            route=self.target.route,
             stream=self.stream,
             include_usage=self.answer.include_usage,
             continuous_usage=self.answer.continuous_usage,
@@ -305,129 +296,57 @@ class Exchange:
         assert chat is not None  # routing offers vLLM's form to chat requests only
         return {"parse_context": vllm_derender.parse_context(chat)}
 
-    def _from_vllm(self, raw: bytes) -> Any:
-        """vLLM's derender answer as the client's ChatCompletion (its outcome on the server span)."""
-        answer, chat = self.answer, self.endpoint.chat_request(self.request)
-        completion = vllm_derender.chat_completion(
-            raw,
-            response_id=answer.response_id,
-            model=answer.model_name,
-            created=answer.created,
-            reasoning_field=answer.model.reasoning_field,
-            return_token_ids=bool(chat is not None and chat.return_token_ids),
-        )
-        reasons = [choice.finish_reason for choice in completion.choices]
-        tally(self.http).record(reasons, Tokens.of_usage(completion.usage))
-        return completion
-
     @asynccontextmanager
     async def _open(self, leg: Leg) -> AsyncIterator[EngineAnswer]:
-        engines, server = self.target.engines, self.http[SPAN_KEY]
-        body = self._engine_body(leg)
-        async with engines.open(
+        async with self.target.engines.open(
             self.target.endpoint,
-            body,
+            self._engine_body(leg),
             stream=self.stream,
             request_id=leg.request_id,
-            parent=server,
-            session=self.session,
+            parent=self.ctx.span,
+            session=self.ctx.session,
         ) as (url, response):
             leg.sent_to = url
             yield response
 
     async def _prefill(self) -> None:
         """Disaggregated: every prompt is prefilled (concurrently), then decoded with its KV hand-off."""
-        pool = self.answer.model.prefill
+        pool = self.ctx.model.prefill
         if pool is None:
             return
-        tracer, server = self.state.tracing.tracer, self.http[SPAN_KEY]
+        tracer, server = self.state.tracing.tracer, self.ctx.span
         handovers = await all_of(
             [prefill(pool, tracer, leg.prompt, leg.request_id, server, leg.prefilled_on.append) for leg in self.legs]
         )
         for leg, kv in zip(self.legs, handovers, strict=True):
             leg.kv = kv
 
-    async def run(self) -> web.StreamResponse:
-        await self._prefill()
-        try:
-            return await (self._respond_stream() if self.stream else self._respond_json())
-        finally:
-            if self.work is not None:
-                self.work.finish(self._derender if len(self.legs) == 1 else None)
-
-    # ------------------------------------------------------------ one engine request
-
-    def _new_derender(self, leg: Leg) -> Any:
-        derender = self.endpoint.derender(self.request, self.answer, leg.prompt, leg.index)
-        if len(self.legs) == 1:
-            self._derender = derender  # describes the outcome on the server span
-        return derender
+    # ------------------------------------------------------------ the answer's shape
 
     def _presented(self, leg: Leg) -> Presented:
         answer = self.answer
         return Presented(answer.response_id, answer.model_name, answer.created, len(leg.prompt))
 
     async def _respond_stream(self) -> web.StreamResponse:
-        http, first, rid = self.http, self.target.engines.timeouts, self.answer.response_id
+        route, responder = self.route, self.responder
         if self.presenter is not None:  # one prompt, one choice: the API's own events from the chat chunks
             leg = self.legs[0]
-            frames = self.presenter.stream(self.request, self._presented(leg), self._tallied(self._chunks(leg)))
-            return await respond_stream(http, self.route, rid, frames, done=False, end=self.presenter.error_frame)
+            frames = self.presenter.stream(self.request, self._presented(leg), self._tallied(route.chunks(leg)))
+            return await responder.stream(frames, done=False, end=self.presenter.error_frame)
         if len(self.legs) > 1:
-            frames = encoded(self._merged(merged([self._chunks(leg) for leg in self.legs])))
-            return await respond_stream(http, self.route, rid, frames)
-        leg = self.legs[0]
-        async with self._open(leg) as engine:
-            if self.route == "derender":
-                return await relay_stream(http, engine, first, rid)
-            if self.route == "tokens-remote":
-                remote = self.endpoint.remote_derender(self.answer, self.body, leg.prompt)
-                return await remote_stream(http, engine, remote, first, rid)
-            assert self.work is not None
-            derender = self._new_derender(leg)
-            return await derendered_stream(http, self.route, engine, derender, self.mode, first, self.work, rid)
+            return await responder.stream(encoded(self._merged(merged([route.chunks(leg) for leg in self.legs]))))
+        return await responder.stream(route.frames(self.legs[0]), done=not route.ends_itself)
 
     async def _respond_json(self) -> web.Response:
+        route, tally = self.route, self.ctx.tally
         if self.presenter is not None:
             leg = self.legs[0]
-            answer = await self._answer(leg)
-            tally(self.http).record([choice.finish_reason for choice in answer.choices], Tokens.of_usage(answer.usage))
-            whole = self.presenter.whole(self.request, self._presented(leg), answer)
-            return web.Response(body=_encode(whole), content_type="application/json")
+            answer = await route.answer(leg)
+            tally.record([choice.finish_reason for choice in answer.choices], Tokens.of_usage(answer.usage))
+            return Responder.json(_encode(self.presenter.whole(self.request, self._presented(leg), answer)))
         if len(self.legs) > 1:
-            return self._merged_answer(await all_of([self._answer(leg) for leg in self.legs]))
-        leg = self.legs[0]
-        async with self._open(leg) as engine:
-            if self.vllm_form:
-                raw = await read_answer(engine, self.state.config.limits.max_answer_bytes)
-                return web.Response(body=_encode(self._from_vllm(raw)), content_type="application/json")
-            if self.route == "derender":
-                return await relay_json(self.http, engine)
-            if self.route == "tokens-remote":
-                remote = self.endpoint.remote_derender(self.answer, self.body, leg.prompt)
-                return await remote_json(engine, remote, self.state.config.limits.max_answer_bytes)
-            raw = await read_answer(engine, self.state.config.limits.max_answer_bytes)
-        assert self.work is not None
-        body = _encode(derender_answer(raw, self._new_derender(leg), self.mode, self.work))
-        return web.Response(body=body, content_type="application/json")
-
-    # ------------------------------------------------------------ several engine requests
-
-    async def _chunks(self, leg: Leg) -> AsyncGenerator[Any, None]:
-        """One leg's OpenAI chunk objects (its usage chunk included), for merging or presenting."""
-        first = self.target.engines.timeouts
-        async with self._open(leg) as engine:
-            if self.route == "derender":
-                chunks = relayed_chunks(engine, first, self.endpoint.chunk_decoder)
-            elif self.route == "tokens-remote":
-                remote = self.endpoint.remote_derender(self.answer, self.body, leg.prompt)
-                chunks = remote_chunks(engine, remote, first, self.endpoint.chunk_decoder)
-            else:
-                assert self.work is not None
-                chunks = derendered(engine, self._new_derender(leg), self.mode, first, self.work)
-            async with aclosing(chunks):
-                async for chunk in chunks:
-                    yield chunk
+            return self._merged_answer(await all_of([route.answer(leg) for leg in self.legs]))
+        return Responder.json(await route.body(self.legs[0]))
 
     async def _tallied(self, chunks: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]:
         """`chunks` as they come; their finish reasons and usage recorded for the request's outcome."""
@@ -438,21 +357,8 @@ class Exchange:
                     if choice.finish_reason is not None:
                         reasons[choice.index] = choice.finish_reason
                 if chunk.usage not in (None, UNSET):
-                    tally(self.http).record([reasons[i] for i in sorted(reasons)], Tokens.of_usage(chunk.usage))
+                    self.ctx.tally.record([reasons[i] for i in sorted(reasons)], Tokens.of_usage(chunk.usage))
                 yield chunk
-
-    async def _answer(self, leg: Leg) -> Any:
-        async with self._open(leg) as engine:
-            raw = await read_answer(engine, self.state.config.limits.max_answer_bytes)
-        if self.vllm_form:
-            return self._from_vllm(raw)
-        if self.route == "derender":
-            return relayed_answer(raw, self.endpoint.answer_decoder)
-        if self.route == "tokens-remote":
-            remote = self.endpoint.remote_derender(self.answer, self.body, leg.prompt)
-            return relayed_answer(await remote_whole(raw, remote), self.endpoint.answer_decoder)
-        assert self.work is not None
-        return derender_answer(raw, self._new_derender(leg), self.mode, self.work)
 
     async def _merged(self, chunks: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]:
         """Several legs' chunks as one stream: one id, usage summed into one last chunk."""
@@ -474,7 +380,7 @@ class Exchange:
                 yield chunk
         if usages:
             total = sum_usage(usages)
-            tally(self.http).record([reasons[i] for i in sorted(reasons)], Tokens.of_usage(total))
+            self.ctx.tally.record([reasons[i] for i in sorted(reasons)], Tokens.of_usage(total))
             if self.client_usage:
                 yield msgspec.structs.replace(last_usage, id=rid, created=created, usage=total)
 
@@ -487,8 +393,8 @@ class Exchange:
             usage=sum_usage([answer.usage for answer in answers]),
         )
         reasons = [choice.finish_reason for choice in merged_answer.choices]
-        tally(self.http).record(reasons, Tokens.of_usage(merged_answer.usage))
-        return web.Response(body=_encode(merged_answer), content_type="application/json")
+        self.ctx.tally.record(reasons, Tokens.of_usage(merged_answer.usage))
+        return Responder.json(_encode(merged_answer))
 
 
 def sum_usage(usages: Sequence[Usage]) -> Usage:

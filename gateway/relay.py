@@ -1,40 +1,31 @@
-"""Engine answers → client answers, per route.
+"""The engine side of an answer: reading an engine's bytes, checked, within their timeouts.
 
-- `derender`: the engine already sent OpenAI objects: bytes are relayed
-  untouched (no decode, no re-encode).
-- `text` / `tokens`: the engine sends text deltas or token ids; one stateful
-  derender (the engine's own `engine/derender/` code) per request turns them
-  into OpenAI chunks here.
+- `pieces`: an engine stream's reads, under one read deadline (`ReadDeadline`).
+- `EngineEvents`: the derender route's check of the engine's SSE (whole events,
+  JSON chunks, `[DONE]`, the engine's own comments kept from the client).
+- `Derendered`: the text and token routes' stateful derender of the engine's
+  events into OpenAI chunks (the engine's own `engine/derender/` code).
+- `spliced`: either of those, through to the client: on the request's task up to
+  the first output, then from the engine's socket to the client's (`gateway.splice`).
+- `stream_error`: what a failure while reading means to the client.
 
-Every stream goes out through one responder (`respond_stream`): the client's
-headers go out with the first frame, so a failure before it is an OpenAI error
-response with its status (502 for an engine answer that breaks the protocol,
-504 for an engine that is too slow); after it, a failure of any kind is an
-OpenAI error event, then `[DONE]`, logged once with the request id. The
-derender route checks that the engine's answer is what the protocol says (SSE
-events ending in `[DONE]`, or a JSON completion) before relaying it, and keeps
-the engine's internal comments to itself.
+The routes (`gateway.routes`) are made of these; the client side is `gateway.responder`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-import time
-from collections.abc import AsyncGenerator, Callable
-from contextlib import aclosing
+from collections.abc import AsyncGenerator
+from contextlib import AbstractAsyncContextManager, aclosing
 from typing import Any, Protocol
 
 import aiohttp
 import msgspec
-from aiohttp import web
-from aiohttp.http_writer import StreamWriter
 
 from engine.derender.errors import DerenderError
 from engine.derender.text import OutputFinished
 from engine.protocol import (
     SUMMARY_COMMENT,
-    SUMMARY_HEADER,
     EngineError,
     EngineSummary,
     ProtocolError,
@@ -42,28 +33,21 @@ from engine.protocol import (
     decode_generate_stream_chunk,
     decode_summary,
 )
-from gateway.client_watch import ClientWatch
+from gateway.config import Timeouts as StreamTimeouts
 from gateway.engine_stream import EngineAnswer, EngineResponse
 from gateway.errors import (
-    ClientGone,
     EngineFailed,
     EngineTimeout,
     EngineUnavailable,
     GatewayError,
-    StreamDeadline,
-    error_json,
     status_error,
 )
-from gateway.config import Timeouts as StreamTimeouts
-from gateway.observe import STARTED_KEY, DerenderWork, StreamTimer, tally
+from gateway.observe import DerenderWork
 from gateway.outcome import Tally, Tokens
-from gateway.remote import RemoteChatDerender, RemoteCompletionDerender, RemoteServiceError
-from gateway.splice import splice, spliceable
-from gateway.sse import DONE, DONE_FRAME, MAX_EVENT_BYTES, SSEError, SSEReader, frame
-from gateway.state import GATEWAY
+from gateway.remote import RemoteServiceError
+from gateway.splice import ClientSink, splice, spliceable
+from gateway.sse import DONE, MAX_EVENT_BYTES, SSEError, SSEReader, frame
 
-log = logging.getLogger(__name__)
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _encode = msgspec.json.Encoder().encode
 
 
@@ -92,170 +76,6 @@ class Derender(Protocol):
     def response(self) -> Any: ...
 
 
-class ClientStream:
-    """The SSE answer to the client: a reset means it left (`ClientGone`); a client that takes
-    nothing of its stream for `client_write_s` is cut off as if it had left (`ClientWatch`:
-    measured at its socket, not by how long a write waits, which the kernel's send buffer
-    hides)."""
-
-    __slots__ = (
-        "_chunked",
-        "_direct",
-        "_high",
-        "_protocol",
-        "_stall_s",
-        "_timer",
-        "_transport",
-        "_watch",
-        "_writer",
-        "response",
-    )
-
-    def __init__(self, http: web.Request, response: web.StreamResponse, timer: StreamTimer, stall_s: float) -> None:
-        self.response = response
-        self._timer = timer
-        self._transport = http.transport
-        self._protocol = http.protocol
-        self._high = http.transport.get_write_buffer_limits()[1] if http.transport is not None else 0
-        self._stall_s = stall_s
-        writer = http.writer
-        assert isinstance(writer, StreamWriter)  # the server's; the abstract writer has no `chunked`
-        self._writer = writer
-        self._chunked = writer.chunked
-        self._direct = 0
-        """Bytes `write_now` put on the transport itself (aiohttp's writer counts them at the end)."""
-        transport = http.transport
-        self._watch = ClientWatch(transport, stall_s, self._stalled) if transport is not None else None
-
-    async def _write(self, data: bytes) -> None:
-        try:
-            await self.response.write(data)
-        except ConnectionResetError as exc:
-            raise ClientGone(self.response) from exc
-
-    def _stalled(self) -> None:
-        # It holds a slot and an engine request and takes nothing: let both go. The abort
-        # cancels the handler; a write the task is waiting on, or its next, raises ClientGone.
-        log.warning("client took nothing of its stream for client_write_s=%s s: the stream is closed", self._stall_s)
-        if self._transport is not None:
-            self._transport.abort()
-
-    async def send(self, data: bytes) -> None:
-        await self._write(data)
-        self._timer.wrote()
-
-    def write_now(self, data: bytes) -> bool:
-        """Write `data` without waiting, framed as aiohttp's writer would (the response is never
-        compressed), when the client keeps up; False when it is behind (the caller `send`s it)."""
-        transport = self._transport
-        if transport is None or transport.is_closing():
-            raise ClientGone(self.response)
-        if self._protocol.writing_paused or transport.get_write_buffer_size() + len(data) >= self._high:
-            return False  # the transport's buffer is full, or this write fills it: `send` waits for it
-        if self._chunked:
-            transport.write(b"%x\r\n%b\r\n" % (len(data), data))
-        else:
-            transport.write(data)
-        self._direct += len(data)
-        self._timer.wrote()
-        return True
-
-    def finished(self) -> None:
-        """The stream is over, whole or not: its timings go to the metrics, its watch stops."""
-        if self._watch is not None:
-            self._watch.stop()
-        self._timer.flush()
-
-    async def close(self, tail: bytes = DONE_FRAME) -> web.StreamResponse:
-        """Write the last frames (an error event, `[DONE]`) and end the stream."""
-        self._writer.output_size += self._direct  # the access log's body size
-        self._direct = 0
-        await self._write(tail)
-        try:
-            await self.response.write_eof()  # waits for the client too, under the watch
-        except ConnectionResetError as exc:
-            raise ClientGone(self.response) from exc
-        return self.response
-
-
-async def open_stream(http: web.Request, route: str) -> ClientStream:
-    response = web.StreamResponse(headers=SSE_HEADERS)
-    assert not response.compression  # `write_now` frames bytes itself
-    try:
-        await response.prepare(http)
-    except ConnectionResetError as exc:  # it left before the headers went out
-        raise ClientGone(response) from exc
-    stall_s = http.app[GATEWAY].config.timeouts.client_write_s
-    return ClientStream(http, response, StreamTimer(http, route), stall_s)
-
-
-def openai_error_end(error: GatewayError) -> bytes:
-    return frame(error_json(error)) + DONE_FRAME
-
-
-async def respond_stream(
-    http: web.Request,
-    route: str,
-    request_id: str,
-    frames: AsyncGenerator[bytes, ClientStream | None],
-    *,
-    done: bool = True,
-    end: Callable[[GatewayError], bytes] = openai_error_end,
-) -> web.StreamResponse:
-    """The one way a stream reaches the client: `frames` written as they come, then `[DONE]`
-    (unless `done` is False: the frames carry their own end, as the engine's relayed stream
-    and the other APIs' events do).
-
-    Nothing is sent before the first frame, so a failure before it raises (the
-    error middleware answers with its status); a failure after it, of any type,
-    ends the stream with `end(error)` (OpenAI's: an error event and `[DONE]`)
-    instead of breaking the chunked body.
-
-    Each `yield` of `frames` after the first receives the client's stream, so a
-    relay may write to it directly (`splice`); the others ignore it.
-    """
-    stream: ClientStream | None = None
-    tail = DONE_FRAME if done else b""
-    limit_s = http.app[GATEWAY].config.timeouts.stream_deadline_s
-    deadline = asyncio.timeout_at(_deadline(http, limit_s))
-    try:
-        try:
-            async with deadline, aclosing(frames):  # a client that leaves closes them at once, not at collection
-                while True:
-                    try:
-                        data = await frames.asend(stream)
-                    except StopAsyncIteration:
-                        break
-                    if stream is None:
-                        stream = await open_stream(http, route)
-                    await stream.send(data)
-        except ClientGone:
-            raise
-        except Exception as exc:
-            if isinstance(exc, TimeoutError) and deadline.expired():
-                exc = StreamDeadline(f"the stream ran past timeouts.stream_deadline_s={limit_s:g} s")
-            error = stream_error(exc)
-            if stream is None:
-                raise error from exc
-            log.error("stream %s failed after its first byte: %s", request_id, error.message, exc_info=_unexpected(exc))
-            tail = end(error)
-        if stream is None:
-            stream = await open_stream(http, route)
-        return await stream.close(tail)
-    finally:
-        if stream is not None:
-            stream.finished()
-
-
-def _deadline(http: web.Request, limit_s: float | None) -> float | None:
-    """`stream_deadline_s` counted from the request's arrival, on the loop's clock."""
-    if limit_s is None:
-        return None
-    started: float = http.get(STARTED_KEY, time.perf_counter())  # aiohttp types get() as Any, whatever the key
-    waited = time.perf_counter() - started
-    return asyncio.get_running_loop().time() + limit_s - waited
-
-
 def stream_error(exc: Exception) -> GatewayError:
     """What the client is told about a failure while its answer was being made."""
     if isinstance(exc, GatewayError):
@@ -273,7 +93,7 @@ def stream_error(exc: Exception) -> GatewayError:
     return EngineFailed(f"the engine's answer could not be used: {type(exc).__name__}: {exc}")
 
 
-def _unexpected(exc: Exception) -> Exception | None:
+def unexpected(exc: Exception) -> Exception | None:
     """The traceback is worth logging only for errors no step of ours raised on purpose."""
     expected = (GatewayError, RemoteServiceError, TimeoutError, aiohttp.ClientError, *_ENGINE_DATA_ERRORS)
     return None if isinstance(exc, expected) else exc
@@ -480,34 +300,27 @@ class Events(Protocol):
 
 
 async def spliced(
-    engine: EngineAnswer, timeouts: StreamTimeouts, events: Events
-) -> AsyncGenerator[bytes, ClientStream | None]:
-    """An engine stream through `events` to the client: up to the first output on the request's
-    task (a failure before it is still a status), the rest spliced from the engine's socket to the
-    client's, then the `tail`."""
-    direct = spliceable(engine)
-    stream: ClientStream | None = None
-    async with aclosing(pieces(engine, timeouts)) as reads:
-        async for piece in reads:
-            out = events.feed(piece)
-            if out:
-                sent = yield out
-                if sent is not None and direct is not None:
-                    stream = sent
-                    break
-    if stream is not None and direct is not None:  # after [DONE] too: read to its end, the connection is reused
-        await splice(direct, events, stream, timeouts.idle_s)
+    opening: AbstractAsyncContextManager[EngineAnswer], timeouts: StreamTimeouts, events: Events
+) -> AsyncGenerator[bytes, ClientSink | None]:
+    """An engine stream, opened here and closed when this ends, through `events` to the client:
+    up to the first output on the request's task (a failure before it is still a status), the
+    rest spliced from the engine's socket to the client's, then the `tail`."""
+    async with opening as engine:
+        direct = spliceable(engine)
+        stream: ClientSink | None = None
+        async with aclosing(pieces(engine, timeouts)) as reads:
+            async for piece in reads:
+                out = events.feed(piece)
+                if out:
+                    sent = yield out
+                    if sent is not None and direct is not None:
+                        stream = sent
+                        break
+        if stream is not None and direct is not None:  # after [DONE] too: read to its end, the connection is reused
+            await splice(direct, events, stream, timeouts.idle_s)
     tail = events.tail()
     if tail:
         yield tail
-
-
-async def relay_stream(
-    http: web.Request, engine: EngineAnswer, timeouts: StreamTimeouts, request_id: str
-) -> web.StreamResponse:
-    """The derender route: the engine's SSE events, checked, as they come (its `[DONE]` included)."""
-    events = EngineEvents(tally(http))
-    return await respond_stream(http, "derender", request_id, spliced(engine, timeouts, events), done=False)
 
 
 class _EngineAnswer(msgspec.Struct):
@@ -540,18 +353,13 @@ async def read_answer(engine: EngineAnswer, limit: int) -> bytes:
     return b"".join(parts)
 
 
-async def relay_json(http: web.Request, engine: EngineAnswer) -> web.Response:
-    """The derender route, non-streaming: the engine's OpenAI JSON, once it is known to be JSON of one."""
-    body = await read_answer(engine, http.app[GATEWAY].config.limits.max_answer_bytes)
+def check_answer(body: bytes) -> None:
+    """A non-streamed engine answer is JSON of one (msgspec parses the fields it skips too:
+    the whole body is checked), else the engine broke the protocol."""
     try:
         _ENGINE_ANSWER.decode(body)
-    except msgspec.DecodeError as exc:  # msgspec parses skipped fields too: the whole body is valid JSON
+    except msgspec.DecodeError as exc:
         raise EngineFailed(f"the engine sent an invalid answer: {exc}: {body[:120]!r}") from exc
-    header = engine.headers.get(SUMMARY_HEADER)
-    summary = decode_summary(header) if header is not None else None
-    if summary is not None:
-        tally(http).record(summary.finish_reasons, Tokens.of_summary(summary))
-    return web.Response(body=body, content_type="application/json")
 
 
 async def engine_batches(engine: EngineAnswer, timeouts: StreamTimeouts) -> AsyncGenerator[list[bytes], None]:
@@ -731,25 +539,6 @@ async def derendered_batches(
         yield last
 
 
-async def derendered_stream(
-    http: web.Request, route: str, engine: EngineAnswer, derender: Derender, mode: str,
-    timeouts: StreamTimeouts, work: DerenderWork, request_id: str,
-) -> web.StreamResponse:
-    """The text and token routes, streaming: derendered as the bytes arrive, spliced once the first chunks are out."""
-    events = Derendered(derender, mode, work)
-    return await respond_stream(http, route, request_id, spliced(engine, timeouts, events))
-
-
-async def derendered(
-    engine: EngineAnswer, derender: Derender, mode: str, timeouts: StreamTimeouts, work: DerenderWork
-) -> AsyncGenerator[Any, None]:
-    """`derendered_batches`, one chunk at a time (for merging or presenting)."""
-    async with aclosing(derendered_batches(engine, derender, mode, timeouts, work)) as batches:
-        async for batch in batches:
-            for chunk in batch:
-                yield chunk
-
-
 async def encoded(chunks: AsyncGenerator[Any, None]) -> AsyncGenerator[bytes, object]:
     """OpenAI chunk objects → SSE frames (closing `chunks` when closed, so what feeds them stops at once)."""
     async with aclosing(chunks):
@@ -757,103 +546,11 @@ async def encoded(chunks: AsyncGenerator[Any, None]) -> AsyncGenerator[bytes, ob
             yield frame(_encode(chunk))
 
 
-async def relayed_chunks(
-    engine: EngineAnswer, timeouts: StreamTimeouts, decoder: msgspec.json.Decoder[Any]
-) -> AsyncGenerator[Any, None]:
-    """The derender route's chunks as objects, for answers merged from several engine requests."""
-    async for payload in engine_payloads(engine, timeouts):
-        try:
-            yield decoder.decode(payload)
-        except msgspec.DecodeError as exc:
-            raise EngineFailed(f"the engine sent an invalid chunk: {exc}: {payload[:120]!r}") from exc
-
-
 def whole_choices(body: bytes, mode: str) -> list[Any]:
     try:
         return list(decode_generate_response(body, "tokens" if mode == "tokens" else "text").choices)
     except (EngineError, ProtocolError) as exc:
         raise EngineFailed(f"the engine sent an invalid answer: {exc}") from exc
-
-
-def derender_answer(raw: bytes, derender: Derender, mode: str, work: DerenderWork) -> Any:
-    """The text and token routes, non-streaming: all of each choice in one step."""
-    timed = work.begin()
-    try:
-        for choice in whole_choices(raw, mode):
-            feed_choice(derender, mode, choice)
-        return derender.response()
-    except GatewayError:
-        raise
-    except Exception as exc:  # what the engine sent could not be made into an answer: a 502
-        raise stream_error(exc) from exc
-    finally:
-        if timed:
-            work.end()
-
-
-def relayed_answer(raw: bytes, decoder: msgspec.json.Decoder[Any]) -> Any:
-    """The derender route's JSON answer as an object, for answers merged from several engine requests."""
-    try:
-        return decoder.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise EngineFailed(f"the engine sent an invalid answer: {exc}: {raw[:120]!r}") from exc
-
-
-RemoteDerender = RemoteChatDerender | RemoteCompletionDerender
-
-
-async def _remote_payloads(
-    engine: EngineAnswer, remote: RemoteDerender, timeouts: StreamTimeouts
-) -> AsyncGenerator[bytes, None]:
-    """The tokens-remote route: every engine chunk through vLLM's stateless derender, its answers' JSON."""
-    async for payload in engine_payloads(engine, timeouts):
-        if payload.startswith(b'{"error"'):
-            raise EngineFailed(f"the engine failed mid-stream: {payload[:300].decode('utf-8', 'replace')}")
-        chunk = await remote.chunk(payload)
-        if chunk is not None:
-            yield chunk
-
-
-async def remote_stream(
-    http: web.Request, engine: EngineAnswer, remote: RemoteDerender, timeouts: StreamTimeouts, request_id: str
-) -> web.StreamResponse:
-    return await respond_stream(http, "tokens-remote", request_id, _remote_frames(engine, remote, timeouts))
-
-
-async def _remote_frames(
-    engine: EngineAnswer, remote: RemoteDerender, timeouts: StreamTimeouts
-) -> AsyncGenerator[bytes, object]:
-    async with aclosing(_remote_payloads(engine, remote, timeouts)) as payloads:
-        async for chunk in payloads:
-            yield frame(chunk)
-
-
-async def remote_chunks(
-    engine: EngineAnswer, remote: RemoteDerender, timeouts: StreamTimeouts, decoder: msgspec.json.Decoder[Any]
-) -> AsyncGenerator[Any, None]:
-    """The tokens-remote route's chunks as objects, for answers presented in another shape."""
-    async with aclosing(_remote_payloads(engine, remote, timeouts)) as payloads:
-        async for payload in payloads:
-            yield _decoded_chunk(decoder, payload)
-
-
-def _decoded_chunk(decoder: msgspec.json.Decoder[Any], payload: bytes) -> Any:
-    try:
-        return decoder.decode(payload)
-    except msgspec.DecodeError as exc:
-        raise EngineFailed(f"the derender service sent an invalid chunk: {exc}: {payload[:120]!r}") from exc
-
-
-async def remote_whole(raw: bytes, remote: RemoteDerender) -> bytes:
-    try:
-        return await remote.whole(raw)
-    except RemoteServiceError as exc:
-        raise remote_error(exc) from exc
-
-
-async def remote_json(engine: EngineAnswer, remote: RemoteDerender, limit: int) -> web.Response:
-    body = await remote_whole(await read_answer(engine, limit), remote)
-    return web.Response(body=body, content_type="application/json")
 
 
 def remote_error(exc: RemoteServiceError) -> GatewayError:

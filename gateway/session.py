@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from typing import Any
-
-from aiohttp import web
 
 from engine.openai_schema import ChatCompletionRequest, CompletionRequest
 from gateway.translate import Turn
@@ -33,13 +32,14 @@ _HEADERS = ("X-Session-ID", "X-Claude-Code-Session-Id", "session-id")
 MAX_KEY_CHARS = 128
 
 
-def session_key(http: web.Request, request: Any) -> str | None:
-    """`request`: the decoded request (chat, completion, or a translated API's `Turn`)."""
-    header = http.headers.get(_HEADERS[0])
+def session_key(headers: Mapping[str, str], request: Any) -> str | None:
+    """`request`: the decoded request (chat, completion, or a translated API's `Turn`);
+    `headers`: its headers (case-insensitive lookups)."""
+    header = headers.get(_HEADERS[0])
     body = (
         getattr(request, "session_id", None) if isinstance(request, ChatCompletionRequest | CompletionRequest) else None
     )
-    found = header or body or next((value for name in _HEADERS[1:] if (value := http.headers.get(name))), None)
+    found = header or body or next((value for name in _HEADERS[1:] if (value := headers.get(name))), None)
     found = found or _from_body(request.original if isinstance(request, Turn) else None)
     found = found or getattr(request.original if isinstance(request, Turn) else request, "user", None)
     return _bounded(found) if found else None

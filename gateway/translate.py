@@ -31,6 +31,8 @@ class Turn(Generic[F]):
     chat: ChatCompletionRequest
     chat_body: bytes
     """`chat` as JSON: what a derender engine and vLLM's render service receive."""
+    report: object = None
+    """What the translation did that the answer reports (Messages: the context edits applied)."""
 
     @property
     def model(self) -> str | None:
@@ -45,11 +47,11 @@ class Turn(Generic[F]):
         return self.chat.stream_options
 
 
-def turn(original: F, chat: ChatCompletionRequest) -> Turn[F]:
+def turn(original: F, chat: ChatCompletionRequest, report: object = None) -> Turn[F]:
     """The chat request always asks for usage: every foreign shape reports it at the end."""
     if chat.stream:
         chat = msgspec.structs.replace(chat, stream_options=StreamOptions(include_usage=True))
-    return Turn(original, chat, _encode_chat(chat))
+    return Turn(original, chat, _encode_chat(chat), report)
 
 
 @dataclass(frozen=True, slots=True)

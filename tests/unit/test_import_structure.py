@@ -343,3 +343,54 @@ def test_engine_never_imports_gateway_or_onehop() -> None:
 def test_gateway_never_imports_onehop_the_engine_server_or_a_backend() -> None:
     wrong = forbidden_imports(_graph(True), {"gateway": RULES["gateway"]})
     assert not wrong, "gateway modules that import onehop, the engine's server or a backend:\n" + "\n".join(wrong)
+
+
+GATEWAY_EDGE = frozenset(
+    {
+        "gateway.access_log",
+        "gateway.app",
+        "gateway.auth",
+        "gateway.context",
+        "gateway.errors",
+        "gateway.lookups",
+        "gateway.pipeline",
+        "gateway.responder",
+        "gateway.state",
+    }
+)
+"""The gateway's modules that see aiohttp's server side: the app and its middlewares, the edge
+that makes a request's context (`pipeline.serve`, `context.Edge.of`), the responder that writes
+to the client's connection, the app's key for its state. Every other step takes a context."""
+
+
+def server_side_users(files: Mapping[str, Path]) -> set[str]:
+    """The modules that import `aiohttp.web` (or one of its modules), at any depth."""
+    found = set()
+    for name, path in files.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module is not None:
+                web = node.module == "aiohttp" and any(alias.name == "web" for alias in node.names)
+                if web or node.module.startswith("aiohttp.web"):
+                    found.add(name)
+            elif isinstance(node, ast.Import) and any(alias.name.startswith("aiohttp.web") for alias in node.names):
+                found.add(name)
+    return found
+
+
+def test_server_side_users_reads_each_form(tmp_path: Path) -> None:
+    (tmp_path / "pkg").mkdir()
+    sources = {
+        "a": "from aiohttp import web\n",
+        "b": "def f():\n    from aiohttp.web_request import Request\n",
+        "c": "import aiohttp.web\n",
+        "d": "import aiohttp\nfrom aiohttp import ClientSession\n",
+    }
+    for name, source in sources.items():
+        (tmp_path / "pkg" / f"{name}.py").write_text(source, encoding="utf-8")
+    files = {f"pkg.{name}": tmp_path / "pkg" / f"{name}.py" for name in sources}
+    assert server_side_users(files) == {"pkg.a", "pkg.b", "pkg.c"}
+
+
+def test_only_the_gateway_edge_sees_the_aiohttp_request() -> None:
+    files = {name: path for name, path in module_files(ROOT, ("gateway",)).items()}
+    assert server_side_users(files) == GATEWAY_EDGE

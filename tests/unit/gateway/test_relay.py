@@ -18,7 +18,8 @@ from engine.protocol import SUMMARY_COMMENT, EngineSummary
 from gateway.config import Timeouts
 from gateway.errors import EngineFailed, EngineTimeout, InvalidRequest
 from gateway.outcome import Tally, Tokens
-from gateway.relay import EngineEvents, engine_payloads, openai_error_end, read_answer, stream_error
+from gateway.relay import EngineEvents, engine_payloads, read_answer, stream_error
+from gateway.responder import openai_error_end
 from tests.support.sse_engine import Script, split_at, sse_engine
 
 CHUNKS = [
