@@ -26,6 +26,7 @@ from aiohttp import web
 from opentelemetry.trace import Span, SpanKind
 
 from engine.backends.base import BackendInfo, BackendOutput, BackendRequest
+from engine.backends.checks import first_out_of_vocab
 from engine.config import EngineLimits
 from engine.derender.parsers import REASONING_PARSERS
 from engine.derender.parsers.base import ParseOptions
@@ -99,12 +100,11 @@ def check_request(state: EngineState, request: GenerateRequest) -> None:
         if sampling.stop:
             raise BadRequest("stop strings need a tokenizer, and this engine runs --tokens-only", param="stop")
     info = state.backend.info
-    limit = info.vocab_size
-    for token_id in request.token_ids:
-        if token_id >= limit:
-            raise BadRequest(
-                f"token id {token_id} is out of range for a vocabulary of {limit} tokens", param="token_ids"
-            )
+    bad = first_out_of_vocab(request.token_ids, info.vocab_size)
+    if bad is not None:
+        raise BadRequest(
+            f"token id {bad} is out of range for a vocabulary of {info.vocab_size} tokens", param="token_ids"
+        )
     if len(request.token_ids) >= info.max_model_len:
         raise BadRequest(
             f"token_ids must hold at most {info.max_model_len - 1} tokens (max_model_len {info.max_model_len},"

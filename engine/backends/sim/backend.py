@@ -1,0 +1,244 @@
+"""`SimBackend`: the simulator's lifecycle, request checks, disaggregated handshake and pace.
+
+Each request is checked, read (`prompt`), planned per choice (`plans`) and then stepped
+through its choices' token streams (`stream`) on a fixed schedule of loop timers:
+``ttft_ms`` to the first step, then one step every ``itl_ms``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+import uuid
+import zlib
+from array import array
+from collections.abc import AsyncGenerator, Sequence
+from pathlib import Path
+
+from engine.backends.base import (
+    BackendError,
+    BackendInfo,
+    BackendOutput,
+    BackendRequest,
+    BackendRequestError,
+)
+from engine.backends.checks import ALL_LOGPROBS
+from engine.backends.sim.config import SimBackendConfig
+from engine.backends.sim.plans import Planner
+from engine.backends.sim.prompt import Prompt
+from engine.backends.sim.schema import SIM_CONSTRAINTS
+from engine.backends.sim.stream import Choice, Logprobs, rules_for
+from engine.backends.sim.tokenizer import eos_ids, load_tokenizer, vocab_size
+
+MAX_LOGPROBS = ALL_LOGPROBS
+"""vLLM's default `max_logprobs`; also what `logprobs=-1` means here."""
+KV_BLOCK_TOKENS = 16
+
+
+class Live:
+    """A running request: the abort flag and the timer future it may be waiting on."""
+
+    __slots__ = ("aborted", "request_id", "waiter")
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.aborted = False
+        self.waiter: asyncio.Future[None] | None = None
+
+    def abort(self) -> None:
+        self.aborted = True
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+class SimBackend:
+    """The `Backend` protocol, simulated; see the package docstring for the output."""
+
+    def __init__(self, config: SimBackendConfig) -> None:
+        folder = Path(config.tokenizer)
+        tokenizer = load_tokenizer(folder)
+        self._config = config
+        self._planner = Planner(config, tokenizer)
+        self._eos = eos_ids(folder, tokenizer)
+        self._info = BackendInfo(
+            name="sim",
+            model=config.served_model_name,
+            max_model_len=config.max_model_len,
+            vocab_size=vocab_size(tokenizer),
+            eos_token_ids=frozenset(self._eos),
+            constraints=SIM_CONSTRAINTS,
+        )
+        self._live: dict[str, Live] = {}
+        self._closed = False
+        self.engine_id = f"sim-{uuid.uuid4().hex[:12]}"
+        self.prefills = 0
+        """Prefill requests served (`do_remote_decode`): one token, then the KV handed over."""
+        self.remote_decodes = 0
+        """Decode requests that started from another engine's prefill (`do_remote_prefill`)."""
+
+    @property
+    def info(self) -> BackendInfo:
+        return self._info
+
+    async def start(self) -> None:
+        """Nothing to load beyond the tokenizer, which the constructor read."""
+        self._closed = False
+
+    async def close(self) -> None:
+        self._closed = True
+        for live in self._live.values():
+            live.abort()
+        self._live.clear()
+
+    async def abort(self, request_id: str) -> None:
+        live = self._live.pop(request_id, None)
+        if live is not None:
+            live.abort()
+
+    def running(self) -> frozenset[str]:
+        return frozenset(self._live)
+
+    async def prepare(self, request: BackendRequest) -> BackendRequest:
+        return request  # a constraint is read when its answer is written: nothing compiles
+
+    async def generate(self, request: BackendRequest) -> AsyncGenerator[list[BackendOutput], None]:
+        if self._closed:
+            raise BackendError("the sim backend is closed")
+        prompt = self._check(request)
+        role = self._kv_role(request)
+        choices = self._choices(request, prompt)
+        live = self._register(request.request_id)
+        loop = asyncio.get_running_loop()
+        # A decode whose prefill ran elsewhere starts with the KV cache in place.
+        deadline = loop.time() + (0 if role == "decode" else self._config.ttft_ms / 1000)
+        handover = self._handover(request) if role == "prefill" else None
+        try:
+            while True:
+                await self._wait(live, loop, deadline)
+                if live.aborted:
+                    yield [choice.aborted() for choice in choices if not choice.finished]
+                    return
+                width = self._config.tokens_per_step
+                step = [choice.take(width) for choice in choices if not choice.finished]
+                if handover is not None:
+                    for output in step:
+                        if output.finish_reason is not None:
+                            output.kv_transfer_params = handover
+                yield step
+                if all(choice.finished for choice in choices):
+                    return
+                deadline += self._config.itl_ms / 1000
+        finally:
+            # Cancellation and aclose() land here too; CancelledError propagates after.
+            if self._live.get(live.request_id) is live:
+                del self._live[live.request_id]
+
+    # -- per request --------------------------------------------------------
+
+    def _check(self, request: BackendRequest) -> Prompt:
+        ids = list(request.prompt_token_ids)
+        if not ids:
+            raise BackendRequestError("the prompt is empty")
+        if len(ids) >= self._info.max_model_len:
+            raise BackendRequestError(
+                f"the prompt ({len(ids)} tokens) leaves no room for output"
+                f" within max_model_len={self._info.max_model_len}"
+            )
+        bad = next((i for i in (min(ids), max(ids)) if not 0 <= i < self._info.vocab_size), None)
+        if bad is not None:
+            raise BackendRequestError(f"token id {bad} is outside the vocabulary of {self._info.vocab_size}")
+        k = request.sampling.logprobs
+        if k is not None and k > MAX_LOGPROBS:
+            raise BackendRequestError(f"logprobs={k} is more than the maximum of {MAX_LOGPROBS}")
+        if request.request_id in self._live:
+            raise BackendRequestError(f"request {request.request_id!r} is already running")
+        return self._planner.reader.read(ids)
+
+    def _kv_role(self, request: BackendRequest) -> str | None:
+        """Check a disaggregated-serving handshake the way a KV connector would see it.
+
+        Prefill (`do_remote_decode`): exactly one output token, one choice.
+        Decode (`do_remote_prefill`): the params must be a prefill engine's
+        answer for this very prompt (its block ids are derived from the tokens).
+        """
+        params = request.kv_transfer_params
+        if not params:
+            return None
+        if params.get("do_remote_decode"):
+            if request.sampling.max_tokens != 1 or request.sampling.n != 1:
+                raise BackendRequestError("a prefill request (do_remote_decode) must ask for max_tokens=1 and n=1")
+            self.prefills += 1
+            return "prefill"
+        if params.get("do_remote_prefill"):
+            engine = params.get("remote_engine_id")
+            if not isinstance(engine, str) or not engine.startswith("sim-"):
+                raise BackendRequestError(f"kv_transfer_params name no prefill engine (remote_engine_id={engine!r})")
+            if params.get("remote_block_ids") != _kv_blocks(request.prompt_token_ids):
+                raise BackendRequestError("kv_transfer_params describe another prompt's KV blocks (remote_block_ids)")
+            self.remote_decodes += 1
+            return "decode"
+        return None
+
+    def _handover(self, request: BackendRequest) -> dict[str, object]:
+        """What a prefill engine's connector returns for the decode engine to pull the KV cache."""
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": request.request_id,
+            "remote_block_ids": _kv_blocks(request.prompt_token_ids),
+            "remote_host": "127.0.0.1",
+            "remote_port": 0,
+            "tp_size": 1,
+        }
+
+    def _register(self, request_id: str) -> Live:
+        live = Live(request_id)
+        self._live[request_id] = live
+        return live
+
+    def _choices(self, request: BackendRequest, prompt: Prompt) -> list[Choice]:
+        rules = rules_for(request, self._info, self._eos)
+        logprobs = Logprobs(rules.logprobs or 0, self._info.vocab_size)
+        digest = hashlib.blake2b(array("I", prompt.ids).tobytes(), digest_size=16).digest()
+        shared = self._planner.shared(prompt)
+        constraint = request.sampling.structured_outputs
+        choices: list[Choice] = []
+        for index in range(request.sampling.n):
+            rng = random.Random(self._seed(request.sampling.seed, digest, index))
+            plan = shared if shared is not None else self._planner.drawn(prompt, rng, constraint)
+            choices.append(Choice(index, plan, self._planner.words.padding(rng), rules, logprobs))
+        return choices
+
+    def _seed(self, request_seed: int | None, digest: bytes, index: int) -> int:
+        key = f"{self._config.seed}:{request_seed}:{index}:".encode() + digest
+        return int.from_bytes(hashlib.blake2b(key, digest_size=16).digest(), "big")
+
+    async def _wait(self, live: Live, loop: asyncio.AbstractEventLoop, deadline: float) -> None:
+        """Sleep until `deadline` on a loop timer; an abort wakes it early."""
+        if live.aborted:
+            return  # aborted while the consumer held the stream between steps
+        if deadline <= loop.time():
+            await asyncio.sleep(0)  # still yield, so aborts and other requests run between steps
+            return
+        waiter: asyncio.Future[None] = loop.create_future()
+        handle = loop.call_at(deadline, _wake, waiter)
+        live.waiter = waiter
+        try:
+            await waiter
+        finally:
+            handle.cancel()
+            live.waiter = None
+
+
+def _kv_blocks(ids: Sequence[int]) -> list[int]:
+    """Stand-in KV block ids: one per 16 prompt tokens, derived from the tokens they hold."""
+    data = array("I", ids).tobytes()
+    step = KV_BLOCK_TOKENS * 4
+    return [zlib.crc32(data[i : i + step]) for i in range(0, len(data), step)]
