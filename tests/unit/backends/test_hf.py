@@ -10,6 +10,7 @@ which a wrong position id or an unmasked pad moves by ~0.1.
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -75,6 +76,9 @@ class Run:
 
     def count(self) -> int:
         return sum(len(c.token_ids) for c in self.choices.values())
+
+    def reached(self, tokens: int) -> bool:
+        return self.count() >= tokens
 
 
 def request(request_id: str, prompt: list[int], eos: frozenset[int] = frozenset(), **sampling: Any) -> BackendRequest:
@@ -152,7 +156,7 @@ async def test_greedy_joins_mid_flight_match_single_sequence_decode(
         req = request(f"parity-{i}", prompt, max_tokens=steps, temperature=0.0, ignore_eos=True, logprobs=3)
         tasks.append(asyncio.create_task(collect(backend, req, runs[i])))
         if i + 1 < len(prompts):
-            await wait_until(lambda run=runs[i]: run.count() >= 4, what=f"run {i} has 4 tokens")
+            await wait_until(functools.partial(runs[i].reached, 4), what=f"run {i} has 4 tokens")
     # The last one got its first token while the first was still decoding: they shared steps.
     await wait_until(lambda: runs[-1].count() >= 1, what="the last run's first token")
     assert runs[0].only.finish_reason is None
