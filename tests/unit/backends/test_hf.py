@@ -10,8 +10,8 @@ which a wrong position id or an unmasked pad moves by ~0.1.
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,12 +34,15 @@ from engine.backends.base import (  # noqa: E402
 )
 from engine.backends.hf import HFBackend, HFBackendConfig  # noqa: E402
 from engine.protocol import GenerateLogProbsContent, SamplingParams  # noqa: E402
+from tests.support.waiting import wait_until  # noqa: E402
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 VOCAB = 151_669  # the Qwen3 tokenizer's size; the embedding is padded to 151,936
 TOLERANCE = 1e-4
 GONE_WITHIN_S = 2.0  # how long a closed or aborted request may linger in running()
+OUTLAST = 2000
+"""max_tokens of a request that must still be decoding when others sharing its batch are done."""
 
 
 @dataclass
@@ -74,6 +77,9 @@ class Run:
     def count(self) -> int:
         return sum(len(c.token_ids) for c in self.choices.values())
 
+    def reached(self, tokens: int) -> bool:
+        return self.count() >= tokens
+
 
 def request(request_id: str, prompt: list[int], eos: frozenset[int] = frozenset(), **sampling: Any) -> BackendRequest:
     return BackendRequest(request_id, prompt, SamplingParams(**sampling), eos_token_ids=eos)
@@ -84,13 +90,6 @@ async def collect(backend: HFBackend, req: BackendRequest, run: Run | None = Non
     async for outputs in backend.generate(req):
         run.feed(outputs)
     return run
-
-
-async def until(condition: Any, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out waiting"
-        await asyncio.sleep(0.005)
 
 
 @pytest.fixture(scope="module")
@@ -157,9 +156,9 @@ async def test_greedy_joins_mid_flight_match_single_sequence_decode(
         req = request(f"parity-{i}", prompt, max_tokens=steps, temperature=0.0, ignore_eos=True, logprobs=3)
         tasks.append(asyncio.create_task(collect(backend, req, runs[i])))
         if i + 1 < len(prompts):
-            await until(lambda run=runs[i]: run.count() >= 4)
+            await wait_until(functools.partial(runs[i].reached, 4), what=f"run {i} has 4 tokens")
     # The last one got its first token while the first was still decoding: they shared steps.
-    await until(lambda: runs[-1].count() >= 1)
+    await wait_until(lambda: runs[-1].count() >= 1, what="the last run's first token")
     assert runs[0].only.finish_reason is None
     await asyncio.gather(*tasks)
     for prompt, run in zip(prompts, runs, strict=True):
@@ -180,13 +179,19 @@ async def test_seeded_sampling_is_reproducible_whatever_shares_the_batch(
 ) -> None:
     params: dict[str, Any] = {"temperature": 1.0, "top_p": 0.9, "max_tokens": 16, "ignore_eos": True}
     alone = await collect(backend, request("seed-alone", prompts[1], seed=1234, **params))
+    # The others outlast the seeded requests by far, and are aborted once those are done.
+    runs = [Run(), Run()]
     others = [
-        asyncio.create_task(collect(backend, request("seed-other-0", prompts[2], **{**params, "max_tokens": 40}))),
-        asyncio.create_task(collect(backend, request("seed-other-1", prompts[0], max_tokens=40, temperature=0.0))),
+        asyncio.create_task(collect(backend, request("seed-other-0", prompts[2], **{**params, "max_tokens": OUTLAST}), runs[0])),
+        asyncio.create_task(collect(backend, request("seed-other-1", prompts[0], max_tokens=OUTLAST, temperature=0.0), runs[1])),
     ]
-    await asyncio.sleep(0.05)  # let the others take their rows first
+    # The others hold their rows first: each has its first token, so the seeded one joins a batch.
+    await wait_until(lambda: all(run.count() >= 1 for run in runs), what="the others decode")
     shared = await collect(backend, request("seed-shared", prompts[1], seed=1234, **params))
     other_seed = await collect(backend, request("seed-other", prompts[1], seed=4321, **params))
+    assert all(run.only.finish_reason is None for run in runs), "the seeded requests decoded alone"
+    for name in ("seed-other-0", "seed-other-1"):
+        await backend.abort(name)
     await asyncio.gather(*others)
     assert len(alone.only.token_ids) == 16
     assert shared.only.token_ids == alone.only.token_ids
@@ -208,9 +213,12 @@ async def test_top_k_and_top_p_keep_only_their_candidates(backend: HFBackend, pr
     assert set(await tokens("top-k2", top_k=2)) == {a, b}
     assert set(await tokens("top-k1", top_k=1)) == {a}
     assert set(await tokens("top-k2-p", top_k=2, top_p=0.6)) == {a}  # a alone holds ~0.73 of the two
-    busy = asyncio.create_task(collect(backend, request("busy", prompts[2], max_tokens=80, temperature=0.0)))
-    await asyncio.sleep(0.05)
+    busy_run = Run()
+    busy = asyncio.create_task(collect(backend, request("busy", prompts[2], max_tokens=OUTLAST, temperature=0.0), busy_run))
+    await wait_until(lambda: busy_run.count() >= 1, what="the busy request decodes")
     assert await tokens("top-p-shared", top_p=0.8) == nucleus
+    assert busy_run.only.finish_reason is None, "the nucleus request decoded alone"
+    await backend.abort("busy")
     await busy
 
 
@@ -344,7 +352,7 @@ async def test_closing_the_generator_stops_the_request(backend: HFBackend, promp
         if seen >= 3:
             break
     await generator.aclose()
-    await until(lambda: "closed" not in backend.running(), timeout=GONE_WITHIN_S)
+    await wait_until(lambda: "closed" not in backend.running(), timeout=GONE_WITHIN_S)
     assert backend.running() == frozenset()
     after = await collect(backend, request("after-close", prompts[0], max_tokens=3))
     assert len(after.only.token_ids) == 3
@@ -353,7 +361,7 @@ async def test_closing_the_generator_stops_the_request(backend: HFBackend, promp
 async def test_abort_by_id_ends_the_stream(backend: HFBackend, prompts: list[list[int]]) -> None:
     run = Run()
     task = asyncio.create_task(collect(backend, request("aborted", prompts[1], max_tokens=2000, ignore_eos=True), run))
-    await until(lambda: run.count() >= 3)
+    await wait_until(lambda: run.count() >= 3)
     await asyncio.wait_for(backend.abort("aborted"), GONE_WITHIN_S)
     assert "aborted" not in backend.running()
     await asyncio.wait_for(task, GONE_WITHIN_S)
@@ -367,11 +375,11 @@ async def test_cancelling_the_consumer_stops_the_request(backend: HFBackend, pro
     run = Run()
     long_request = request("cancelled", prompts[2], max_tokens=2000, ignore_eos=True)
     task = asyncio.create_task(collect(backend, long_request, run))
-    await until(lambda: run.count() >= 3)
+    await wait_until(lambda: run.count() >= 3)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await until(lambda: "cancelled" not in backend.running(), timeout=GONE_WITHIN_S)
+    await wait_until(lambda: "cancelled" not in backend.running(), timeout=GONE_WITHIN_S)
 
 
 async def test_abort_during_prefill_releases_a_request_that_ended_there(
@@ -391,7 +399,8 @@ async def test_abort_during_prefill_releases_a_request_that_ended_there(
         task = asyncio.create_task(collect(backend, request("held", prompts[2], max_tokens=1), run))
         assert await asyncio.to_thread(entered.wait, GONE_WITHIN_S)
         abort = asyncio.create_task(backend.abort("held"))
-        await asyncio.sleep(0.01)
+        # The abort is asked for (the request marked gone) while its prefill is still held.
+        await wait_until(lambda: backend._requests["held"].gone, what="the abort is asked for")
         go.set()
         await asyncio.wait_for(abort, GONE_WITHIN_S)
         await asyncio.wait_for(task, GONE_WITHIN_S)

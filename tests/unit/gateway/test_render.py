@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 
 from engine.openai_schema import ChatCompletionRequest
 from gateway.render import LocalRenderer
+from tests.support.waiting import wait_until
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
 CASES: list[dict[str, Any]] = [
@@ -54,26 +56,43 @@ def test_segmented_encode_equals_whole_encode(renderer: LocalRenderer, parts: li
     assert renderer.encode_sync(text) == list(renderer.tokenizer.encode(text, add_special_tokens=False).ids)
 
 
-async def test_a_huge_render_does_not_hold_up_a_small_one(qwen3_tokenizer_dir: Path) -> None:
-    """Renders run several at once, and long text is tokenized with the GIL released: a
-    small request sent while a multi-megabyte one renders is done first."""
-    renderer = LocalRenderer(qwen3_tokenizer_dir, workers=2)
+class SignallingRenderer(LocalRenderer):
+    """The real renderer, saying when its tokenization of a long text begins and ends (on a worker thread)."""
+
+    def __init__(self, tokenizer_dir: Path, **options: Any) -> None:
+        super().__init__(tokenizer_dir, **options)
+        self.tokenizing_long = threading.Event()
+        self.tokenized_long = threading.Event()
+
+    def _ids(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        if len(text) <= LONG_CHARS:
+            return super()._ids(text, add_special_tokens)
+        self.tokenizing_long.set()
+        try:
+            return super()._ids(text, add_special_tokens)
+        finally:
+            self.tokenized_long.set()
+
+
+LONG_CHARS = 100_000
+SMALL_RENDERS = 200
+"""Small renders served one after another while the huge one is tokenized. Measured: over 2,000 fit
+in its tokenizer call; with a tokenizer that held the GIL (which stops this loop for the whole
+call), at most 36 fit in the moments after it, before it was over."""
+
+
+async def test_a_huge_render_does_not_hold_up_small_ones(qwen3_tokenizer_dir: Path) -> None:
+    """Renders run several at once, and long text is tokenized with the GIL released: small
+    requests sent while a multi-megabyte one is in the tokenizer are all done before it is."""
+    renderer = SignallingRenderer(qwen3_tokenizer_dir, workers=2)
     try:
         huge = msgspec.convert({"messages": [{"role": "user", "content": "many words here. " * 100_000}]}, ChatCompletionRequest)
-        small = msgspec.convert({"messages": [{"role": "user", "content": "hi"}]}, ChatCompletionRequest)
-        done: list[str] = []
-
-        async def render(name: str, request: ChatCompletionRequest) -> list[int]:
-            ids = await renderer.chat(request)
-            done.append(name)
-            return ids
-
-        big = asyncio.ensure_future(render("huge", huge))
-        await asyncio.sleep(0.05)  # the huge one is on a worker
-        small_ids = await render("small", small)
-        assert done == ["small"], "the small render waited for the huge one"
-        assert len(await big) > 200_000 and small_ids == renderer.chat_sync(small)
-        assert done == ["small", "huge"]
+        smalls = [msgspec.convert({"messages": [{"role": "user", "content": f"hi {i}"}]}, ChatCompletionRequest) for i in range(SMALL_RENDERS)]
+        big = asyncio.ensure_future(renderer.chat(huge))
+        await wait_until(renderer.tokenizing_long.is_set, what="the huge render is in the tokenizer")
+        ids = [await renderer.chat(small) for small in smalls]
+        assert not renderer.tokenized_long.is_set(), "the small renders waited for the huge one's tokenizer"
+        assert len(await big) > 200_000 and ids == [renderer.chat_sync(small) for small in smalls]
     finally:
         renderer.close()
 
