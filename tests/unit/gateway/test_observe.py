@@ -1,9 +1,8 @@
 """What the gateway records of a request (`gateway.observe`): stage spans, stream timings, derender work, the outcome's span.
 
 Spans go to OpenTelemetry's SDK with its in-memory exporter; metrics are the
-gateway's own registry, read as a scrape reads it. The helpers that take a request
-run inside a handler of a real aiohttp app on a loopback port that holds the
-gateway's state, as the pipeline's do. What a whole request records end to end
+gateway's own registry, read as a scrape reads it. The helpers take a request's
+context (`gateway.context.Edge`), as the pipeline hands them: no aiohttp request. What a whole request records end to end
 (one outcome per request, the span tree across gateway and engine) is
 `tests/integration/test_outcome.py`'s and `test_tracing.py`'s.
 """
@@ -12,15 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import msgspec
 import pytest
-from aiohttp import web
-from aiohttp.test_utils import TestServer
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -33,11 +29,9 @@ from gateway.admission import Gate
 from gateway.config import Admission, EngineEndpoint, GatewayConfig
 from gateway.errors import EngineFailed
 from gateway.feedback import EngineFeedback
+from gateway.context import Edge
 from gateway.observe import (
     CPU_SAMPLE_EVERY,
-    SPAN_KEY,
-    STARTED_KEY,
-    TALLY_KEY,
     DerenderWork,
     StreamTimer,
     describe_model,
@@ -45,10 +39,9 @@ from gateway.observe import (
     describe_request,
     measured,
     record_derender,
-    tally,
 )
 from gateway.outcome import CLIENT_GONE, Outcome, Tally, Tokens
-from gateway.state import GATEWAY, GatewayState
+from gateway.state import GatewayState
 
 BURN_S = 0.005
 """CPU one timed derender read spends (busy, on this thread), so its sample is measurable."""
@@ -86,46 +79,16 @@ def observed() -> Iterator[Observed]:
     provider.shutdown()
 
 
-async def in_request(state: GatewayState, work: Callable[[web.Request], Awaitable[None]]) -> None:
-    """`work(request)` inside a handler of a real app holding `state`; what it raised, raised here."""
-    failures: list[BaseException] = []
-
-    async def handler(http: web.Request) -> web.Response:
-        try:
-            await work(http)
-        except Exception as exc:
-            failures.append(exc)
-        return web.Response(status=204)
-
-    app = web.Application()
-    app[GATEWAY] = state
-    app.router.add_get("/", handler)
-    server = TestServer(app)
-    await server.start_server()
-    try:
-        async with aiohttp.ClientSession() as session, session.get(server.make_url("/")) as response:
-            assert response.status == 204
-    finally:
-        await server.close()
-    if failures:
-        raise failures[0]
+def edge(span: Span = trace.INVALID_SPAN, started: float | None = None) -> Edge:
+    """A request's edge as the pipeline hands it to these helpers: no aiohttp request needed."""
+    return Edge(
+        request_id="chatcmpl-1", endpoint="chat", tenant=None, owner="anonymous", headers={}, span=span,
+        started=time.perf_counter() if started is None else started, tally=Tally(),
+    )
 
 
 def server_span(observed: Observed) -> Span:
     return observed.tracer.start_span("chat m", kind=SpanKind.SERVER)
-
-
-# ------------------------------------------------------------ the request's tally
-
-
-async def test_tally_is_the_one_the_middleware_set_else_one_made_once(observed: Observed) -> None:
-    async def work(http: web.Request) -> None:
-        made = tally(http)
-        assert tally(http) is made and http[TALLY_KEY] is made
-        given = http[TALLY_KEY] = Tally()
-        assert tally(http) is given
-
-    await in_request(observed.state, work)
 
 
 @dataclass
@@ -156,53 +119,42 @@ ANSWER = Derendered(
 )
 
 
-async def test_a_derender_is_tallied_as_the_client_was_told(observed: Observed) -> None:
-    async def work(http: web.Request) -> None:
-        record_derender(http, ANSWER)
-        answered = tally(http)
-        assert answered.finish_reasons == ("stop", "length")
-        assert answered.tokens == Tokens(prompt=12, cached=8, completion=9, reasoning=4)
-
-    await in_request(observed.state, work)
+def test_a_derender_is_tallied_as_the_client_was_told() -> None:
+    answered = Tally()
+    record_derender(answered, ANSWER)
+    assert answered.finish_reasons == ("stop", "length")
+    assert answered.tokens == Tokens(prompt=12, cached=8, completion=9, reasoning=4)
 
 
 # ------------------------------------------------------------ stream timings
 
 
-async def test_stream_timer_first_content_from_the_requests_arrival_and_gaps_at_the_end(observed: Observed) -> None:
+def test_stream_timer_first_content_from_the_requests_arrival_and_gaps_at_the_end(observed: Observed) -> None:
     ttft = "onehop_gateway_time_to_first_token_seconds"
     gaps = "onehop_gateway_inter_token_latency_seconds"
-
-    async def work(http: web.Request) -> None:
-        http[STARTED_KEY] = time.perf_counter() - 1.0  # the request arrived a second ago
-        http[SPAN_KEY] = span = server_span(observed)
-        timer = StreamTimer(http, "tokens")
-        for _ in range(4):
-            timer.wrote()
-        span.end()
-        assert observed.sample(ttft + "_count", route="tokens") == 1
-        assert 1.0 <= observed.sample(ttft + "_sum", route="tokens") < 60
-        assert observed.sample(gaps + "_count", route="tokens") == 0  # kept by the stream until it ends
-        timer.flush()
-        assert observed.sample(gaps + "_count", route="tokens") == 3
-        timer.flush()  # what was flushed is not added twice
-        assert observed.sample(gaps + "_count", route="tokens") == 3
-        assert observed.sample(ttft + "_count", route="derender") == 0
-
-    await in_request(observed.state, work)
+    span = server_span(observed)
+    arrived = edge(span, started=time.perf_counter() - 1.0)  # the request arrived a second ago
+    timer = StreamTimer(arrived, observed.state.metrics, "tokens")
+    for _ in range(4):
+        timer.wrote()
+    span.end()
+    assert observed.sample(ttft + "_count", route="tokens") == 1
+    assert 1.0 <= observed.sample(ttft + "_sum", route="tokens") < 60
+    assert observed.sample(gaps + "_count", route="tokens") == 0  # kept by the stream until it ends
+    timer.flush()
+    assert observed.sample(gaps + "_count", route="tokens") == 3
+    timer.flush()  # what was flushed is not added twice
+    assert observed.sample(gaps + "_count", route="tokens") == 3
+    assert observed.sample(ttft + "_count", route="derender") == 0
     assert observed.attributes("chat m")["onehop.time_to_first_token_s"] >= 1.0
 
 
-async def test_stream_timer_without_the_middlewares_marks(observed: Observed) -> None:
-    """A request the observe middleware did not see has no arrival time or span: timed from the timer."""
-
-    async def work(http: web.Request) -> None:
-        before = time.perf_counter()
-        timer = StreamTimer(http, "text")
-        timer.wrote()
-        assert 0 <= observed.sample("onehop_gateway_time_to_first_token_seconds_sum", route="text") <= time.perf_counter() - before
-
-    await in_request(observed.state, work)
+def test_stream_timer_of_a_request_without_a_recording_span(observed: Observed) -> None:
+    """Tracing off (the no-op span): the timings still reach the metrics, no span is written."""
+    before = time.perf_counter()
+    timer = StreamTimer(edge(started=before), observed.state.metrics, "text")
+    timer.wrote()
+    assert 0 <= observed.sample("onehop_gateway_time_to_first_token_seconds_sum", route="text") <= time.perf_counter() - before
     assert observed.spans.get_finished_spans() == ()
 
 
@@ -227,50 +179,42 @@ def derender_reads(work: DerenderWork, reads: int) -> list[bool]:
     return timed
 
 
-async def test_derender_cpu_times_the_first_read_then_samples_one_in_n(observed: Observed) -> None:
+def test_derender_cpu_times_the_first_read_then_samples_one_in_n(observed: Observed) -> None:
     n = CPU_SAMPLE_EVERY
 
-    async def work(http: web.Request) -> None:
-        derender = DerenderWork(http, "text")
-        assert (derender.chunks, derender.cpu_s) == (0, 0.0)
-        timed = derender_reads(derender, 2 + 2 * n)
-        assert timed == [True, True] + [False] * (n - 1) + [True] + [False] * (n - 1) + [True]
-        assert derender.chunks == 2 + 2 * n
-        # The untimed reads count at the samples' mean: about one BURN_S each, not nothing.
-        assert derender.cpu_s >= (2 + 2 * n) * BURN_S * 0.9
-
-    await in_request(observed.state, work)
+    derender = DerenderWork(edge(), observed.state, "text")
+    assert (derender.chunks, derender.cpu_s) == (0, 0.0)
+    timed = derender_reads(derender, 2 + 2 * n)
+    assert timed == [True, True] + [False] * (n - 1) + [True] + [False] * (n - 1) + [True]
+    assert derender.chunks == 2 + 2 * n
+    # The untimed reads count at the samples' mean: about one BURN_S each, not nothing.
+    assert derender.cpu_s >= (2 + 2 * n) * BURN_S * 0.9
 
 
-async def test_derender_work_is_recorded_on_its_span_and_metrics_and_the_outcome(observed: Observed) -> None:
-    async def work(http: web.Request) -> None:
-        http[SPAN_KEY] = span = server_span(observed)
-        derender = DerenderWork(http, "tokens")
-        derender_reads(derender, 3)
-        derender.finish(ANSWER)
-        span.end()
-        cpu_s = derender.cpu_s
-        assert observed.sample("onehop_gateway_derender_cpu_seconds_total", route="tokens") == pytest.approx(cpu_s)
-        assert observed.sample("onehop_gateway_stage_seconds_count", stage="derender") == 1
-        assert observed.sample("onehop_gateway_stage_seconds_sum", stage="derender") == pytest.approx(cpu_s)
-        assert tally(http).finish_reasons == ("stop", "length")
-        assert observed.attributes("derender") == {"onehop.route": "tokens", "onehop.derender.cpu_s": cpu_s, "onehop.derender.chunks": 3}
-
-    await in_request(observed.state, work)
+def test_derender_work_is_recorded_on_its_span_and_metrics_and_the_outcome(observed: Observed) -> None:
+    span = server_span(observed)
+    ctx = edge(span)
+    work = DerenderWork(ctx, observed.state, "tokens")
+    derender_reads(work, 3)
+    work.finish(ANSWER)
+    span.end()
+    cpu_s = work.cpu_s
+    assert observed.sample("onehop_gateway_derender_cpu_seconds_total", route="tokens") == pytest.approx(cpu_s)
+    assert observed.sample("onehop_gateway_stage_seconds_count", stage="derender") == 1
+    assert observed.sample("onehop_gateway_stage_seconds_sum", stage="derender") == pytest.approx(cpu_s)
+    assert ctx.tally.finish_reasons == ("stop", "length")
+    assert observed.attributes("derender") == {"onehop.route": "tokens", "onehop.derender.cpu_s": cpu_s, "onehop.derender.chunks": 3}
     derender, server = observed.finished("derender"), observed.finished("chat m")
     assert derender.parent is not None and derender.parent.span_id == server.context.span_id
 
 
-async def test_derender_work_of_a_request_without_a_recording_span_or_whole_answer(observed: Observed) -> None:
-    async def work(http: web.Request) -> None:
-        http[SPAN_KEY] = trace.INVALID_SPAN  # tracing off
-        derender = DerenderWork(http, "text")
-        derender_reads(derender, 1)
-        derender.finish(None)  # several legs: the merged answer is tallied elsewhere
-        assert observed.sample("onehop_gateway_derender_cpu_seconds_total", route="text") == pytest.approx(derender.cpu_s)
-        assert tally(http).tokens is None
-
-    await in_request(observed.state, work)
+def test_derender_work_of_a_request_without_a_recording_span_or_whole_answer(observed: Observed) -> None:
+    ctx = edge(trace.INVALID_SPAN)  # tracing off
+    derender = DerenderWork(ctx, observed.state, "text")
+    derender_reads(derender, 1)
+    derender.finish(None)  # several legs: the merged answer is tallied elsewhere
+    assert observed.sample("onehop_gateway_derender_cpu_seconds_total", route="text") == pytest.approx(derender.cpu_s)
+    assert ctx.tally.tokens is None
     assert observed.spans.get_finished_spans() == ()
 
 

@@ -16,6 +16,7 @@ is a real one, through the gateway's middlewares (its errors in OpenAI's shape).
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -34,9 +35,10 @@ from gateway.app import create_app
 from gateway.config import EngineEndpoint, GatewayConfig, ModelConfig
 from gateway.engine_client import CAPABILITIES_PATH, VERSION_PATH
 from gateway.feedback import Load
-from gateway.observe import SPAN_KEY
+from gateway.context import Edge, RequestContext
+from gateway.outcome import Tally
 from gateway.policy import RequestFeatures
-from gateway.routing import REASON_KEY, choose_route
+from gateway.routing import choose_route
 from gateway.state import GATEWAY, GatewayState
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -99,13 +101,18 @@ async def decide_route(http: web.Request) -> web.Response:
     state = http.app[GATEWAY]
     body = await http.json()
     model = state.model(body.pop("model"))
-    features = RequestFeatures(model=model.name, headers={k.lower(): v for k, v in http.headers.items()}, **body)
-    http[SPAN_KEY] = trace.INVALID_SPAN  # the observe middleware opens one only on the API's paths
-    target = await choose_route(state, model, http, features, PROMPT)
+    headers = {k.lower(): v for k, v in http.headers.items()}
+    features = RequestFeatures(model=model.name, headers=headers, **body)
+    edge = Edge(
+        request_id="chatcmpl-1", endpoint="chat", tenant=None, owner="anonymous", headers=http.headers,
+        span=trace.INVALID_SPAN, started=time.perf_counter(), tally=Tally(),
+    )
+    routed = await choose_route(state, RequestContext.decoded(edge, model, model.name, None), features, PROMPT)
+    target = routed.routed
     pools = {id(engines): name for name, engines in model.pools.items()} | {id(model.engines): "main"}
     pool = pools[id(target.engines)]
     return web.json_response(
-        {"route": target.route, "pool": pool, "engine": target.endpoint.url, "reason": http[REASON_KEY]}
+        {"route": target.route, "pool": pool, "engine": target.endpoint.url, "reason": routed.tally.reason}
     )
 
 
