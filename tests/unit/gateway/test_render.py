@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.openai_schema import ChatCompletionRequest
-from gateway.render import LocalRenderer
+from gateway.render.local import LocalRenderer
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
 CASES: list[dict[str, Any]] = [
