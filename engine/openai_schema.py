@@ -184,7 +184,7 @@ class ChatCompletionRequest(Struct, omit_defaults=True, kw_only=True, forbid_unk
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     safety_identifier: str | None = None
-    # OpenAI fields refused by name when set (gateway/validate.py).
+    # OpenAI fields refused by name when set (gateway/edge/validate.py).
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
@@ -277,7 +277,7 @@ class CompletionRequest(Struct, omit_defaults=True, kw_only=True, forbid_unknown
     temperature: float | None = None
     top_p: float | None = None
     user: str | None = None
-    best_of: int | None = None  # refused above 1 (gateway/validate.py), as vLLM's v1 engine does
+    best_of: int | None = None  # refused above 1 (gateway/edge/validate.py), as vLLM's v1 engine does
 
     # vLLM extensions: sampling
     use_beam_search: bool = False

@@ -7,8 +7,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from gateway.preflight import EXIT_USAGE, StartupError
-from gateway.workers import add_options, run_gateway
+from gateway.serving.preflight import EXIT_USAGE, StartupError
+from gateway.serving.workers import add_options, run_gateway
 
 
 def main(argv: Sequence[str] | None = None) -> int:

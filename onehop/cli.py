@@ -7,7 +7,7 @@ subcommand is one ``_add_*`` function and one handler.
 A start that cannot succeed (a missing model folder or config file, a port in
 use, a config that no worker could serve) ends with one line on stderr and
 exit status 2, checked before any model loads: handlers raise
-``StartupError`` (``gateway.preflight``, ``onehop.preflight``) and ``main`` prints it.
+``StartupError`` (``gateway.serving.preflight``, ``onehop.preflight``) and ``main`` prints it.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gateway.preflight import EXIT_USAGE, StartupError, check_port
-from gateway.workers import add_options, run_gateway
+from gateway.serving.preflight import EXIT_USAGE, StartupError, check_port
+from gateway.serving.workers import add_options, run_gateway
 from onehop.preflight import check_model_folder, startup_errors
 
 
@@ -276,7 +276,7 @@ def _add_policy(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
 
 
 def _policy() -> Any:
-    from gateway import policy
+    from gateway.routing import policy
 
     return policy
 

@@ -1,13 +1,13 @@
 """Start-up checks of the commands that run an engine (`onehop engine`, `onehop serve`): the
-gateway's (`gateway.preflight`), and the engine's errors and model folder on top."""
+gateway's (`gateway.serving.preflight`), and the engine's errors and model folder on top."""
 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from pathlib import Path
 
-from gateway import preflight
-from gateway.preflight import StartupError
+from gateway.serving import preflight
+from gateway.serving.preflight import StartupError
 
 
 def startup_errors(host: str, port: int) -> AbstractContextManager[None]:

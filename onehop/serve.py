@@ -20,8 +20,8 @@ from aiohttp import web
 from engine.app import create_app as create_engine_app
 from engine.http_server import Runner, new_event_loop
 from engine.config import EngineConfig
-from gateway.access_log import AccessLogger
-from gateway.app import create_app as create_gateway_app
+from gateway.edge.access_log import AccessLogger
+from gateway.serving.app import create_app as create_gateway_app
 from gateway.config import EngineEndpoint, GatewayConfig, ModelConfig, Route
 
 log = logging.getLogger(__name__)

@@ -112,8 +112,8 @@ import aiohttp  # noqa: E402
 
 from engine.http_server import new_event_loop  # noqa: E402
 from engine.qwen3.fixtures import ensure_tiny_model, ensure_tokenizer  # noqa: E402
-from gateway.feedback import load_between, parse_sample  # noqa: E402
-from gateway.policy import load_policy  # noqa: E402
+from gateway.routing.feedback import load_between, parse_sample  # noqa: E402
+from gateway.routing.policy import load_policy  # noqa: E402
 from scripts.bench_gateway import (  # noqa: E402
     _DATA,
     _DONE,

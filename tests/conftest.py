@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from gateway.memory import release_freed_memory
+from gateway.serving.memory import release_freed_memory
 
 from engine.qwen3.fixtures import ensure_tiny_model, ensure_tokenizer
 

@@ -26,7 +26,7 @@ _CHURN = """
 import asyncio, gc, json, sys
 import aiohttp
 from aiohttp import web_app
-from gateway.memory import release_freed_memory
+from gateway.serving.memory import release_freed_memory
 from tests.support.engine import engine_server
 from tests.support.gateway import gateway_server
 

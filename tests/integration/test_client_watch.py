@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from gateway.client_watch import ClientWatch, tcp_progress
+from gateway.relay.client_watch import ClientWatch, tcp_progress
 
 STALL_S = 0.5
 GUARD_S = 20 * STALL_S

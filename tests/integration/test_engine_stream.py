@@ -11,8 +11,8 @@ from contextlib import asynccontextmanager
 import pytest
 from aiohttp import web
 
-from gateway.engine_stream import EngineResponse, StreamPool
-from gateway.errors import EngineFailed, EngineUnavailable
+from gateway.upstream.engine_stream import EngineResponse, StreamPool
+from gateway.edge.errors import EngineFailed, EngineUnavailable
 
 BODY = b'data: {"choices": []}\n\n' * 3 + b"data: [DONE]\n\n"
 

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine.config import EngineConfig
 from engine.state import ENGINE
 from onehop.serve import embedded
-from gateway.state import GATEWAY
+from gateway.serving.state import GATEWAY
 
 # A long scenario (kills, crashes, hundreds of streams): kept out of the default suite, run
 # by CI's `-m slow` stage.

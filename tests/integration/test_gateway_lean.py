@@ -24,7 +24,7 @@ START_TIMEOUT_S = 60.0
 
 _GATEWAY_PATH = """
 import asyncio, json, sys
-import gateway.app
+import gateway.serving.app
 after_import = sorted(m for m in ("torch", "transformers") if m in sys.modules)
 
 import aiohttp
@@ -33,7 +33,7 @@ from gateway.config import EngineEndpoint, GatewayConfig
 
 async def main():
     config = GatewayConfig(model="m", tokenizer=sys.argv[1], engines=[EndpointUrl], route_header=True)
-    runner = web.AppRunner(gateway.app.create_app(config))
+    runner = web.AppRunner(gateway.serving.app.create_app(config))
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -70,7 +70,7 @@ def test_the_gateway_path_imports_neither_torch_nor_transformers(qwen3_tokenizer
 
 
 def test_importing_the_gateway_app_loads_neither() -> None:
-    code = "import gateway.app, sys; assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
+    code = "import gateway.serving.app, sys; assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 

@@ -23,7 +23,7 @@ from aiohttp.test_utils import TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.qwen3.fixtures import cache_dir
-from gateway.app import create_app
+from gateway.serving.app import create_app
 from gateway.config import ConfigError, EngineEndpoint, GatewayConfig, ModelConfig
 from tests.support import kimi_k2
 from tests.support.engine import engine_server

@@ -15,7 +15,7 @@ import pytest
 from engine.config import EngineConfig
 from onehop.serve import embedded
 from engine.state import ENGINE
-from gateway.state import GATEWAY
+from gateway.serving.state import GATEWAY
 
 ROUTES = ["derender", "text", "tokens"]
 TOOLS = [

@@ -12,8 +12,8 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.metrics import EngineMetrics
-from gateway.feedback import CPU_METRIC, IN_FLIGHT_METRIC, load_between, parse_sample
-from gateway.state import GATEWAY
+from gateway.routing.feedback import CPU_METRIC, IN_FLIGHT_METRIC, load_between, parse_sample
+from gateway.serving.state import GATEWAY
 from tests.integration.test_gateway_separate_engine import MESSAGES
 from tests.support.engine import engine_server
 
@@ -25,7 +25,7 @@ BROKEN = "rules:\n  - name: gamma\n    mach: {}\n    route: text\n"
 async def _gateway(engine_url: str, tokenizer_dir: Path, **config: Any) -> Any:
     from aiohttp.test_utils import TestServer
 
-    from gateway.app import create_app
+    from gateway.serving.app import create_app
     from gateway.config import EngineEndpoint, GatewayConfig
 
     config = {"route_header": True, "policy_header": True, **config}

@@ -10,7 +10,7 @@ import pytest
 from prometheus_client import Counter
 
 from gateway.config import Auth, EngineEndpoint
-from gateway.policy import PolicyError
+from gateway.routing.policy import PolicyError
 from tests.support.engine import engine_server
 from tests.support.gateway import gateway_server
 

@@ -13,7 +13,7 @@ from openai.types.chat import ChatCompletionMessageParam
 import pytest
 from aiohttp.test_utils import TestServer
 
-from gateway.app import create_app
+from gateway.serving.app import create_app
 from gateway.config import EngineEndpoint, GatewayConfig, Timeouts
 from tests.support.engine import engine_server
 

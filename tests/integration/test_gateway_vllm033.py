@@ -21,7 +21,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from gateway.pool import Circuit
+from gateway.upstream.pool import Circuit
 from tests.integration.test_engine_server import MESSAGES, TOOLS
 from tests.support import vllm033
 from tests.support.engine import AppServer, engine_server

@@ -89,7 +89,7 @@ async def test_a_server_side_failure_is_one_line_with_the_request_id(
             rid = response.headers["X-Request-Id"]
             assert (await response.json())["error"]["code"] == "engine_unavailable"
     assert rid.startswith("chatcmpl-")
-    failures = [r for r in caplog.records if r.name == "gateway.errors"]
+    failures = [r for r in caplog.records if r.name == "gateway.edge.errors"]
     assert len(failures) == 1, caplog.text
     assert failures[0].levelno == logging.ERROR and failures[0].exc_info is None
     assert rid in failures[0].getMessage() and "503" in failures[0].getMessage()

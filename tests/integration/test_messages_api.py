@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from gateway.config import Agents, Auth
-from gateway.state import GatewayState
+from gateway.serving.state import GatewayState
 from tests.support.engine import engine_server
 from tests.support.gateway import gateway_server
 

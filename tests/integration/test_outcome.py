@@ -16,8 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.config import EngineConfig
 from onehop.serve import Embedded, embedded
-from gateway.outcome import CLIENT_GONE, Outcome
-from gateway.state import GATEWAY
+from gateway.observe.outcome import CLIENT_GONE, Outcome
+from gateway.serving.state import GATEWAY
 
 ROUTES = ("derender", "text", "tokens")
 WAIT_S = 10.0

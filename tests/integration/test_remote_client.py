@@ -8,7 +8,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from gateway.remote import RemoteUnavailable, _post
+from gateway.upstream.remote import RemoteUnavailable, _post
 
 
 async def serve(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> tuple[web.AppRunner, str]:

@@ -26,7 +26,7 @@ from pydantic import BaseModel, Field
 
 from engine.qwen3.fixtures import cache_dir
 from gateway.config import Agents as AgentsConfig
-from gateway.state import GatewayState
+from gateway.serving.state import GatewayState
 from tests.support import harmony_tokenizer
 from tests.support.engine import engine_server
 from tests.support.family_tokenizers import build_family_tokenizer

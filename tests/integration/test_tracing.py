@@ -143,7 +143,7 @@ async def test_a_callers_traceparent_is_continued(qwen3_tokenizer_dir: Path) -> 
 async def _gateway_alone(tokenizer: Path, tracing: TracingConfig, engine_url: str) -> Any:
     from aiohttp import web
 
-    from gateway.app import create_app
+    from gateway.serving.app import create_app
     from gateway.config import EngineEndpoint, GatewayConfig
 
     config = GatewayConfig(

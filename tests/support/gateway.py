@@ -7,9 +7,9 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from gateway.app import create_app
+from gateway.serving.app import create_app
 from gateway.config import EngineEndpoint, GatewayConfig
-from gateway.state import GATEWAY, GatewayState
+from gateway.serving.state import GATEWAY, GatewayState
 from tests.support.engine import AppServer
 
 

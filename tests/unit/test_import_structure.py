@@ -316,11 +316,11 @@ def _graph(deferred: bool) -> dict[str, set[str]]:
 def test_the_graph_is_read_from_the_real_package() -> None:
     graph = _graph(False)
     assert len(graph) > 100
-    assert "gateway.splice" in graph["gateway.relay"]
+    assert "gateway.relay.splice" in graph["gateway.relay.engine"]
     assert "engine.protocol" in graph["engine.outputs"]
     assert sum(len(targets) for targets in graph.values()) > 300
-    assert {"engine.app", "gateway.app", "onehop.preflight"} <= graph["onehop.serve"] | graph["onehop.cli"]
-    assert "engine.http_server" in graph["gateway.app"]  # the shared plumbing the rules allow
+    assert {"engine.app", "gateway.serving.app", "onehop.preflight"} <= graph["onehop.serve"] | graph["onehop.cli"]
+    assert "engine.http_server" in graph["gateway.serving.app"]  # the shared plumbing the rules allow
 
 
 def test_no_import_circles_when_modules_load() -> None:
@@ -347,15 +347,15 @@ def test_gateway_never_imports_onehop_the_engine_server_or_a_backend() -> None:
 
 GATEWAY_EDGE = frozenset(
     {
-        "gateway.access_log",
-        "gateway.app",
-        "gateway.auth",
-        "gateway.context",
-        "gateway.errors",
-        "gateway.lookups",
-        "gateway.pipeline",
-        "gateway.responder",
-        "gateway.state",
+        "gateway.edge.access_log",
+        "gateway.serving.app",
+        "gateway.edge.auth",
+        "gateway.edge.context",
+        "gateway.edge.errors",
+        "gateway.flow.lookups",
+        "gateway.flow.pipeline",
+        "gateway.relay.responder",
+        "gateway.serving.state",
     }
 )
 """The gateway's modules that see aiohttp's server side: the app and its middlewares, the edge

@@ -1,4 +1,4 @@
-"""`gateway.remote` against a stock vLLM 0.32 render + derender service (opt-in: needs vLLM's venv).
+"""`gateway.upstream.remote` against a stock vLLM 0.32 render + derender service (opt-in: needs vLLM's venv).
 
 One vLLM server (`--enable-scale-out`, qwen3 reasoning + hermes tool parsers,
 the tiny Qwen3 model) serves render, `/inference/v1/generate` and derender
@@ -65,7 +65,7 @@ from engine.protocol import (
     decode_generate_response,
     decode_generate_stream_chunk,
 )
-from gateway.remote import (
+from gateway.upstream.remote import (
     InvalidChunk,
     RemoteChatDerender,
     RemoteCompletionDerender,
@@ -583,7 +583,7 @@ async def _gateway(vllm_url: str, model: str, tiny_model_dir: Path, render: str)
     import openai
     from aiohttp.test_utils import TestServer
 
-    from gateway.app import create_app
+    from gateway.serving.app import create_app
     from gateway.config import EngineEndpoint, GatewayConfig
 
     config = GatewayConfig(
@@ -650,9 +650,9 @@ async def test_gateway_takes_stock_vllm_032_as_032(vllm_url: str, model: str, ti
     the text and tokens routes only."""
     import aiohttp as http_client
 
-    from gateway.engine_client import EngineClient
+    from gateway.upstream.engine_client import EngineClient
     from gateway.config import Health, Timeouts
-    from gateway.pool import Pool
+    from gateway.upstream.pool import Pool
 
     async with http_client.ClientSession() as session, session.get(vllm_url + "/version") as response:
         assert (await response.json())["version"].startswith("0.32")
@@ -728,7 +728,7 @@ async def test_render_carries_the_structured_outputs_onehop_sends(
 ) -> None:
     """vLLM's /render and onehop's gateway put the same constraint in `sampling_params`."""
     from engine.protocol import StructuredOutputs
-    from gateway.engine_request import structured_outputs
+    from gateway.upstream.engine_request import structured_outputs
 
     body = json.dumps({"model": model, "messages": WEATHER_TURN, **STRUCTURED_CASES[case]}).encode()
     rendered = await render_chat(session, vllm_url, body)

@@ -212,7 +212,7 @@ def _options(spec: Family, **text: Any) -> ChatOptions:
 
 def _prompt(spec: Family) -> list[int]:
     """The rendered prompt as the gateway renders it from the folder (its template, its tokenizer)."""
-    from gateway.render import LocalRenderer
+    from gateway.render.local import LocalRenderer
 
     renderer = LocalRenderer(spec.folder())
     try:

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.auth import KeyFileError, check_key, load_key_file
-from gateway.errors import Unauthorized
+from gateway.edge.auth import KeyFileError, check_key, load_key_file
+from gateway.edge.errors import Unauthorized
 
 
 def test_key_file_with_tenants(tmp_path: Path) -> None:

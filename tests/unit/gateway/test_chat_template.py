@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.chat_template import ChatTemplate, ChatTemplateError, pick_template
+from gateway.render.chat_template import ChatTemplate, ChatTemplateError, pick_template
 
 HI = [{"role": "user", "content": "hi"}]
 

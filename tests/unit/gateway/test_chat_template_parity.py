@@ -23,8 +23,8 @@ from tokenizers import Tokenizer, processors
 
 from engine.openai_schema import ChatCompletionRequest
 from engine.qwen3.fixtures import cache_dir
-from gateway.errors import InvalidRequest
-from gateway.render import LocalRenderer
+from gateway.edge.errors import InvalidRequest
+from gateway.render.local import LocalRenderer
 from tests.support import deepseek, glm_tokenizer, harmony_tokenizer, kimi_k2, llama3, minimax_m2, mistral, pythonic
 
 transformers = pytest.importorskip("transformers")
@@ -259,7 +259,7 @@ def test_o200k_folder_renders_as_transformers(qwen3_tokenizer_dir: Path) -> None
 
 
 def test_a_folder_without_tokenizer_json_is_refused(tmp_path: Path, qwen3_tokenizer_dir: Path) -> None:
-    from gateway.tokenizer_folder import TokenizerFolderError
+    from gateway.render.tokenizer_folder import TokenizerFolderError
 
     shutil.copyfile(qwen3_tokenizer_dir / "tokenizer_config.json", tmp_path / "tokenizer_config.json")
     with pytest.raises(TokenizerFolderError, match=r"tokenizer\.json"):

@@ -12,7 +12,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.metrics import EngineMetrics
-from gateway.metrics import GatewayMetrics
+from gateway.observe.metrics import GatewayMetrics
 
 ROOT = Path(__file__).resolve().parents[3]
 DASHBOARD = ROOT / "configs" / "grafana" / "onehop-dashboard.json"

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from gateway.engine_client import engine_error
-from gateway.errors import error_json, status_error
+from gateway.upstream.engine_client import engine_error
+from gateway.edge.errors import error_json, status_error
 
 VLLM_OVERFLOW = (
     "This model's maximum context length is 32768 tokens. However, your request has 40009 input tokens. "

@@ -7,7 +7,7 @@ from collections.abc import AsyncGenerator
 
 import pytest
 
-from gateway.pipeline import all_of, merged
+from gateway.flow.pipeline import all_of, merged
 
 
 class _Source:

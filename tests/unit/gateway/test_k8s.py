@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from gateway.config import GatewayConfig
-from gateway.policy import load_policy
+from gateway.routing.policy import load_policy
 
 ROOT = Path(__file__).resolve().parents[3]
 K8S = ROOT / "configs" / "k8s"

@@ -31,9 +31,9 @@ from engine.openai_schema import (
     ToolCall,
     Usage,
 )
-from gateway import errors
-from gateway.errors import GatewayError, InvalidRequest
-from gateway.messages import (
+from gateway.edge import errors
+from gateway.edge.errors import GatewayError, InvalidRequest
+from gateway.apis.messages import (
     MessagesPresenter,
     MessagesRequest,
     count_tokens_to_chat,
@@ -42,7 +42,7 @@ from gateway.messages import (
     error_body,
     to_chat,
 )
-from gateway.translate import Presented, Turn, turn
+from gateway.apis.translate import Presented, Turn, turn
 
 _encode = msgspec.json.Encoder().encode
 META = Presented(response_id="msg_0123", model="client-name", created=0, prompt_tokens=12)

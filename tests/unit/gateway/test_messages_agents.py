@@ -13,10 +13,10 @@ import pytest
 
 from engine.openai_schema import ChatCompletion, ChatCompletionChoice, ChatCompletionMessage, Usage
 from gateway.config import Agents
-from gateway.context_edits import CLEARED
-from gateway.errors import InvalidRequest
-from gateway.chat_template import ChatTemplate
-from gateway.messages import (
+from gateway.apis.context_edits import CLEARED
+from gateway.edge.errors import InvalidRequest
+from gateway.render.chat_template import ChatTemplate
+from gateway.apis.messages import (
     ContextManagementResponse,
     MessagesPresenter,
     Translated,
@@ -27,9 +27,9 @@ from gateway.messages import (
     translate,
     too_long,
 )
-from gateway.render import LocalRenderer
-from gateway.translate import Presented, turn
-from gateway.validate import check_context, check_text_size
+from gateway.render.local import LocalRenderer
+from gateway.apis.translate import Presented, turn
+from gateway.edge.validate import check_context, check_text_size
 
 _encode = msgspec.json.Encoder().encode
 CAPTURE_BILLING = "x-anthropic-billing-header: cc_version=2.1.197.fbe; cc_entrypoint=sdk-cli;"

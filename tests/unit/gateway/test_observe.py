@@ -1,8 +1,8 @@
-"""What the gateway records of a request (`gateway.observe`): stage spans, stream timings, derender work, the outcome's span.
+"""What the gateway records of a request (`gateway.observe.spans`): stage spans, stream timings, derender work, the outcome's span.
 
 Spans go to OpenTelemetry's SDK with its in-memory exporter; metrics are the
 gateway's own registry, read as a scrape reads it. The helpers take a request's
-context (`gateway.context.Edge`), as the pipeline hands them: no aiohttp request. What a whole request records end to end
+context (`gateway.edge.context.Edge`), as the pipeline hands them: no aiohttp request. What a whole request records end to end
 (one outcome per request, the span tree across gateway and engine) is
 `tests/integration/test_outcome.py`'s and `test_tracing.py`'s.
 """
@@ -25,12 +25,12 @@ from opentelemetry.trace import Span, SpanKind, StatusCode
 
 from engine.openai_schema import CompletionTokensDetails, PromptTokensDetails, Usage
 from engine.telemetry import Tracing, TracingConfig
-from gateway.admission import Gate
+from gateway.edge.admission import Gate
 from gateway.config import Admission, EngineEndpoint, GatewayConfig
-from gateway.errors import EngineFailed
-from gateway.feedback import EngineFeedback
-from gateway.context import Edge
-from gateway.observe import (
+from gateway.edge.errors import EngineFailed
+from gateway.routing.feedback import EngineFeedback
+from gateway.edge.context import Edge
+from gateway.observe.spans import (
     CPU_SAMPLE_EVERY,
     DerenderWork,
     StreamTimer,
@@ -40,8 +40,8 @@ from gateway.observe import (
     measured,
     record_derender,
 )
-from gateway.outcome import CLIENT_GONE, Outcome, Tally, Tokens
-from gateway.state import GatewayState
+from gateway.observe.outcome import CLIENT_GONE, Outcome, Tally, Tokens
+from gateway.serving.state import GatewayState
 
 BURN_S = 0.005
 """CPU one timed derender read spends (busy, on this thread), so its sample is measurable."""

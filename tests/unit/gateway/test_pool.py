@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from gateway.config import EngineEndpoint, Health
-from gateway.errors import EngineUnavailable
-from gateway.pool import Breaker, Circuit, Pool
+from gateway.edge.errors import EngineUnavailable
+from gateway.upstream.pool import Breaker, Circuit, Pool
 
 
 def _pool(*urls: str, **health: float) -> tuple[Pool, list[tuple[str, bool]]]:

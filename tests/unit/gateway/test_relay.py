@@ -16,10 +16,10 @@ import pytest
 from engine.derender.errors import DerenderError
 from engine.protocol import SUMMARY_COMMENT, EngineSummary
 from gateway.config import Timeouts
-from gateway.errors import EngineFailed, EngineTimeout, InvalidRequest
-from gateway.outcome import Tally, Tokens
-from gateway.relay import EngineEvents, engine_payloads, read_answer, stream_error
-from gateway.responder import openai_error_end
+from gateway.edge.errors import EngineFailed, EngineTimeout, InvalidRequest
+from gateway.observe.outcome import Tally, Tokens
+from gateway.relay.engine import EngineEvents, engine_payloads, read_answer, stream_error
+from gateway.relay.responder import openai_error_end
 from tests.support.sse_engine import Script, split_at, sse_engine
 
 CHUNKS = [
@@ -108,7 +108,7 @@ def test_events_cut_before_done() -> None:
 
 
 def test_events_oversized_partial_event() -> None:
-    from gateway.sse import MAX_EVENT_BYTES
+    from gateway.relay.sse import MAX_EVENT_BYTES
 
     events = EngineEvents()
     with pytest.raises(EngineFailed, match="over"):

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.openai_schema import ChatCompletionRequest
-from gateway.render import LocalRenderer
+from gateway.render.local import LocalRenderer
 from tests.support.waiting import wait_until
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]

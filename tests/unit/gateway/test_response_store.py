@@ -21,9 +21,9 @@ from engine.openai_schema import (
     Usage,
 )
 from gateway.config import ResponseStoreConfig
-from gateway.response_store import ENTRY_OVERHEAD, ResponseStore, entry_size
-from gateway.responses import ResponsesPresenter, ResponsesRequest, decode_request, to_chat
-from gateway.translate import Presented, Turn, turn
+from gateway.apis.response_store import ENTRY_OVERHEAD, ResponseStore, entry_size
+from gateway.apis.responses import ResponsesPresenter, ResponsesRequest, decode_request, to_chat
+from gateway.apis.translate import Presented, Turn, turn
 
 A, B = "tenant:a", "tenant:b"
 

@@ -44,11 +44,11 @@ from engine.openai_schema import (
     TopLogprob,
     Usage,
 )
-from gateway.errors import EngineFailed, EngineUnavailable, InvalidRequest
-from gateway.agent_tools import FREE_TEXT, CustomInputStream, ToolPolicy, custom_input, hosted_types
-from gateway.response_store import ResponseStore
-from gateway.responses import ResponsesPresenter, ResponsesRequest, decode_request, to_chat
-from gateway.translate import Presented, Turn, turn
+from gateway.edge.errors import EngineFailed, EngineUnavailable, InvalidRequest
+from gateway.apis.agent_tools import FREE_TEXT, CustomInputStream, ToolPolicy, custom_input, hosted_types
+from gateway.apis.response_store import ResponseStore
+from gateway.apis.responses import ResponsesPresenter, ResponsesRequest, decode_request, to_chat
+from gateway.apis.translate import Presented, Turn, turn
 from tests.support.narrow import of
 
 EVENTS: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(ResponseStreamEvent)

@@ -31,15 +31,15 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from opentelemetry import trace
 
-from gateway.app import create_app
+from gateway.serving.app import create_app
 from gateway.config import EngineEndpoint, GatewayConfig, ModelConfig
-from gateway.engine_client import CAPABILITIES_PATH, VERSION_PATH
-from gateway.feedback import Load
-from gateway.context import Edge, RequestContext
-from gateway.outcome import Tally
-from gateway.policy import RequestFeatures
-from gateway.routing import choose_route
-from gateway.state import GATEWAY, GatewayState
+from gateway.upstream.engine_client import CAPABILITIES_PATH, VERSION_PATH
+from gateway.routing.feedback import Load
+from gateway.edge.context import Edge, RequestContext
+from gateway.observe.outcome import Tally
+from gateway.routing.policy import RequestFeatures
+from gateway.routing.choose import choose_route
+from gateway.serving.state import GATEWAY, GatewayState
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -8,8 +8,8 @@ import msgspec
 
 from engine.openai_schema import ChatMessageParam
 from gateway.config import ResponseStoreConfig
-from gateway.response_store import entry_size
-from gateway.shared_responses import SharedResponseStore
+from gateway.apis.response_store import entry_size
+from gateway.apis.shared_responses import SharedResponseStore
 
 A, B = "tenant:a", "tenant:b"
 
@@ -73,7 +73,7 @@ def test_an_owner_past_its_share_evicts_its_own_oldest_in_every_worker(tmp_path:
 
 
 def test_a_stored_session_is_read_back_in_every_worker(tmp_path: Path) -> None:
-    from gateway.response_store import ResponseStore
+    from gateway.apis.response_store import ResponseStore
 
     one, other = SharedResponseStore(tmp_path / "r.sqlite"), SharedResponseStore(tmp_path / "r.sqlite")
     for writer, reader in ((one, other), (ResponseStore(), None)):

@@ -21,11 +21,11 @@ import pytest
 from aiohttp import web
 
 from engine.protocol import SUMMARY_COMMENT, EngineSummary
-from gateway.engine_stream import EngineResponse, StreamPool
-from gateway.errors import ClientGone, EngineDied, EngineFailed, EngineTimeout
-from gateway.outcome import Tally, Tokens
-from gateway.relay import EngineEvents
-from gateway.splice import splice
+from gateway.upstream.engine_stream import EngineResponse, StreamPool
+from gateway.edge.errors import ClientGone, EngineDied, EngineFailed, EngineTimeout
+from gateway.observe.outcome import Tally, Tokens
+from gateway.relay.engine import EngineEvents
+from gateway.relay.splice import splice
 from tests.support.sse_engine import split_at
 from tests.support.waiting import wait_until
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.sse import SSEError, SSEReader
+from gateway.relay.sse import SSEError, SSEReader
 
 STREAM = (
     b'data: {"a": 1}\n\n'

@@ -11,9 +11,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from gateway.feedback import CPU_METRIC, EngineFeedback
-from gateway.reload import WatchedFile
-from gateway.supervisor import Supervisor
+from gateway.routing.feedback import CPU_METRIC, EngineFeedback
+from gateway.serving.reload import WatchedFile
+from gateway.serving.supervisor import Supervisor
 from tests.support.waiting import wait_until
 
 

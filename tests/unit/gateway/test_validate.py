@@ -14,8 +14,8 @@ import pytest
 
 from engine.openai_schema import MAX_JSON_DEPTH, ChatCompletionRequest, CompletionRequest
 from gateway.config import Limits
-from gateway.errors import CONTEXT_LENGTH_EXCEEDED, InvalidRequest, error_json
-from gateway.validate import (
+from gateway.edge.errors import CONTEXT_LENGTH_EXCEEDED, InvalidRequest, error_json
+from gateway.edge.validate import (
     MAX_METADATA_PAIRS,
     check_buffered_answer,
     check_chat,

@@ -1,4 +1,4 @@
-"""gateway/vllm_derender.py: which vLLM has the form, parse_context as vLLM's /render fills it, the answer."""
+"""gateway/upstream/vllm_derender.py: which vLLM has the form, parse_context as vLLM's /render fills it, the answer."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 
 from engine import openai_schema as oa
 from engine import protocol as p
-from gateway import vllm_derender as vd
-from gateway.errors import EngineFailed
-from gateway.policy import RequestFeatures
+from gateway.upstream import vllm_derender as vd
+from gateway.edge.errors import EngineFailed
+from gateway.routing.policy import RequestFeatures
 from tests.support import vllm033
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from gateway.workers import _cgroup_cpus, default_workers
+from gateway.serving.workers import _cgroup_cpus, default_workers
 
 
 def test_a_cgroup_quota_is_counted_in_whole_cpus(tmp_path: Path) -> None:

@@ -1,0 +1,133 @@
+"""The Responses store the workers of `onehop gateway --workers N` share.
+
+With several workers on one port, a client's follow-up (`previous_response_id`,
+`GET /v1/responses/{id}`) lands on whichever worker the kernel picks, so the
+stored answers live in one SQLite file in the run's folder (WAL: readers do
+not wait for a writer), scoped and bounded as the single-process store is
+(`gateway.apis.response_store`: each owner's share, then the whole store's bound, the
+least recently used evicted first; sizes counted alike). A single-process
+gateway keeps its in-memory `ResponseStore`.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import msgspec
+
+from engine.openai_schema import ChatMessageParam
+from gateway.config import ResponseStoreConfig
+from gateway.apis.response_store import ResponseStore, StoredResponse, entry_size
+from gateway.serving.worker_env import run_dir
+
+_encode = msgspec.json.Encoder().encode
+_CONVERSATION = msgspec.json.Decoder(list[ChatMessageParam])
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS responses (
+    id TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,
+    body BLOB NOT NULL,
+    conversation BLOB NOT NULL,
+    size INTEGER NOT NULL,
+    used INTEGER NOT NULL,
+    session TEXT
+);
+CREATE INDEX IF NOT EXISTS responses_used ON responses (used);
+CREATE INDEX IF NOT EXISTS responses_owner_used ON responses (owner, used);
+"""
+BUSY_TIMEOUT_S = 5.0
+
+
+class SharedResponseStore:
+    """`ResponseStore`'s interface over an SQLite file several processes open."""
+
+    def __init__(self, path: Path, bounds: ResponseStoreConfig | None = None) -> None:
+        self.bounds = bounds or ResponseStoreConfig()
+        # One connection per worker, used on its event loop only; autocommit, with
+        # explicit transactions where a change spans statements.
+        self._db = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.executescript(_SCHEMA)
+
+    def __len__(self) -> int:
+        return int(self._db.execute("SELECT COUNT(*) FROM responses").fetchone()[0])
+
+    def put(
+        self,
+        owner: str,
+        response_id: str,
+        response: bytes,
+        conversation: list[ChatMessageParam],
+        session: str | None = None,
+    ) -> bool:
+        history = _encode(conversation)
+        size = entry_size(response, history, session)
+        with self._transaction():
+            self._db.execute("DELETE FROM responses WHERE id = ?", (response_id,))
+            if size > self.bounds.max_tenant_bytes:
+                return False
+            self._db.execute(
+                "INSERT INTO responses VALUES (?, ?, ?, ?, ?, (SELECT COALESCE(MAX(used), 0) + 1 FROM responses), ?)",
+                (response_id, owner, response, history, size, session),
+            )
+            self._evict(owner)
+        return True
+
+    def get(self, owner: str, response_id: str) -> StoredResponse | None:
+        with self._transaction():
+            row = self._db.execute(
+                "SELECT body, conversation, session FROM responses WHERE id = ? AND owner = ?", (response_id, owner)
+            ).fetchone()
+            if row is None:
+                return None
+            self._db.execute(
+                "UPDATE responses SET used = (SELECT MAX(used) + 1 FROM responses) WHERE id = ?", (response_id,)
+            )
+        body, history, session = row
+        return StoredResponse(msgspec.Raw(body), _CONVERSATION.decode(history), session)
+
+    def delete(self, owner: str, response_id: str) -> bool:
+        deleted = self._db.execute("DELETE FROM responses WHERE id = ? AND owner = ?", (response_id, owner))
+        return deleted.rowcount > 0
+
+    def close(self) -> None:
+        self._db.close()
+
+    def _evict(self, owner: str) -> None:
+        """The owner's least recently used past its share, then anyone's past the whole bound."""
+        bounds = self.bounds
+        self._evict_past(bounds.max_tenant_entries, bounds.max_tenant_bytes, "WHERE owner = ?", (owner,))
+        self._evict_past(bounds.max_entries, bounds.max_bytes, "", ())
+
+    def _evict_past(self, max_entries: int, max_bytes: int, where: str, args: tuple[str, ...]) -> None:
+        count, total = self._db.execute(
+            f"SELECT COUNT(*), COALESCE(SUM(size), 0) FROM responses {where}", args
+        ).fetchone()
+        while count > max_entries or total > max_bytes:
+            oldest = self._db.execute(f"SELECT id, size FROM responses {where} ORDER BY used LIMIT 1", args).fetchone()
+            self._db.execute("DELETE FROM responses WHERE id = ?", (oldest[0],))
+            count, total = count - 1, total - oldest[1]
+
+    def _transaction(self) -> _Transaction:
+        return _Transaction(self._db)
+
+
+class _Transaction:
+    """BEGIN IMMEDIATE … COMMIT (ROLLBACK on an exception): the write lock is taken up front,
+    so two workers updating `used` never deadlock on a lock upgrade."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self._db = db
+
+    def __enter__(self) -> None:
+        self._db.execute("BEGIN IMMEDIATE")
+
+    def __exit__(self, kind: object, value: object, traceback: object) -> None:
+        self._db.execute("COMMIT" if kind is None else "ROLLBACK")
+
+
+def response_store(bounds: ResponseStoreConfig | None = None) -> ResponseStore | SharedResponseStore:
+    """The run's shared store under `--workers N`, else this process's own."""
+    folder = run_dir()
+    return SharedResponseStore(folder / "responses.sqlite", bounds) if folder is not None else ResponseStore(bounds)

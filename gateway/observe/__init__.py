@@ -1,0 +1,6 @@
+"""Spans, metrics, and the one outcome event per request.
+
+- `spans`: the outcome's trace subscriber: spans; stream timings
+- `metrics`: the outcome's Prometheus subscriber
+- `outcome`: the one outcome event per API request and its subscribers
+"""

@@ -1,0 +1,206 @@
+"""The gateway's Prometheus metrics, one registry per app. Names are in docs/operations.md.
+
+Under `onehop gateway --workers N` (prometheus-client's multiprocess mode, on
+when `PROMETHEUS_MULTIPROC_DIR` is set before the client is imported) every
+worker writes its values to files in that folder, and a scrape, whichever
+worker answers it, reads them all: counters and histograms are summed, gauges
+are summed over live workers (in flight, waiting) or their maximum (a circuit
+open in any worker).
+"""
+
+from __future__ import annotations
+
+import os
+from bisect import bisect_left
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from gateway.observe.outcome import Outcome
+
+_MULTIPROCESS_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_GAP_BUCKETS = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+_STAGE_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.5)
+STAGES = ("render", "policy", "derender")
+
+
+@dataclass
+class GatewayMetrics:
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.requests = Counter(
+            "onehop_gateway_requests", "OpenAI requests by endpoint, route, model and HTTP status.",
+            ["endpoint", "route", "model", "status"], registry=r,
+        )
+        self.in_flight = Gauge(
+            "onehop_gateway_in_flight_requests", "Requests being served now.", ["endpoint"],
+            registry=r, multiprocess_mode="livesum",
+        )
+        self.stage_seconds = Histogram(
+            "onehop_gateway_stage_seconds",
+            "Gateway time per request in each stage: render, policy, derender (the derender's own compute).",
+            ["stage"], buckets=_STAGE_BUCKETS, registry=r,
+        )
+        self.derender_cpu = Counter(
+            "onehop_gateway_derender_cpu_seconds",
+            "Gateway CPU spent derendering engine output, by route.",
+            ["route"],
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "onehop_gateway_request_duration_seconds", "From request arrival to the last byte, by route.",
+            ["route"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.time_to_first_token = Histogram(
+            "onehop_gateway_time_to_first_token_seconds",
+            "Streams: from request arrival to the first content sent, by route.",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.inter_token_latency = Histogram(
+            "onehop_gateway_inter_token_latency_seconds", "Streams: gap between two writes to the client, by route.",
+            ["route"], buckets=_GAP_BUCKETS, registry=r,
+        )
+        self.disconnects = Counter(
+            "onehop_gateway_client_disconnects",
+            "Clients that left before the answer was complete, by route.",
+            ["route"],
+            registry=r,
+        )
+        self.background_restarts = Counter(
+            "onehop_gateway_background_restarts",
+            "Background loops (health, dns, feedback, policy_file, key_file) restarted after a failure.",
+            ["loop"], registry=r,
+        )
+        self.engine_aborts = Counter(
+            "onehop_gateway_engine_aborts", "Abort requests sent to engines for clients that left.", registry=r
+        )
+        self.policy_decisions = Counter(
+            "onehop_gateway_policy_decisions",
+            "Route decisions by route and basis: a rule's name, `cost`, `default` or `header`.",
+            ["route", "rule"], registry=r,
+        )
+        self.engine_retries = Counter(
+            "onehop_gateway_engine_retries",
+            "Requests this engine failed before answering, retried on another one.",
+            ["engine"], registry=r,
+        )
+        self.admission_rejections = Counter(
+            "onehop_gateway_admission_rejections",
+            "Requests refused with a 429: no slot, the wait queue full or timed out.",
+            registry=r,
+        )
+        self.admission_waiting = Gauge(
+            "onehop_gateway_admission_waiting", "Requests waiting for a slot (admission control).",
+            registry=r, multiprocess_mode="livesum",
+        )
+        self.ignored_fields = Counter(
+            "onehop_gateway_ignored_fields",
+            "Unknown top-level request fields ignored (agents.unknown_fields: ignore), by endpoint and field "
+            "(after 64 distinct names, `_other`).",
+            ["endpoint", "field"], registry=r,
+        )
+        self.dropped_tools = Counter(
+            "onehop_gateway_dropped_tools",
+            "Hosted tools (web_search, ...) left out of the prompt (agents.hosted_tools: drop),"
+            " by endpoint and tool type.",
+            ["endpoint", "type"],
+            registry=r,
+        )
+        self.context_edits_ignored = Counter(
+            "onehop_gateway_context_edits_ignored",
+            "Anthropic context_management edits of a type not served, ignored (the request is served unedited by "
+            "them), by type (after 16 distinct types, `_other`).",
+            ["type"], registry=r,
+        )
+        self.tokens = Counter(
+            "onehop_gateway_tokens",
+            "Tokens of the answered requests, by model and kind: prompt, cached (of the prompt, from the engine's "
+            "prefix cache), completion, reasoning (of the completion).",
+            ["model", "kind"], registry=r,
+        )
+        self.circuit_open = Gauge(
+            "onehop_gateway_engine_circuit_open", "1 while an engine's circuit breaker is open, else 0.", ["engine"],
+            registry=r, multiprocess_mode="livemax",
+        )
+
+    def record(self, outcome: Outcome) -> None:
+        """A request's outcome: its count, duration, disconnect and tokens (subscribed in `gateway.serving.app`)."""
+        model = outcome.model or "none"
+        self.requests.labels(outcome.endpoint, outcome.route, model, str(outcome.status)).inc()
+        self.e2e.labels(outcome.route).observe(outcome.duration_s)
+        if outcome.client_gone:
+            self.disconnects.labels(outcome.route).inc()
+        tokens = outcome.tokens
+        if tokens is not None:
+            for kind, count in (
+                ("prompt", tokens.prompt),
+                ("cached", tokens.cached),
+                ("completion", tokens.completion),
+                ("reasoning", tokens.reasoning),
+            ):
+                if count:
+                    self.tokens.labels(model, kind).inc(count)
+
+    def circuit(self, engine: str, is_open: bool) -> None:
+        """An engine's circuit changed (or the engine joined the pool: closed), so dashboards see zeros, not gaps."""
+        self.engine_retries.labels(engine)
+        self.circuit_open.labels(engine).set(1 if is_open else 0)
+
+    def render(self) -> bytes:
+        folder = os.environ.get(_MULTIPROCESS_ENV)
+        if folder is None:
+            return generate_latest(self.registry)
+        every_worker = CollectorRegistry()
+        MultiProcessCollector(every_worker, path=folder)  # type: ignore[no-untyped-call]  # unannotated upstream
+        return generate_latest(every_worker)
+
+
+class LocalHistogram:
+    """One stream's observations of a histogram, kept as bucket counts and flushed once.
+
+    A per-write `Histogram.observe` takes the metric's lock and walks its buckets
+    on the hot path; here a write costs one bisection, and the stream's counts
+    reach the shared histogram when it ends (through the same per-bucket values
+    `observe` updates, so a scrape sees the same series either way).
+    """
+
+    __slots__ = ("_bounds", "_counts", "_sum")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self._bounds = list(bounds)  # upper bounds, +Inf last, as the histogram's
+        self._counts = [0] * len(self._bounds)
+        self._sum = 0.0
+
+    @classmethod
+    def like(cls, child: Histogram) -> LocalHistogram:
+        return cls(child._upper_bounds)  # prometheus-client keeps the bounds there
+
+    def observe(self, value: float) -> None:
+        self._counts[bisect_left(self._bounds, value)] += 1  # `value <= bound`, as Histogram.observe
+        self._sum += value
+
+    def flush(self, child: Histogram) -> None:
+        """Add what was observed to `child` (a labelled histogram), then start again from zero."""
+        counts = self._counts
+        if not any(counts):
+            return
+        for index, count in enumerate(counts):
+            if count:
+                child._buckets[index].inc(count)
+        child._sum.inc(self._sum)
+        self._counts = [0] * len(counts)
+        self._sum = 0.0

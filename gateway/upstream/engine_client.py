@@ -1,0 +1,601 @@
+"""Talking to engines: one shared `ClientSession`, explicit timeouts, aborts.
+
+`generate()` opens a request and hands back the response once the engine has
+answered (status and headers). Streams: the first event must come within
+`first_token_s` (`first_event`), then each read within `idle_s`. Non-streaming
+requests are bounded as a whole by `request_s`. A non-200 answer is turned
+into the matching gateway error with the engine's own message.
+
+What an engine serves is probed once: a onehop engine lists its output modes
+(`/inference/v1/capabilities`); stock vLLM has no such document (404) and
+serves text and tokens, plus its own non-streaming derender form from 0.33 on
+(its `/version` tells). A stock vLLM without `--enable-scale-out` answers 403
+on the generate API: it is healthy (its circuit stays as it is) but serves no
+route, so it is not picked again until `ROUTES_OFF_RECHECK_S` have passed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import aiohttp
+import msgspec
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind
+from yarl import URL
+
+from engine.protocol import CONSTRAINT_KINDS, public_request_id
+from engine.telemetry import Tracing, inject, record_error
+from gateway.flow.session import SESSION_HEADER
+from gateway.config import Health, Route, Timeouts
+from gateway.upstream.engine_stream import EngineAnswer, StreamPool
+from gateway.edge.errors import (
+    ClientGone,
+    EngineDied,
+    EngineFailed,
+    EngineTimeout,
+    EngineRoutesOff,
+    EngineUnavailable,
+    GatewayError,
+    InvalidRequest,
+    ModelNotFound,
+    PayloadTooLarge,
+    RateLimited,
+    Unprocessable,
+    with_context_code,
+)
+from gateway.upstream.pool import Endpoint, Pool
+from gateway.upstream.vllm_derender import serves_derender
+
+log = logging.getLogger(__name__)
+
+GENERATE_PATH = "/inference/v1/generate"
+CAPABILITIES_PATH = "/inference/v1/capabilities"
+VERSION_PATH = "/version"
+ROUTES_OFF_RECHECK_S = 60.0
+"""How long an engine that refused the generate API (403) is left out before it is tried again
+(it may have been restarted with scale-out on); the next request it gets is retried elsewhere
+if it refuses again, so a recheck costs one extra hop."""
+PROBE_TIMEOUT_S = 5.0
+ABORT_PATH = "/inference/v1/abort_requests"
+ABORT_TIMEOUT_S = 5.0
+# Below uvicorn's default keep-alive (5 s, vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE) and aiohttp servers' (75 s).
+KEEPALIVE_S = 4.0
+
+
+class _ErrorView(msgspec.Struct):
+    message: str = ""
+
+
+class _ErrorBody(msgspec.Struct):
+    error: _ErrorView | str | None = None
+    detail: str | None = None  # FastAPI's shape, from stock vLLM
+
+
+_ERROR_DECODER = msgspec.json.Decoder(_ErrorBody)
+_STATUS_ERRORS: dict[int, type[GatewayError]] = {
+    400: InvalidRequest,
+    404: ModelNotFound,
+    413: PayloadTooLarge,
+    422: Unprocessable,
+}
+
+
+def engine_error(status: int, body: bytes, retry_after: str | None = None) -> GatewayError:
+    """The gateway error for an engine's non-200 answer, keeping its message (and a 429's
+    `Retry-After`: the engine is busy, which the client should hear as such, not as a 502)."""
+    try:
+        parsed = _ERROR_DECODER.decode(body)
+        error = parsed.error
+        message = error.message if isinstance(error, _ErrorView) else (error or parsed.detail or "")
+    except msgspec.DecodeError:
+        message = body[:500].decode("utf-8", "replace")
+    message = _first_line(message)
+    if status == 403:  # stock vLLM with its scale-out endpoints off, in its own words
+        return EngineRoutesOff(f"the engine does not serve the generate API (403): {message}")
+    if status == 429:
+        busy = RateLimited(f"the engine is at capacity: {message or 'retry later'}")
+        if retry_after is not None and retry_after.strip().isdigit():
+            busy.headers = {"Retry-After": retry_after.strip()}
+        return busy
+    kind = _STATUS_ERRORS.get(status)
+    if kind is not None:
+        return with_context_code(
+            kind(message or f"the engine refused the request ({status})", status=status if status != 422 else None)
+        )
+    return EngineFailed(f"the engine failed ({status}): {message}")
+
+
+ENGINE_MESSAGE_CHARS = 500
+"""An engine's error message as the gateway passes it on and logs it: its first line, cut to
+this length (a backend's 77-line Rust backtrace once reached clients: issue #27)."""
+
+
+def _first_line(message: str) -> str:
+    """The first line of an engine's message; what was cut is named by a hash and size, to
+    find in the engine's own log, not repeated here."""
+    text = message.strip()
+    first = text.split("\n", 1)[0][:ENGINE_MESSAGE_CHARS]
+    if first == text:
+        return first
+    tag = hashlib.sha256(text.encode()).hexdigest()[:12]
+    return f"{first} (engine detail {tag}: {len(text)} characters cut)"
+
+
+class _Capabilities(msgspec.Struct):
+    output_modes: list[str] = []
+    structured_outputs: list[str] = []
+    model: str | None = None
+    max_model_len: int | None = None
+    tokenizer: bool = False
+    reasoning_parser: str | None = None
+    tool_parser: str | None = None
+
+
+_CAPABILITIES = msgspec.json.Decoder(_Capabilities)
+
+
+class _Version(msgspec.Struct):
+    version: str = ""
+
+
+_VERSION = msgspec.json.Decoder(_Version)
+
+
+class EngineMismatch(EngineUnavailable):
+    """The engine serves another model, or parses with other parsers, than the gateway expects of it."""
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What every engine of a pool must serve, as its capabilities tell (onehop engines;
+    stock vLLM has no capabilities document and is taken as configured)."""
+
+    model: str
+    names: frozenset[str]
+    """Served names the engine may report (the model's name and aliases)."""
+    reasoning_parser: str | None
+    tool_parser: str | None
+    parsers: bool = True
+    """Compare the parsers too (not for a tokens-only prefill pool: it parses nothing)."""
+
+    def mismatch(self, url: str, caps: _Capabilities) -> str | None:
+        """Why the engine at `url` does not serve what is expected; None when it does."""
+        if caps.model is not None and caps.model not in self.names:
+            return (
+                f"the engine at {url} serves model {caps.model!r}, but this pool is configured for model {self.model!r}"
+            )
+        if not (self.parsers and caps.tokenizer):
+            return None
+        engine = (caps.reasoning_parser, caps.tool_parser)
+        gateway = (self.reasoning_parser, self.tool_parser)
+        if engine != gateway:
+            return (
+                f"the engine at {url} parses model {self.model!r} with reasoning parser {engine[0]!r} and tool parser "
+                f"{engine[1]!r}, but the gateway's config for it says {gateway[0]!r} and {gateway[1]!r}"
+            )
+        return None
+
+
+class EngineClient:
+    def __init__(
+        self,
+        pool: Pool,
+        timeouts: Timeouts,
+        health: Health,
+        *,
+        remote: bool = False,
+        expected: Expected | None = None,
+        tracing: Tracing | None = None,
+        on_retry: Callable[[str], None] = lambda url: None,
+    ) -> None:
+        self.pool = pool
+        self.expected = expected
+        self._max_model_len: int | None = None
+        self._tracer = tracing.tracer if tracing is not None else trace.NoOpTracer()
+        self._routes: dict[str, frozenset[str]] = {}
+        self._constraints: dict[str, frozenset[str]] = {}
+        """Per engine, the structured-output kinds it enforces (stock vLLM: all of them)."""
+        self._vllm_derender: set[str] = set()
+        """Engines whose derender route is stock vLLM's own form (0.33 on), not onehop's."""
+        self._off: dict[str, float] = {}
+        """Engines that refused the generate API (403), and when."""
+        self._remote = remote
+        self._timeouts = timeouts
+        self._health = health
+        self._on_retry = on_retry
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        timeouts = self._timeouts
+        # No sock_read: it would also cut a first event that takes longer than idle_s; the
+        # relay times each read itself (first_token_s, then idle_s).
+        self._stream_timeout = aiohttp.ClientTimeout(total=None, connect=timeouts.connect_s)
+        self._json_timeout = aiohttp.ClientTimeout(total=timeouts.request_s, connect=timeouts.connect_s)
+        # Idle connections are dropped before the server drops them (vLLM's uvicorn
+        # closes them after 5 s): reusing one the server is closing fails the request
+        # before it is sent, most often when the gateway's loop is busy.
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
+        # Everything else on the session (vLLM's render/derender services, probes) keeps a read bound.
+        default = aiohttp.ClientTimeout(total=None, connect=timeouts.connect_s, sock_read=timeouts.idle_s)
+        self._session = aiohttp.ClientSession(timeout=default, connector=connector)
+        self._streams = StreamPool(timeouts.connect_s, KEEPALIVE_S)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._streams.close()
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        assert self._session is not None, "EngineClient.start() was not awaited"
+        return self._session
+
+    def pick(self, prompt: Sequence[int] | None = None) -> Endpoint:
+        """The engine for the next request (see `Pool.pick`; `prompt` for prefix affinity)."""
+        return self.pool.pick(prompt=prompt)
+
+    async def pick_serving(
+        self, prompt: Sequence[int] | None = None, *, constraint: str | None = None
+    ) -> tuple[Endpoint, frozenset[str]]:
+        """An engine and the routes it serves. One whose capabilities cannot be read (it
+        never answered since the gateway started) counts as a failure, and another is
+        picked, as a request that fails before its answer is retried elsewhere. With a
+        `constraint` (a structured-output kind), only an engine that enforces it is picked:
+        another one is tried (not counted as a failure), and with none a 400 says so."""
+        tried: set[str] = set()
+        endpoint = self.pool.pick(prompt=prompt)
+        while True:
+            try:
+                routes = await self.routes(endpoint.url)
+            except EngineUnavailable as exc:
+                self.pool.failed(endpoint)
+                tried.add(endpoint.url)
+                if len(tried) > self._health.retries:
+                    raise
+                other = self._another(tried, prompt)
+                if other is None:
+                    raise
+                log.warning("engine %s cannot be probed (%s); picking %s", endpoint.url, exc, other.url)
+                self._on_retry(endpoint.url)
+                endpoint = other
+                continue
+            if routes and (constraint is None or constraint in self._constraints[endpoint.url]):
+                return endpoint, routes
+            # Its generate API is off (a 403), or it lacks the constraint: not a failure, just not this one.
+            tried.add(endpoint.url)
+            other = self._another(tried, prompt)
+            if other is not None:
+                endpoint = other
+                continue
+            if not routes:
+                raise EngineUnavailable(
+                    f"no engine serves the generate API (refused with 403: {', '.join(sorted(self._off))})"
+                )
+            raise InvalidRequest(
+                f"no engine of this model enforces structured_outputs.{constraint}"
+                f" ({'engines: ' + ', '.join(sorted(tried))})",
+                param="structured_outputs",
+            )
+
+    def _another(self, tried: set[str], prompt: Sequence[int] | None = None) -> Endpoint | None:
+        """An engine not tried yet, if any (with none left the last failure is the answer,
+        naming its cause, rather than "every circuit is open")."""
+        try:
+            return self.pool.pick(tried | self._routes_off(), prompt=prompt)
+        except EngineUnavailable:
+            return None
+
+    @asynccontextmanager
+    async def open(
+        self,
+        first: Endpoint,
+        body: bytes,
+        *,
+        stream: bool,
+        request_id: str,
+        parent: Span | None = None,
+        session: str | None = None,
+    ) -> AsyncIterator[tuple[str, EngineAnswer]]:
+        """`generate` on `first`, or on other engines of the pool if it fails before answering.
+
+        Nothing has reached the client yet when an engine refuses the connection,
+        times out before its headers or answers 5xx, so the request is retried
+        elsewhere (up to `health.retries` times); each failure counts against
+        that engine's circuit. A 429 (the engine is busy) is tried elsewhere too but is
+        not a failure: with no other engine, the client gets the 429. Any other 4xx is
+        the client's and is not retried.
+        Yields the URL that answered (aborts go there) and its response.
+        """
+        tried: set[str] = set()
+        endpoint = first
+        while True:
+            answered = False
+            current = endpoint
+            current.outstanding += 1
+            current.breaker.started()
+            try:
+                async with self.generate(
+                    current.url, body, stream=stream, request_id=request_id, parent=parent, session=session
+                ) as response:
+                    self.pool.succeeded(current)
+                    answered = True
+                    yield current.url, response
+                return
+            except EngineRoutesOff as exc:
+                if answered:
+                    raise
+                # It answered: healthy, so its circuit is left closed; it serves nothing of ours.
+                self.pool.succeeded(current)
+                self._turned_off(current.url, exc)
+                tried.add(current.url)
+                other = self._another(tried)
+                if other is None:
+                    raise
+                endpoint = other
+                self._on_retry(current.url)
+            except RateLimited:
+                if answered:
+                    raise
+                self.pool.succeeded(current)  # it answered: busy, not broken
+                tried.add(current.url)
+                other = self._another(tried) if len(tried) <= self._health.retries else None
+                if other is None:
+                    raise
+                endpoint = other
+                self._on_retry(current.url)
+            except EngineDied as exc:
+                # The request may be what killed it: it is not replayed on another engine.
+                self.pool.failed(current)
+                log.warning(
+                    "engine %s failed while serving request %s (%s); not retried",
+                    current.url,
+                    public_request_id(request_id),
+                    exc,
+                )
+                raise
+            except (EngineUnavailable, EngineFailed) as exc:
+                if answered:
+                    raise  # it failed after answering: not a reason to try another engine
+                self.pool.failed(current)
+                tried.add(current.url)
+                if len(tried) > self._health.retries:
+                    raise
+                other = self._another(tried)
+                if other is None:
+                    raise
+                endpoint = other
+                log.warning("engine %s failed before answering (%s); retrying on %s", current.url, exc, endpoint.url)
+                self._on_retry(current.url)
+            finally:
+                current.outstanding -= 1
+
+    @asynccontextmanager
+    async def generate(
+        self,
+        url: str,
+        body: bytes,
+        *,
+        stream: bool,
+        request_id: str,
+        parent: Span | None = None,
+        session: str | None = None,
+    ) -> AsyncIterator[EngineAnswer]:
+        """One engine request, inside an `engine.generate` client span (a child of `parent`)
+        whose context travels as `traceparent`; the span ends when the caller is done reading.
+        `session`: the client's conversation (`gateway.flow.session`), sent as vLLM's `X-Session-ID`."""
+        context = trace.set_span_in_context(parent) if parent is not None else None
+        span = self._tracer.start_span("engine.generate", context=context, kind=SpanKind.CLIENT)
+        headers = {"Content-Type": "application/json"}
+        if session is not None:
+            headers[SESSION_HEADER] = session
+        if span.is_recording():
+            target = URL(url)
+            span.set_attributes(
+                {
+                    "http.request.method": "POST",
+                    "url.full": url + GENERATE_PATH,
+                    "server.address": target.host or "",
+                    "server.port": target.port or 80,
+                    "onehop.request_id": public_request_id(request_id),
+                    "onehop.stream": stream,
+                }
+            )
+            inject(headers, span)
+        limit = self._timeouts.first_token_s if stream else self._timeouts.request_s
+        try:
+            try:
+                async with asyncio.timeout(limit):
+                    if stream and StreamPool.serves(url):  # read in the socket's callbacks (engine_stream)
+                        response: EngineAnswer = await self._streams.post(url + GENERATE_PATH, body, headers)
+                    else:
+                        response = await self.session.post(
+                            url + GENERATE_PATH,
+                            data=body,
+                            headers=headers,
+                            timeout=self._stream_timeout if stream else self._json_timeout,
+                        )
+            except aiohttp.ConnectionTimeoutError as exc:  # a TimeoutError too: caught first
+                raise EngineUnavailable(f"cannot connect to the engine within {self._timeouts.connect_s} s") from exc
+            except TimeoutError as exc:
+                raise EngineTimeout(f"the engine did not answer within {limit} s") from exc
+            except aiohttp.ClientConnectorError as exc:
+                raise EngineUnavailable(f"cannot reach the engine: {exc}") from exc
+            except aiohttp.ClientError as exc:  # sent, then the connection closed or broke
+                raise EngineDied(
+                    f"the engine failed while serving this request ({exc or type(exc).__name__});"
+                    " it is not retried on another engine"
+                ) from exc
+            span.set_attribute("http.response.status_code", response.status)
+            try:
+                if response.status != 200:
+                    # "retry-after" lower-case: either kind of headers finds it.
+                    raise engine_error(response.status, await response.read(), response.headers.get("retry-after"))
+                yield response
+            finally:
+                response.release()
+                response.close()
+        except (asyncio.CancelledError, ClientGone):
+            span.set_attribute("onehop.client_disconnected", True)
+            raise
+        except Exception as exc:
+            record_error(span, exc)
+            raise
+        finally:
+            span.end()
+
+    @property
+    def timeouts(self) -> Timeouts:
+        return self._timeouts
+
+    async def routes(self, url: str) -> frozenset[str]:
+        """Routes this engine can serve, probed once: a onehop engine lists its output modes;
+        a stock vLLM server (no capabilities endpoint) serves text and tokens, and from 0.33 on
+        derender in its own form (`derender_form`). None while its generate API is off."""
+        off = self._off.get(url)
+        if off is not None:
+            if time.monotonic() - off < ROUTES_OFF_RECHECK_S:
+                return frozenset()
+            del self._off[url]
+            self._routes.pop(url, None)  # probed again: it may have been restarted
+        known = self._routes.get(url)
+        if known is not None:
+            return known
+        modes, constraints = await self._probe(url)
+        self._constraints[url] = constraints
+        routes = (
+            {"tokens"} | ({"text"} if "text" in modes else set()) | ({"derender"} if "derender" in modes else set())
+        )
+        if self._remote:
+            routes.add("tokens-remote")
+        self._routes[url] = frozenset(routes)
+        return self._routes[url]
+
+    def enforces(self, constraint: str) -> bool:
+        """Whether an engine read so far (at start, or when first picked) enforces this
+        structured-output kind; no probe is made, so an engine not read yet counts as not."""
+        return any(constraint in kinds for url, kinds in self._constraints.items() if self._routes.get(url))
+
+    def derender_form(self, url: str) -> str:
+        """How the engine at `url` takes the derender route: `vllm` (stock vLLM ≥ 0.33's
+        non-streaming `parse_context` form) or `onehop` (the client's request, streamed or not)."""
+        return "vllm" if url in self._vllm_derender else "onehop"
+
+    def _routes_off(self) -> set[str]:
+        now = time.monotonic()
+        return {url for url, at in self._off.items() if now - at < ROUTES_OFF_RECHECK_S}
+
+    def _turned_off(self, url: str, exc: EngineRoutesOff) -> None:
+        if url not in self._routes_off():
+            log.warning("engine %s is left out for %g s: %s", url, ROUTES_OFF_RECHECK_S, exc.message)
+        self._off[url] = time.monotonic()
+
+    async def _probe(self, url: str) -> tuple[set[str], frozenset[str]]:
+        """The engine's output modes and the structured-output kinds it enforces."""
+        try:
+            async with asyncio.timeout(PROBE_TIMEOUT_S):
+                async with self.session.get(url + CAPABILITIES_PATH) as response:
+                    if response.status == 404:  # stock vLLM: its grammar backends enforce every kind
+                        return await self._stock_modes(url), frozenset(CONSTRAINT_KINDS)
+                    body = await response.read()
+                    if response.status != 200:
+                        raise EngineUnavailable(f"the engine's capabilities answer was {response.status}")
+        except TimeoutError as exc:
+            raise EngineUnavailable(f"the engine's capabilities did not come within {PROBE_TIMEOUT_S} s") from exc
+        except aiohttp.ClientError as exc:
+            raise EngineUnavailable(f"cannot reach the engine: {exc or type(exc).__name__}") from exc
+        try:
+            caps = _CAPABILITIES.decode(body)
+        except msgspec.DecodeError as exc:
+            raise EngineFailed("the engine sent an invalid capabilities document") from exc
+        why = self.expected.mismatch(url, caps) if self.expected is not None else None
+        if why is not None:
+            log.error("%s: the engine is not used", why)
+            raise EngineMismatch(why)
+        if caps.max_model_len is not None:
+            self._max_model_len = caps.max_model_len
+        return set(caps.output_modes), frozenset(caps.structured_outputs)
+
+    async def _stock_modes(self, url: str) -> set[str]:
+        """A stock vLLM's output modes: text and tokens, and derender from 0.33 on."""
+        async with self.session.get(url + VERSION_PATH) as response:
+            body = await response.read() if response.status == 200 else b"{}"
+        try:
+            version = _VERSION.decode(body).version
+        except msgspec.DecodeError:
+            version = ""
+        if not serves_derender(version):
+            self._vllm_derender.discard(url)
+            return {"tokens", "text"}
+        log.info("engine %s is vLLM %s: its own derender form serves non-streaming chat", url, version)
+        self._vllm_derender.add(url)
+        return {"tokens", "text", "derender"}
+
+    def max_model_len(self) -> int | None:
+        """The context length the pool's engines reported (None until one did, or from stock vLLM)."""
+        return self._max_model_len
+
+    async def check_engines(self, *, strict: bool) -> None:
+        """Read the capabilities of every engine not read yet. `strict` (at start): a mismatch
+        raises `EngineMismatch`, and the gateway does not start; otherwise (new addresses
+        after a DNS change) it is logged, and the engine is never used. An engine that does
+        not answer yet is checked when it is first picked."""
+        for url in self.pool.urls():
+            try:
+                await self.routes(url)
+            except EngineMismatch:
+                if strict:
+                    raise
+            except (EngineUnavailable, EngineFailed) as exc:
+                log.warning("engine %s not checked yet (%s): it will be when first picked", url, exc.message)
+
+    async def watch_dns(self, interval: float) -> None:
+        """Look `resolve: true` host names up again every `interval`, and check new engines."""
+        if not self.pool.resolves():
+            return
+        while True:
+            await asyncio.sleep(interval)
+            await self.pool.resolve()
+            await self.check_engines(strict=False)
+
+    async def abort(self, url: str, request_id: str) -> None:
+        """Best effort: the engine also aborts when the stream's connection closes."""
+        try:
+            async with asyncio.timeout(ABORT_TIMEOUT_S):
+                async with self.session.post(url + ABORT_PATH, json={"request_ids": [request_id]}) as response:
+                    await response.read()
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            log.warning("abort of %s at %s failed: %s", public_request_id(request_id), url, exc)
+
+    async def watch_health(self) -> None:
+        """Active checks: a failing /health counts against the circuit, a passing one closes it."""
+        while True:
+            await asyncio.sleep(self._health.interval_s)
+            await asyncio.gather(*(self._check(e) for e in list(self.pool.endpoints.values())))
+
+    async def _check(self, endpoint: Endpoint) -> None:
+        try:
+            async with asyncio.timeout(self._health.check_timeout_s):
+                async with self.session.get(endpoint.url + "/health") as response:
+                    healthy = response.status == 200
+        except (TimeoutError, aiohttp.ClientError):
+            healthy = False
+        if healthy:
+            self.pool.succeeded(endpoint)
+        else:
+            self.pool.failed(endpoint)
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a request goes: its route, its pool's client, and the engine picked in it."""
+
+    route: Route
+    engines: EngineClient
+    endpoint: Endpoint
