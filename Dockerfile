@@ -26,6 +26,9 @@ COPY pyproject.toml README.md ./
 COPY engine ./engine
 COPY gateway ./gateway
 COPY onehop ./onehop
+COPY wire ./wire
+COPY derender ./derender
+COPY plumbing ./plumbing
 RUN pip install '.[engine]'
 
 # Not root; a home for the tiny model's cache (`onehop serve` builds it on first run).

@@ -22,16 +22,16 @@ from engine.backends import make_backend
 from engine.backends.base import Backend
 from engine.backends.vllm_parsers import ParserKind, owners, vllm_parser_names
 from engine.config import EngineConfig
-from engine.derender.parsers import REASONING_PARSERS, TOOL_PARSERS, UnknownParser, bind_reasoning, check_tool_markers
-from engine.derender.parsers.detect import resolve
-from engine.derender.vocab import TokenVocab, vocab_for
+from derender.parsers import REASONING_PARSERS, TOOL_PARSERS, UnknownParser, bind_reasoning, check_tool_markers
+from derender.parsers.detect import resolve
+from derender.vocab import TokenVocab, vocab_for
 from engine.errors import error_middleware
-from engine.http_server import CONNECTION_LIMITS, ConnectionLimits, new_event_loop, run_app
+from plumbing.http_server import CONNECTION_LIMITS, ConnectionLimits, new_event_loop, run_app
 from engine.generate import GENERATE_PATH, constraints, handle_abort, handle_generate
-from engine.openai_schema import ModelCard, ModelList
-from engine.protocol import encode
+from wire.openai_schema import ModelCard, ModelList
+from wire.protocol import encode
 from engine.state import ENGINE, EngineState
-from engine.telemetry import Tracing
+from plumbing.telemetry import Tracing
 from engine.vllm_derender import FORM as VLLM_FORM
 
 log = logging.getLogger(__name__)

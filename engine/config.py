@@ -7,10 +7,10 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-from engine.derender.chat import ReasoningField
-from engine.http_server import HEADER_S, KEEPALIVE_S
-from engine.grammar_limits import GrammarLimits
-from engine.telemetry import TracingConfig
+from derender.chat import ReasoningField
+from plumbing.http_server import HEADER_S, KEEPALIVE_S
+from wire.grammar_limits import GrammarLimits
+from plumbing.telemetry import TracingConfig
 
 BackendName = Literal["hf", "sim", "vllm"]
 
@@ -52,7 +52,7 @@ class EngineLimits(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True
     each choice holds back while it might still match."""
     grammar: GrammarLimits = msgspec.field(default_factory=GrammarLimits)
     """Size, depth and symbol bounds of a `structured_outputs` constraint, checked before it
-    is compiled (past them the grammar library crashes or stalls: `engine.grammar_limits`)."""
+    is compiled (past them the grammar library crashes or stalls: `wire.grammar_limits`)."""
 
 
 def engine_limits(**values: Any) -> EngineLimits:

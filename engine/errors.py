@@ -22,10 +22,10 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from engine.backends.base import BackendError, BackendRequestError
-from engine.derender.errors import DerenderError
-from engine.derender.parsers import UnknownParser
-from engine.openai_schema import ErrorInfo, ErrorResponse
-from engine.protocol import ProtocolError, encode
+from derender.errors import DerenderError
+from derender.parsers import UnknownParser
+from wire.openai_schema import ErrorInfo, ErrorResponse
+from wire.protocol import ProtocolError, encode
 
 log = logging.getLogger(__name__)
 

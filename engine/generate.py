@@ -28,9 +28,9 @@ from opentelemetry.trace import Span, SpanKind
 from engine.backends.base import BackendInfo, BackendOutput, BackendRequest
 from engine.backends.checks import first_out_of_vocab
 from engine.config import EngineLimits
-from engine.derender.parsers import REASONING_PARSERS
-from engine.derender.parsers.base import ParseOptions
-from engine.derender.parsers.choice import ParserSet, bind_parsers
+from derender.parsers import REASONING_PARSERS
+from derender.parsers.base import ParseOptions
+from derender.parsers.choice import ParserSet, bind_parsers
 from engine.errors import (
     BadRequest,
     Conflict,
@@ -43,10 +43,10 @@ from engine.errors import (
     error_body,
     log_failure,
 )
-from engine.grammar_limits import GrammarTooLarge, check_grammar
+from wire.grammar_limits import GrammarTooLarge, check_grammar
 from engine.metrics import EngineMetrics
 from engine.outputs import OutputWriter, make_writer
-from engine.protocol import (
+from wire.protocol import (
     SUMMARY_COMMENT,
     SUMMARY_HEADER,
     GenerateRequest,
@@ -58,7 +58,7 @@ from engine.protocol import (
     sampling_params_sent_keys,
 )
 from engine.state import ENGINE, EngineState, RunningRequest
-from engine.telemetry import extract, record_error
+from plumbing.telemetry import extract, record_error
 
 log = logging.getLogger(__name__)
 

@@ -21,13 +21,13 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from engine.backends.base import BackendOutput
-from engine.derender.chat import ChatDerender, ChatOptions
-from engine.derender.completion import CompletionDerender, CompletionOptions
-from engine.derender.logprobs import chat_logprobs
-from engine.derender.text import TextParams, TextPipeline
-from engine.derender.usage import derender_summary, open_choices, summary_of
-from engine.openai_schema import ChatLogprobs, Usage
-from engine.protocol import (
+from derender.chat import ChatDerender, ChatOptions
+from derender.completion import CompletionDerender, CompletionOptions
+from derender.logprobs import chat_logprobs
+from derender.text import TextParams, TextPipeline
+from derender.usage import derender_summary, open_choices, summary_of
+from wire.openai_schema import ChatLogprobs, Usage
+from wire.protocol import (
     EngineSummary,
     GenerateLogProbs,
     GenerateLogProbsContent,

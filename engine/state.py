@@ -9,10 +9,10 @@ from aiohttp import web
 from engine.backends.base import Backend
 from engine.backends.vllm_parsers import owners
 from engine.config import EngineConfig
-from engine.derender.vocab import TokenVocab
+from derender.vocab import TokenVocab
 from engine.metrics import EngineMetrics
 from engine.writer_context import WriterContext
-from engine.telemetry import Tracing, TracingConfig
+from plumbing.telemetry import Tracing, TracingConfig
 
 
 @dataclass

@@ -5,7 +5,7 @@ include_reasoning, chat_template_kwargs, ...) instead of the chat request, and
 its clients read the parsed assistant message beside the generate fields.
 Here that context becomes a message-less chat request, as vLLM's own
 `ParseContext.to_chat_request` does, so the choices run through the very same
-per-choice derender (`engine.derender.chat`) as onehop's own derender form;
+per-choice derender (`derender.chat`) as onehop's own derender form;
 only the answer is shaped as vLLM's.
 
 Non-streaming only, as in vLLM 0.33 (the contract refuses `stream: true`).
@@ -17,12 +17,12 @@ import time
 from typing import Any
 
 from engine.backends.base import BackendOutput
-from engine.derender.chat import ChatChoiceState, ChatDerender, ChatOptions
-from engine.derender.text import TextParams
-from engine.derender.usage import derender_summary, open_choices
+from derender.chat import ChatChoiceState, ChatDerender, ChatOptions
+from derender.text import TextParams
+from derender.usage import derender_summary, open_choices
 from engine.errors import BadRequest
-from engine.openai_schema import ChatCompletionRequest, NamedToolChoice
-from engine.protocol import (
+from wire.openai_schema import ChatCompletionRequest, NamedToolChoice
+from wire.protocol import (
     EngineSummary,
     GenerateDerenderChoice,
     GenerateDerenderResponse,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.derender.chat import ReasoningField
-from engine.derender.vocab import TokenVocab
+from derender.chat import ReasoningField
+from derender.vocab import TokenVocab
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,8 +10,8 @@ import msgspec
 import yaml
 from msgspec import Meta, Struct
 
-from engine.grammar_limits import GrammarLimits
-from engine.telemetry import TracingConfig
+from wire.grammar_limits import GrammarLimits
+from plumbing.telemetry import TracingConfig
 
 Route = Literal["derender", "text", "tokens", "tokens-remote"]
 ROUTES: tuple[Route, ...] = ("derender", "text", "tokens", "tokens-remote")

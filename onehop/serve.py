@@ -18,7 +18,7 @@ import msgspec
 from aiohttp import web
 
 from engine.app import create_app as create_engine_app
-from engine.http_server import Runner, new_event_loop
+from plumbing.http_server import Runner, new_event_loop
 from engine.config import EngineConfig
 from gateway.edge.access_log import AccessLogger
 from gateway.serving.app import create_app as create_gateway_app

@@ -110,7 +110,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import aiohttp  # noqa: E402
 
-from engine.http_server import new_event_loop  # noqa: E402
+from plumbing.http_server import new_event_loop  # noqa: E402
 from engine.qwen3.fixtures import ensure_tiny_model, ensure_tokenizer  # noqa: E402
 from gateway.routing.feedback import load_between, parse_sample  # noqa: E402
 from gateway.routing.policy import load_policy  # noqa: E402

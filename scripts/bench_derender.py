@@ -42,8 +42,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import msgspec  # noqa: E402
 
-from engine.derender.chat import ChatDerender, ChatOptions  # noqa: E402
-from engine.derender.vocab import TokenVocab, vocab_for  # noqa: E402
+from derender.chat import ChatDerender, ChatOptions  # noqa: E402
+from derender.vocab import TokenVocab, vocab_for  # noqa: E402
 from engine.qwen3.fixtures import ensure_tokenizer  # noqa: E402
 from engine.qwen3.vocab import IM_END_ID  # noqa: E402
 

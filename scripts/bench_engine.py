@@ -219,7 +219,7 @@ async def measure(requests: int, concurrency: int, words: int) -> dict[str, Any]
 
 
 def _logprob_entry(token: int, position: int, k: int) -> Any:
-    from engine.protocol import GenerateLogProb, GenerateLogProbsContent
+    from wire.protocol import GenerateLogProb, GenerateLogProbsContent
 
     logprob = -0.05 - ((token * 31 + position * 17) % 101) / 200
     top = [GenerateLogProb(token_id=token, logprob=logprob, rank=1)]
@@ -319,11 +319,11 @@ def measure_overhead(rounds: int, words: int) -> dict[str, Any]:
 
     import msgspec
 
-    from engine.derender.vocab import vocab_for
+    from derender.vocab import vocab_for
     from engine.generate import _drive, _Times
     from engine.metrics import _GAP_BUCKETS, EngineMetrics
     from engine.outputs import WriterContext, make_writer
-    from engine.protocol import decode_generate_request
+    from wire.protocol import decode_generate_request
     from engine.qwen3.vocab import IM_END_ID
 
     tokenizer = AutoTokenizer.from_pretrained(ensure_tokenizer())

@@ -40,11 +40,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import msgspec  # noqa: E402
 
-from engine.derender.chat import ChatDerender, ChatOptions  # noqa: E402
-from engine.derender.parsers import REASONING_PARSERS, TOOL_PARSERS  # noqa: E402
-from engine.derender.parsers.base import ToolCallText  # noqa: E402
-from engine.derender.vocab import vocab_for  # noqa: E402
-from engine.openai_schema import ChatCompletionRequest  # noqa: E402
+from derender.chat import ChatDerender, ChatOptions  # noqa: E402
+from derender.parsers import REASONING_PARSERS, TOOL_PARSERS  # noqa: E402
+from derender.parsers.base import ToolCallText  # noqa: E402
+from derender.vocab import vocab_for  # noqa: E402
+from wire.openai_schema import ChatCompletionRequest  # noqa: E402
 from engine.qwen3.fixtures import cache_dir, ensure_tokenizer  # noqa: E402
 
 TOOLS = [

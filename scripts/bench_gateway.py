@@ -74,8 +74,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import aiohttp  # noqa: E402
 import msgspec  # noqa: E402
 
-from engine.http_server import new_event_loop  # noqa: E402
-from engine.openai_schema import CHAT_COMPLETION_REQUEST_DECODER, ChatCompletionRequest  # noqa: E402
+from plumbing.http_server import new_event_loop  # noqa: E402
+from wire.openai_schema import CHAT_COMPLETION_REQUEST_DECODER, ChatCompletionRequest  # noqa: E402
 from engine.qwen3.fixtures import ensure_tokenizer  # noqa: E402
 from gateway.upstream.engine_request import chat_sampling, generate_body  # noqa: E402
 from gateway.render.local import LocalRenderer  # noqa: E402

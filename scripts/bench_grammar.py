@@ -32,8 +32,8 @@ from pydantic import BaseModel  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from engine.backends.grammar import ChoiceGrammar, GrammarTokenizer  # noqa: E402
-from engine.grammar_compile import compile_grammar  # noqa: E402
-from engine.protocol import StructuredOutputs  # noqa: E402
+from wire.grammar_compile import compile_grammar  # noqa: E402
+from wire.protocol import StructuredOutputs  # noqa: E402
 from engine.qwen3.fixtures import ensure_tokenizer  # noqa: E402
 
 

@@ -71,7 +71,7 @@ from scripts.bench_gateway import (  # noqa: E402
 )
 from scripts.bench_workers import tree_cpu  # noqa: E402
 
-from engine.http_server import new_event_loop  # noqa: E402
+from plumbing.http_server import new_event_loop  # noqa: E402
 from engine.qwen3.fixtures import ensure_tokenizer  # noqa: E402
 
 ROUTER_VENV = Path.home() / ".cache" / "onehop" / "router-venv"

@@ -45,7 +45,7 @@ from scripts.bench_gateway import (  # noqa: E402
     wait_ready,
 )
 
-from engine.http_server import new_event_loop  # noqa: E402
+from plumbing.http_server import new_event_loop  # noqa: E402
 from engine.qwen3.fixtures import ensure_tokenizer  # noqa: E402
 
 STREAMS = 128

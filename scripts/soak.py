@@ -70,7 +70,7 @@ sys.path.insert(0, str(ROOT))
 
 import aiohttp  # noqa: E402
 
-from engine.http_server import new_event_loop  # noqa: E402
+from plumbing.http_server import new_event_loop  # noqa: E402
 from engine.qwen3.fixtures import ensure_tokenizer  # noqa: E402
 from scripts.bench_gateway import (  # noqa: E402
     MODEL,

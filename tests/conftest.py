@@ -44,7 +44,7 @@ def tiny_model_dir() -> Path:
 @pytest.fixture(scope="session")
 def qwen3_vocab(qwen3_tokenizer: Any) -> Any:
     """The derender decode tables of the Qwen3 tokenizer."""
-    from engine.derender.vocab import vocab_for
+    from derender.vocab import vocab_for
 
     return vocab_for(qwen3_tokenizer)
 

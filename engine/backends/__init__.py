@@ -12,7 +12,7 @@ from engine.config import EngineConfig, convert_backend_config
 
 def _sim_formats(config: EngineConfig) -> dict[str, str | None]:
     """The simulator writes in the engine's parser families, where it knows how to."""
-    from engine.derender.parsers import REASONING_PARSERS, TOOL_PARSERS
+    from derender.parsers import REASONING_PARSERS, TOOL_PARSERS
 
     formats: dict[str, str | None] = {}
     reasoning = REASONING_PARSERS.get(config.reasoning_parser or "")

@@ -19,7 +19,7 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
-from engine.protocol import GenerateLogProbsContent, SamplingParams
+from wire.protocol import GenerateLogProbsContent, SamplingParams
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -78,7 +78,7 @@ class BackendInfo:
     """Ids at or above this are rejected with a 400 before generation."""
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
     constraints: frozenset[str] = frozenset()
-    """The structured-output kinds (`engine.protocol.CONSTRAINT_KINDS`) it can enforce."""
+    """The structured-output kinds (`wire.protocol.CONSTRAINT_KINDS`) it can enforce."""
 
 
 @runtime_checkable

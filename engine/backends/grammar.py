@@ -1,5 +1,5 @@
 """Structured outputs for the hf backend: llguidance grammars, one matcher per constrained choice
-(compiled by `engine.grammar_compile`, first in the check process of `grammar_check`).
+(compiled by `wire.grammar_compile`, first in the check process of `grammar_check`).
 
 vLLM maps each `structured_outputs` kind to a grammar for its grammar backends;
 this follows the mapping of its `guidance` backend: a JSON schema (whitespace
@@ -31,7 +31,7 @@ import llguidance.hf
 import torch
 
 from engine.backends.base import BackendRequestError
-from engine.grammar_compile import short_error
+from wire.grammar_compile import short_error
 
 
 class GrammarTokenizer:

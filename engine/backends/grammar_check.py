@@ -3,7 +3,7 @@
 llguidance compiles by recursion on the calling thread's stack and panics past 65,525
 symbols; a deep enough grammar or `$ref` chain overflows the stack and kills the whole
 process with SIGSEGV, and an engine behind a gateway pool took every engine of the pool
-with it. The size bounds (`engine.grammar_limits`) refuse what is known to crash; this is
+with it. The size bounds (`wire.grammar_limits`) refuse what is known to crash; this is
 the isolation for what they do not foresee: `GrammarCheck` sends each constraint to one
 long-lived child (`grammar_child`), which compiles it on a stack of CHECK_STACK_BYTES.
 A constraint that kills the child, or takes longer than the timeout, is a 400 and the
@@ -28,7 +28,7 @@ import msgspec
 
 from engine.backends.base import BackendError, BackendRequestError
 from engine.backends.grammar_child import CHECK_STACK_BYTES
-from engine.protocol import StructuredOutputs
+from wire.protocol import StructuredOutputs
 
 log = logging.getLogger("onehop.engine.grammar")
 

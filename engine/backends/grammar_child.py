@@ -19,8 +19,8 @@ from typing import BinaryIO
 
 import msgspec
 
-from engine.grammar_compile import GrammarError, compile_grammar
-from engine.protocol import ProtocolError, StructuredOutputs
+from wire.grammar_compile import GrammarError, compile_grammar
+from wire.protocol import ProtocolError, StructuredOutputs
 
 CHECK_STACK_BYTES = 2 * 1024 * 1024
 _FRAME = struct.Struct(">I")

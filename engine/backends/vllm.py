@@ -40,8 +40,8 @@ from engine.backends.base import (
     BackendRequestError,
     FinishReason,
 )
-from engine.derender.logprobs import LOGPROB_FLOOR
-from engine.protocol import (
+from derender.logprobs import LOGPROB_FLOOR
+from wire.protocol import (
     CONSTRAINT_KINDS,
     GenerateLogProb,
     GenerateLogProbsContent,
@@ -52,7 +52,7 @@ from engine.protocol import (
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from engine.derender.vocab import TokenVocab
+    from derender.vocab import TokenVocab
 
 BACKEND_NAME = "vllm"
 # Bounded wait for the engine-core process to stop in close().

@@ -1,6 +1,6 @@
 """vLLM's own reasoning and tool parsers, in-process, for the names onehop lacks (vllm backend).
 
-onehop parses natively every family in `engine.derender.parsers`. On the vllm
+onehop parses natively every family in `derender.parsers`. On the vllm
 backend a `--reasoning-parser` / `--tool-parser` name that only vLLM knows is
 served by vLLM's parser instead of refused. Who runs what (`owners`):
 
@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from engine.derender.parsers import (
+from derender.parsers import (
     REASONING_PARSERS,
     TOOL_PARSERS,
     ParseOptions,
@@ -40,9 +40,9 @@ from engine.derender.parsers import (
     UnknownParser,
     bind_reasoning,
 )
-from engine.derender.parsers.base import BoundTools, Markers, ToolParser, marker_of
-from engine.derender.stop import Piece
-from engine.derender.vocab import TokenVocab
+from derender.parsers.base import BoundTools, Markers, ToolParser, marker_of
+from derender.stop import Piece
+from derender.vocab import TokenVocab
 
 Owner = Literal["onehop", "vllm"]
 ParserKind = Literal["reasoning", "tool"]

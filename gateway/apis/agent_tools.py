@@ -29,9 +29,9 @@ from typing import Any, Literal
 
 from msgspec import UNSET, Struct
 
-from engine.grammar_limits import GrammarLimits, GrammarTooLarge, check_grammar
-from engine.openai_schema import ChatTool, FunctionDefinition
-from engine.protocol import StructuredOutputs
+from wire.grammar_limits import GrammarLimits, GrammarTooLarge, check_grammar
+from wire.openai_schema import ChatTool, FunctionDefinition
+from wire.protocol import StructuredOutputs
 from gateway.edge.errors import InvalidRequest
 
 HostedTools = Literal["drop", "refuse"]
@@ -208,7 +208,7 @@ def _description(tool: Tool, namespace: str | None, about: str | None) -> str | 
 
 
 def check_custom_grammar(syntax: str, definition: str, param: str, limits: GrammarLimits) -> None:
-    """A custom tool's grammar must compile: bounded first (`engine.grammar_limits`: what could
+    """A custom tool's grammar must compile: bounded first (`wire.grammar_limits`: what could
     crash the library never reaches it), then llguidance, as an engine would compile it."""
     constraint = StructuredOutputs(grammar=definition) if syntax == "lark" else StructuredOutputs(regex=definition)
     try:
@@ -221,7 +221,7 @@ def check_custom_grammar(syntax: str, definition: str, param: str, limits: Gramm
 
 @lru_cache(maxsize=64)  # agents send the same grammar on every turn
 def _compile_error(syntax: str, definition: str) -> str | None:
-    from engine.grammar_compile import GrammarError, compile_grammar  # llguidance, only when a grammar comes
+    from wire.grammar_compile import GrammarError, compile_grammar  # llguidance, only when a grammar comes
 
     constraint = StructuredOutputs(grammar=definition) if syntax == "lark" else StructuredOutputs(regex=definition)
     try:

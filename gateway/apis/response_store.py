@@ -22,7 +22,7 @@ from typing import Protocol
 
 import msgspec
 
-from engine.openai_schema import ChatMessageParam
+from wire.openai_schema import ChatMessageParam
 from gateway.config import ResponseStoreConfig
 
 ENTRY_OVERHEAD = 400

@@ -39,7 +39,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
-from engine.openai_schema import (
+from wire.openai_schema import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionMessage,

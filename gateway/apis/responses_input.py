@@ -13,7 +13,7 @@ from typing import Literal
 import msgspec
 from msgspec import Struct
 
-from engine.openai_schema import ChatMessageParam, FunctionCall, ToolCall
+from wire.openai_schema import ChatMessageParam, FunctionCall, ToolCall
 from gateway.apis.agent_tools import custom_arguments, flat_name
 from gateway.edge.errors import InvalidRequest
 

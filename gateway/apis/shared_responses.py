@@ -16,7 +16,7 @@ from pathlib import Path
 
 import msgspec
 
-from engine.openai_schema import ChatMessageParam
+from wire.openai_schema import ChatMessageParam
 from gateway.config import ResponseStoreConfig
 from gateway.apis.response_store import ResponseStore, StoredResponse, entry_size
 from gateway.serving.worker_env import run_dir

@@ -16,7 +16,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import msgspec
 
-from engine.openai_schema import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, StreamOptions
+from wire.openai_schema import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, StreamOptions
 from gateway.edge.errors import GatewayError
 
 F = TypeVar("F")

@@ -40,7 +40,7 @@ from collections.abc import Awaitable, Callable
 import msgspec
 from aiohttp import web
 
-from engine.openai_schema import ErrorInfo, ErrorResponse
+from wire.openai_schema import ErrorInfo, ErrorResponse
 
 log = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode

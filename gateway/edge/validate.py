@@ -8,9 +8,9 @@ from typing import Any
 import msgspec
 from msgspec import UNSET
 
-from engine.grammar_limits import GrammarTooLarge, check_grammar
-from engine.openai_schema import MAX_JSON_DEPTH, ChatCompletionRequest, CompletionRequest, too_deep
-from engine.protocol import ProtocolError, StructuredOutputs
+from wire.grammar_limits import GrammarTooLarge, check_grammar
+from wire.openai_schema import MAX_JSON_DEPTH, ChatCompletionRequest, CompletionRequest, too_deep
+from wire.protocol import ProtocolError, StructuredOutputs
 from gateway.config import Limits
 from gateway.upstream.engine_request import structured_outputs
 from gateway.edge.errors import CONTEXT_LENGTH_EXCEEDED, InvalidRequest

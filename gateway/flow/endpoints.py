@@ -15,10 +15,10 @@ from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar
 
 import msgspec
-from engine.derender.chat import ChatDerender, ChatOptions, forced_tool_prefix
-from engine.derender.completion import CompletionDerender, CompletionOptions
-from engine.derender.parsers import bind_parsers
-from engine.openai_schema import (
+from derender.chat import ChatDerender, ChatOptions, forced_tool_prefix
+from derender.completion import CompletionDerender, CompletionOptions
+from derender.parsers import bind_parsers
+from wire.openai_schema import (
     CHAT_COMPLETION_CHUNK_DECODER,
     CHAT_COMPLETION_DECODER,
     CHAT_COMPLETION_REQUEST_DECODER,

@@ -9,7 +9,7 @@ import msgspec
 from aiohttp import web
 
 from gateway.edge.auth import owner
-from engine.openai_schema import ChatCompletionRequest
+from wire.openai_schema import ChatCompletionRequest
 from gateway.edge.context import Edge
 from gateway.flow.endpoints import CHAT, RESPONSES, tolerated
 from gateway.edge.errors import NotFound

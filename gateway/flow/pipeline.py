@@ -33,8 +33,8 @@ import msgspec
 from aiohttp import web
 from msgspec import UNSET
 
-from engine.openai_schema import Usage
-from engine.protocol import ABORT_HANDLE_SEPARATOR
+from wire.openai_schema import Usage
+from wire.protocol import ABORT_HANDLE_SEPARATOR
 from gateway.upstream import vllm_derender
 from gateway.edge.context import Edge, RequestContext
 from gateway.upstream.disagg import prefill

@@ -23,7 +23,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from engine.openai_schema import ChatCompletionRequest, CompletionRequest
+from wire.openai_schema import ChatCompletionRequest, CompletionRequest
 from gateway.apis.translate import Turn
 
 SESSION_HEADER = "X-Session-ID"

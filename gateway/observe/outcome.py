@@ -17,8 +17,8 @@ from collections.abc import Callable, Sequence
 import msgspec
 from opentelemetry.trace import Span
 
-from engine.openai_schema import Usage
-from engine.protocol import EngineSummary
+from wire.openai_schema import Usage
+from wire.protocol import EngineSummary
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from typing import Any
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from engine.telemetry import record_error
+from plumbing.telemetry import record_error
 from gateway.edge.context import Edge
 from gateway.observe.metrics import GatewayMetrics, LocalHistogram
 from gateway.observe.outcome import Outcome, Tally, Tokens

@@ -4,7 +4,7 @@
 - `EngineEvents`: the derender route's check of the engine's SSE (whole events,
   JSON chunks, `[DONE]`, the engine's own comments kept from the client).
 - `Derendered`: the text and token routes' stateful derender of the engine's
-  events into OpenAI chunks (the engine's own `engine/derender/` code).
+  events into OpenAI chunks (the engine's own `derender/` code).
 - `spliced`: either of those, through to the client: on the request's task up to
   the first output, then from the engine's socket to the client's (`gateway.relay.splice`).
 - `stream_error`: what a failure while reading means to the client.
@@ -22,9 +22,9 @@ from typing import Any, Protocol
 import aiohttp
 import msgspec
 
-from engine.derender.errors import DerenderError
-from engine.derender.text import OutputFinished
-from engine.protocol import (
+from derender.errors import DerenderError
+from derender.text import OutputFinished
+from wire.protocol import (
     SUMMARY_COMMENT,
     EngineError,
     EngineSummary,

@@ -24,8 +24,8 @@ from typing import Any, Protocol
 
 import msgspec
 
-from engine.openai_schema import ChatCompletion
-from engine.protocol import SUMMARY_HEADER, decode_summary
+from wire.openai_schema import ChatCompletion
+from wire.protocol import SUMMARY_HEADER, decode_summary
 from gateway.upstream import vllm_derender
 from gateway.config import Route
 from gateway.config import Timeouts as StreamTimeouts
@@ -62,7 +62,7 @@ class Leg:
     index: int
     request_id: str
     """The engine request's id: the answer's id, then `#` and an abort handle drawn here
-    (`engine.protocol.ABORT_HANDLE_SEPARATOR`): only the whole id aborts it, and the gateway
+    (`wire.protocol.ABORT_HANDLE_SEPARATOR`): only the whole id aborts it, and the gateway
     logs only the answer's id, so whoever reads the logs or the answer cannot."""
     prompt: list[int]
     sent_to: str

@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 import msgspec
 from tokenizers import Tokenizer
 
-from engine.openai_schema import ChatCompletionRequest, CompletionRequest
+from wire.openai_schema import ChatCompletionRequest, CompletionRequest
 from gateway.render.chat_template import ChatTemplate, ChatTemplateError, pick_template
 from gateway.config import LARGE_RENDER_CHARS, LARGE_RENDER_WORKERS
 from gateway.edge.errors import InvalidRequest

@@ -20,12 +20,12 @@ import msgspec
 from aiohttp import web
 from opentelemetry.trace import Span, SpanKind
 
-from engine.http_server import CONNECTION_LIMITS, ERROR_BODY, ConnectionLimits, new_event_loop, run_app
-from engine.derender.vocab import TokenVocab, vocab_for
-from engine.derender.parsers import REASONING_PARSERS, TOOL_PARSERS, UnknownParser, bind_reasoning, check_tool_markers
-from engine.derender.parsers.detect import resolve
-from engine.openai_schema import ModelCard, ModelList
-from engine.telemetry import Tracing, extract
+from plumbing.http_server import CONNECTION_LIMITS, ERROR_BODY, ConnectionLimits, new_event_loop, run_app
+from derender.vocab import TokenVocab, vocab_for
+from derender.parsers import REASONING_PARSERS, TOOL_PARSERS, UnknownParser, bind_reasoning, check_tool_markers
+from derender.parsers.detect import resolve
+from wire.openai_schema import ModelCard, ModelList
+from plumbing.telemetry import Tracing, extract
 from gateway.edge.access_log import AccessLogger
 from gateway.edge.admission import Gate
 from gateway.render.chat_template import ChatTemplateError

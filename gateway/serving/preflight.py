@@ -56,7 +56,7 @@ def startup_errors(host: str, port: int, also: tuple[type[Exception], ...] = ())
     """What a gateway start raises for a model, parser or config it cannot serve, or a port it
     cannot take, as one line (anything else is a bug and keeps its traceback). `also`: more
     errors that mean the same, from what else the process starts (`onehop.preflight`: an engine)."""
-    from engine.derender.parsers.base import UnknownParser
+    from derender.parsers.base import UnknownParser
     from gateway.edge.auth import KeyFileError
     from gateway.render.chat_template import ChatTemplateError
     from gateway.config import ConfigError
@@ -111,7 +111,7 @@ def _check_files(config: GatewayConfig) -> None:
 
 
 def _check_model(model: ModelConfig) -> None:
-    from engine.derender.parsers.detect import resolve
+    from derender.parsers.detect import resolve
     from gateway.render.chat_template import ChatTemplate, ChatTemplateError
     from gateway.render.tokenizer_folder import TokenizerFolderError, load_folder
 

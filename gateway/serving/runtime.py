@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from engine.derender.chat import ReasoningField
-from engine.derender.vocab import TokenVocab
+from derender.chat import ReasoningField
+from derender.vocab import TokenVocab
 from gateway.upstream.engine_client import EngineClient
 from gateway.routing.policy import Policy
 from gateway.render.local import LocalRenderer

@@ -11,7 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
-from engine.telemetry import Tracing, TracingConfig
+from plumbing.telemetry import Tracing, TracingConfig
 from gateway.edge.admission import Gate
 from gateway.edge.auth import Keys
 from gateway.config import GatewayConfig

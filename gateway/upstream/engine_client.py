@@ -30,8 +30,8 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind
 from yarl import URL
 
-from engine.protocol import CONSTRAINT_KINDS, public_request_id
-from engine.telemetry import Tracing, inject, record_error
+from wire.protocol import CONSTRAINT_KINDS, public_request_id
+from plumbing.telemetry import Tracing, inject, record_error
 from gateway.flow.session import SESSION_HEADER
 from gateway.config import Health, Route, Timeouts
 from gateway.upstream.engine_stream import EngineAnswer, StreamPool

@@ -14,8 +14,8 @@ from typing import Any
 
 import msgspec
 
-from engine.openai_schema import ChatCompletionRequest, CompletionRequest
-from engine.protocol import CONSTRAINT_KINDS, ProtocolError, SamplingParams
+from wire.openai_schema import ChatCompletionRequest, CompletionRequest
+from wire.protocol import CONSTRAINT_KINDS, ProtocolError, SamplingParams
 from gateway.config import Route
 from gateway.edge.errors import InvalidRequest
 

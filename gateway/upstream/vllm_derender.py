@@ -18,15 +18,15 @@ from typing import Any
 
 from msgspec import UNSET
 
-from engine.derender.chat import ReasoningField
-from engine.openai_schema import (
+from derender.chat import ReasoningField
+from wire.openai_schema import (
     ChatCompletion,
     ChatCompletionChoice,
     ChatCompletionMessage,
     ChatCompletionRequest,
     Usage,
 )
-from engine.protocol import (
+from wire.protocol import (
     EngineError,
     GenerateDerenderChoice,
     ParseContext,

@@ -13,10 +13,10 @@ from openai.types.chat import ChatCompletionFunctionToolParam, ChatCompletionMes
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.derender.chat import ChatDerender, ChatOptions
-from engine.openai_schema import ChatCompletionRequest, ChatLogprobToken
+from derender.chat import ChatDerender, ChatOptions
+from wire.openai_schema import ChatCompletionRequest, ChatLogprobToken
 from engine.outputs import text_params
-from engine.protocol import GenerateLogProbsContent, SamplingParams
+from wire.protocol import GenerateLogProbsContent, SamplingParams
 from engine.qwen3.vocab import IM_END_ID
 from tests.support.engine import engine_server, post_json, sse_payloads, stream_events
 from tests.support.streams import fold_chunks
@@ -181,7 +181,7 @@ def _gateway_derender(chat: dict[str, Any], sampling: dict[str, Any], vocab: Any
     return ChatDerender(vocab, options, model="sim", prompt_token_ids=prompt)
 
 
-from engine.openai_schema import ChatCompletionChunk as _CHUNK  # noqa: E402
+from wire.openai_schema import ChatCompletionChunk as _CHUNK  # noqa: E402
 
 
 def _without_ids(folded: Any) -> dict[str, Any]:

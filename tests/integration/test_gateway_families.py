@@ -12,7 +12,7 @@ import openai
 from openai.types.chat import ChatCompletionFunctionToolParam, ChatCompletionMessageParam
 import pytest
 
-from engine.derender.parsers import TOOL_PARSERS
+from derender.parsers import TOOL_PARSERS
 from engine.qwen3.fixtures import cache_dir
 from tests.support import glm_tokenizer, harmony_tokenizer, kimi_k2, llama3, minimax_m2, mistral
 from tests.support.engine import engine_server

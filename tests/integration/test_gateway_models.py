@@ -261,7 +261,7 @@ async def test_a_tool_parser_whose_markers_the_vocabulary_lacks_stops_the_start(
     so the start fails instead, naming the marker (the engine likewise)."""
     from engine.app import create_app as create_engine_app
     from engine.config import EngineConfig
-    from engine.derender.parsers import UnknownParser
+    from derender.parsers import UnknownParser
 
     config = GatewayConfig(
         model="qwen", tokenizer=str(qwen3_tokenizer_dir), engines=[EngineEndpoint(url="http://127.0.0.1:9")], tool_parser="kimi_k2"

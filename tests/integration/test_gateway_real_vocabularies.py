@@ -22,8 +22,8 @@ from openai.types.chat import ChatCompletionMessageParam
 import pytest
 from tokenizers import Tokenizer
 
-from engine.derender.parsers import harmony
-from engine.derender.parsers.base import ToolCallText
+from derender.parsers import harmony
+from derender.parsers.base import ToolCallText
 from tests.support.engine import engine_server
 from tests.support.gateway import gateway_server
 from tests.support.real_vocabularies import deepseek_dir, o200k_harmony_dir, tekken_v3_dir

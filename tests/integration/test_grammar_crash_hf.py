@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 
 from engine.config import engine_limits
-from engine.grammar_limits import GrammarLimits
+from wire.grammar_limits import GrammarLimits
 from tests.support.engine import engine_server, post_json
 from tests.support.gateway import gateway_server
 from tests.support.grammars import many_choices, ref_chain, rule_chain

@@ -67,7 +67,7 @@ async def test_what_the_http_parser_refuses_is_json_and_one_log_line(
             shape = ("invalid_request_error", None) if server == base else ("BadRequestError", status)
             assert (error["type"], error["code"]) == shape, error
             assert error["message"].startswith("malformed HTTP request"), error
-            refusals = [r for r in caplog.records if r.name == "engine.http_server"]
+            refusals = [r for r in caplog.records if r.name == "plumbing.http_server"]
             assert len(refusals) == 1 and refusals[0].levelno == logging.WARNING, caplog.text
             assert all(r.exc_info is None for r in caplog.records), caplog.text
             assert b"walrus" not in caplog.text.encode() and b"walrus" not in body

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from engine.config import EngineConfig
-from engine.telemetry import TracingConfig
+from plumbing.telemetry import TracingConfig
 from gateway.config import EngineEndpoint, GatewayConfig, ModelConfig
 from onehop.serve import embedded
 from tests.support.engine import engine_server

@@ -10,7 +10,7 @@ from openai.types.chat import ChatCompletionMessageParam
 import pytest
 
 from engine.config import EngineConfig
-from engine.telemetry import TracingConfig
+from plumbing.telemetry import TracingConfig
 from onehop.serve import embedded
 from tests.support.otlp import Receiver, ReceivedSpan, otlp_receiver
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.derender.parsers.deepseek import ASSISTANT, CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, SEP
+from derender.parsers.deepseek import ASSISTANT, CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, SEP
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"

@@ -16,7 +16,7 @@ from aiohttp.test_utils import TestServer
 
 from engine.app import create_app
 from engine.config import EngineConfig
-from engine.http_server import Runner
+from plumbing.http_server import Runner
 from engine.state import ENGINE, EngineState
 
 

@@ -16,12 +16,12 @@ from typing import Any
 
 import msgspec
 
-from engine.derender.chat import ChatOptions
-from engine.derender.parsers import TOOL_PARSERS
-from engine.derender.parsers.base import ToolCallText
-from engine.derender.parsers.choice import bind_parsers
-from engine.derender.vocab import TokenVocab, vocab_for
-from engine.openai_schema import ChatCompletionRequest
+from derender.chat import ChatOptions
+from derender.parsers import TOOL_PARSERS
+from derender.parsers.base import ToolCallText
+from derender.parsers.choice import bind_parsers
+from derender.vocab import TokenVocab, vocab_for
+from wire.openai_schema import ChatCompletionRequest
 from engine.qwen3.fixtures import cache_dir
 from tests.support import deepseek, glm_tokenizer, harmony_tokenizer, kimi_k2, llama3, minimax_m2, mistral
 from tests.support.family_tokenizers import build_family_tokenizer

@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import pytest
 
-from engine.derender.vocab import TokenVocab
+from derender.vocab import TokenVocab
 from tests.support.vllm_oracle import chunkings, compare, onehop_answer, run_oracle, vllm_python
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.derender.parsers.pythonic import PYTHON_END, PYTHON_START
+from derender.parsers.pythonic import PYTHON_END, PYTHON_START
 from tests.support.family_tokenizers import build_family_tokenizer
 
 EOT = "<|eot|>"

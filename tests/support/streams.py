@@ -10,10 +10,10 @@ from typing import Any
 
 import msgspec
 
-from engine.derender.chat import ChatDerender, ChatOptions
-from engine.derender.vocab import TokenVocab
-from engine.openai_schema import ChatCompletion, ChatCompletionChunk
-from engine.protocol import GenerateLogProb, GenerateLogProbsContent
+from derender.chat import ChatDerender, ChatOptions
+from derender.vocab import TokenVocab
+from wire.openai_schema import ChatCompletion, ChatCompletionChunk
+from wire.protocol import GenerateLogProb, GenerateLogProbsContent
 from engine.qwen3.fixtures import EOS_TOKEN_IDS
 
 

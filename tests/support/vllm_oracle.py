@@ -30,9 +30,9 @@ from typing import Any
 
 import msgspec
 
-from engine.derender.chat import ChatDerender, ChatOptions
-from engine.derender.vocab import TokenVocab
-from engine.openai_schema import ChatCompletionRequest
+from derender.chat import ChatDerender, ChatOptions
+from derender.vocab import TokenVocab
+from wire.openai_schema import ChatCompletionRequest
 from tests.vllm.conftest import ROOT, server_env, vllm_python_path
 
 ORACLE = ROOT / "scripts" / "vllm_parse_oracle.py"

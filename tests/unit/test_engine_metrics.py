@@ -16,7 +16,7 @@ from engine.backends.base import BackendOutput
 from engine import generate
 from engine.generate import _drive, _Times
 from engine.metrics import _GAP_BUCKETS, EngineMetrics, StepHistogram
-from engine.protocol import EngineSummary, GenerateRequest, SamplingParams
+from wire.protocol import EngineSummary, GenerateRequest, SamplingParams
 
 SAMPLES = [0.0, 1e-4, 3e-4, 1e-3, 0.0049, 0.02, 0.02, 0.7, 2.5, 9.0]
 

@@ -1,4 +1,4 @@
-"""The bounds on a structured-output constraint (`engine.grammar_limits`), on the inputs that
+"""The bounds on a structured-output constraint (`wire.grammar_limits`), on the inputs that
 crashed or stalled llguidance (issue #27) and on constraints real clients send."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from engine.grammar_limits import GrammarLimits, GrammarTooLarge, check_grammar
-from engine.protocol import StructuredOutputs
+from wire.grammar_limits import GrammarLimits, GrammarTooLarge, check_grammar
+from wire.protocol import StructuredOutputs
 from tests.support.grammars import many_choices, ref_chain, rule_chain
 
 LIMITS = GrammarLimits()

@@ -1,11 +1,13 @@
-"""The package's import structure, read from the source with `ast` (nothing is imported).
+"""The packages' import structure, read from the source with `ast` (nothing is imported).
 
-- no import circles among the modules of engine/, gateway/ and onehop/: neither among the
-  imports that run when a module loads, nor once deferred imports (inside functions) and
+- no import circles among the modules of the packages: neither among the imports that run
+  when a module loads, nor once deferred imports (inside functions) and
   `if TYPE_CHECKING:` imports are counted too;
-- engine/ never imports gateway/ or onehop/ (the engine runs without the gateway);
-- gateway/ never imports onehop/, nor the engine's server or a backend (the gateway runs
-  without them: it shares the engine's protocol, derender, telemetry and HTTP plumbing only);
+- the shared libraries depend on nothing of the servers: wire/ (the wire contract) on
+  nothing of ours, derender/ (the derender core) and plumbing/ (the process plumbing) on
+  wire/ alone;
+- engine/ never imports gateway/ or onehop/, gateway/ never imports engine/ or onehop/:
+  each server runs without the other, and what they share is in the shared libraries;
 - so onehop/ (the command line, `onehop serve`) is the one place that wires the two together.
 
 The rules count deferred and `if TYPE_CHECKING:` imports too.
@@ -24,24 +26,14 @@ from collections.abc import Iterator, Mapping, Set
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("engine", "gateway", "onehop")
-
-ENGINE_SERVER_AND_BACKENDS = (
-    "engine.app",
-    "engine.generate",
-    "engine.state",
-    "engine.outputs",
-    "engine.vllm_derender",
-    "engine.metrics",
-    "engine.backends",
-)
-"""The engine's server and its backends (each name with its submodules). Not among them:
-`engine.http_server`, the HTTP server plumbing both servers share (the runner, `run_app`,
-connection limits, the event loop), which the gateway's app uses."""
+PACKAGES = ("wire", "derender", "plumbing", "engine", "gateway", "onehop")
 
 RULES: dict[str, tuple[str, ...]] = {
+    "wire": ("derender", "plumbing", "engine", "gateway", "onehop"),
+    "derender": ("plumbing", "engine", "gateway", "onehop"),
+    "plumbing": ("derender", "engine", "gateway", "onehop"),
     "engine": ("gateway", "onehop"),
-    "gateway": ("onehop", *ENGINE_SERVER_AND_BACKENDS),
+    "gateway": ("engine", "onehop"),
 }
 """Package → what none of its modules may import (each name with its submodules)."""
 
@@ -260,39 +252,44 @@ def test_import_graph_reads_the_forms_of_import(tmp_path: Path) -> None:
 
 def test_forbidden_imports_flags_each_forbidden_edge_and_only_those() -> None:
     graph = {
-        "gateway.a": {"engine.backends.hf", "engine.http_server", "engine.derender.chat", "engine.application"},
-        "gateway.b": {"engine.app", "onehop.serve"},
+        "gateway.a": {"engine.backends.hf", "plumbing.http_server", "derender.chat", "engineering.x"},
+        "gateway.b": {"engine", "onehop.serve", "wire.protocol"},
         "gateway.c": {"engine.backends", "gateway.a"},
-        "engine.x": {"gateway.b", "onehop", "engine.protocol"},
+        "engine.x": {"gateway.b", "onehop", "wire.protocol", "derender.chat"},
+        "derender.chat": {"wire.openai_schema", "engine.outputs"},
+        "wire.protocol": {"wire.openai_schema", "derender.vocab"},
         "onehop.cli": {"engine.app", "engine.backends.base", "gateway.a"},
     }
     assert forbidden_imports(graph, RULES) == [
+        "derender.chat -> engine.outputs",
         "engine.x -> gateway.b",
         "engine.x -> onehop",
         "gateway.a -> engine.backends.hf",
-        "gateway.b -> engine.app",
+        "gateway.b -> engine",
         "gateway.b -> onehop.serve",
         "gateway.c -> engine.backends",
+        "wire.protocol -> derender.vocab",
     ]
 
 
 def test_forbidden_imports_counts_deferred_and_type_checking_imports(tmp_path: Path) -> None:
-    for folder in ("engine/backends", "gateway"):
+    for folder in ("engine/backends", "gateway", "plumbing"):
         (tmp_path / folder).mkdir(parents=True)
     sources = {
         "engine/__init__.py": "",
-        "engine/http_server.py": "",
+        "plumbing/__init__.py": "",
+        "plumbing/http_server.py": "",
         "engine/backends/__init__.py": "",
         "engine/backends/base.py": "",
         "engine/app.py": "",
         "gateway/__init__.py": "",
         "gateway/late.py": "def later():\n    from engine.backends.base import BackendError\n",
         "gateway/hint.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from engine import app\n",
-        "gateway/plumbing.py": "from engine.http_server import *\n",
+        "gateway/shared.py": "from plumbing.http_server import *\n",
     }
     for name, text in sources.items():
         (tmp_path / name).write_text(text)
-    modules = parse_modules(module_files(tmp_path, ("engine", "gateway")))
+    modules = parse_modules(module_files(tmp_path, ("engine", "gateway", "plumbing")))
     assert forbidden_imports(import_graph(modules, deferred=False), RULES) == []
     assert forbidden_imports(import_graph(modules, deferred=True), RULES) == [
         "gateway.hint -> engine.app",
@@ -317,10 +314,11 @@ def test_the_graph_is_read_from_the_real_package() -> None:
     graph = _graph(False)
     assert len(graph) > 100
     assert "gateway.relay.splice" in graph["gateway.relay.engine"]
-    assert "engine.protocol" in graph["engine.outputs"]
+    assert "wire.protocol" in graph["engine.outputs"]
     assert sum(len(targets) for targets in graph.values()) > 300
     assert {"engine.app", "gateway.serving.app", "onehop.preflight"} <= graph["onehop.serve"] | graph["onehop.cli"]
-    assert "engine.http_server" in graph["gateway.serving.app"]  # the shared plumbing the rules allow
+    assert "plumbing.http_server" in graph["gateway.serving.app"]  # the shared plumbing the rules allow
+    assert "derender.chat" in graph["engine.outputs"] and "derender.chat" in graph["gateway.flow.endpoints"]
 
 
 def test_no_import_circles_when_modules_load() -> None:
@@ -340,9 +338,15 @@ def test_engine_never_imports_gateway_or_onehop() -> None:
     assert not wrong, "engine modules that import gateway or onehop modules:\n" + "\n".join(wrong)
 
 
-def test_gateway_never_imports_onehop_the_engine_server_or_a_backend() -> None:
+def test_gateway_never_imports_engine_or_onehop() -> None:
     wrong = forbidden_imports(_graph(True), {"gateway": RULES["gateway"]})
-    assert not wrong, "gateway modules that import onehop, the engine's server or a backend:\n" + "\n".join(wrong)
+    assert not wrong, "gateway modules that import engine or onehop modules:\n" + "\n".join(wrong)
+
+
+def test_the_shared_libraries_depend_on_no_server() -> None:
+    shared = {package: RULES[package] for package in ("wire", "derender", "plumbing")}
+    wrong = forbidden_imports(_graph(True), shared)
+    assert not wrong, "shared library modules that import a server's or each other's modules:\n" + "\n".join(wrong)
 
 
 GATEWAY_EDGE = frozenset(

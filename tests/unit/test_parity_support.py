@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from engine.derender.vocab import TokenVocab
+from derender.vocab import TokenVocab
 from engine.qwen3.vocab import ENDOFTEXT_ID, IM_END_ID, THINK_START_ID, TOTAL_VOCAB_SIZE
 from tests.support.family_tokenizers import build_family_tokenizer, token_id
 from tests.support.vllm_oracle import backend_output, chunkings, compare, id_shape, onehop_answer, onehop_full

@@ -1,4 +1,4 @@
-"""engine/protocol.py and engine/openai_schema.py against hand-written vLLM 0.32-shaped JSON."""
+"""wire/protocol.py and wire/openai_schema.py against hand-written vLLM 0.32-shaped JSON."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import sys
 import msgspec
 import pytest
 
-from engine import openai_schema as oa
-from engine import protocol as p
+from wire import openai_schema as oa
+from wire import protocol as p
 
 # ------------------------------------------------------------ samples
 
@@ -634,7 +634,7 @@ def test_error_response_shape() -> None:
 
 def test_schema_modules_import_no_heavy_packages() -> None:
     code = (
-        "import sys, engine.protocol, engine.openai_schema; "
+        "import sys, wire.protocol, wire.openai_schema; "
         "print(sorted(m for m in ('torch', 'vllm', 'transformers') if m in sys.modules))"
     )
     done = subprocess.run(

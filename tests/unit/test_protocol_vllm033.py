@@ -1,4 +1,4 @@
-"""vLLM 0.33's derender form in engine/protocol.py: `parse_context` and `GenerateDerenderResponse`."""
+"""vLLM 0.33's derender form in wire/protocol.py: `parse_context` and `GenerateDerenderResponse`."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 import msgspec
 import pytest
 
-from engine import openai_schema as oa
-from engine import protocol as p
+from wire import openai_schema as oa
+from wire import protocol as p
 from tests.support import vllm033
 
 # What vLLM 0.33's /render puts in a generate request for a chat with a tool and thinking on

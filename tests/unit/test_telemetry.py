@@ -6,7 +6,7 @@ import msgspec
 import pytest
 from opentelemetry import trace
 
-from engine.telemetry import Tracing, TracingConfig, tracing_enabled
+from plumbing.telemetry import Tracing, TracingConfig, tracing_enabled
 from gateway.config import GatewayConfig
 
 _VARS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_SDK_DISABLED", "OTEL_TRACES_EXPORTER", "OTEL_SERVICE_NAME")

@@ -39,7 +39,7 @@ def chat_prompt(model_dir: str) -> list[int]:
 
 
 def sampling(**fields: Any) -> Any:
-    from engine.protocol import SamplingParams
+    from wire.protocol import SamplingParams
 
     return SamplingParams(**{"temperature": 0.0, "ignore_eos": True, **fields})
 

@@ -60,7 +60,7 @@ REQUESTS: dict[str, dict[str, Any]] = {"text_then_two_calls": {"parallel_tool_ca
 
 
 def chat_request(**extra: Any) -> Any:
-    from engine.openai_schema import CHAT_COMPLETION_REQUEST_DECODER
+    from wire.openai_schema import CHAT_COMPLETION_REQUEST_DECODER
 
     body = {"model": "m", "messages": MESSAGES, "tools": TOOLS, "stream": True, **extra}
     return CHAT_COMPLETION_REQUEST_DECODER.decode(json.dumps(body))
@@ -72,7 +72,7 @@ def answer(
     """One pass of `output` through `ChatDerender` in steps of `size` tokens, folded."""
     import msgspec
 
-    from engine.derender.chat import ChatDerender, ChatOptions
+    from derender.chat import ChatDerender, ChatOptions
 
     reasoning, tool = names
     options = ChatOptions.from_request(chat_request(**extra), reasoning_parser=reasoning, tool_parser=tool)
@@ -117,7 +117,7 @@ def start_checks(model_dir: str) -> dict[str, Any]:
     """What `resolve_parsers` accepts and refuses on the vllm backend."""
     from engine.app import resolve_parsers
     from engine.config import EngineConfig
-    from engine.derender.parsers import UnknownParser
+    from derender.parsers import UnknownParser
 
     accepted, _ = resolve_parsers(
         EngineConfig(backend="vllm", model=model_dir, reasoning_parser="qwen3", tool_parser="qwen3_json")
@@ -138,7 +138,7 @@ def start_checks(model_dir: str) -> dict[str, Any]:
 def marker_ids(parser_set: object) -> dict[str, int]:
     """A bound parser set's marker ids (onehop's `ParserSet` or vLLM's), empty for anything else."""
     from engine.backends.vllm_parsers import VLLMParserSet
-    from engine.derender.parsers.choice import ParserSet
+    from derender.parsers.choice import ParserSet
 
     return dict(parser_set.marker_ids) if isinstance(parser_set, ParserSet | VLLMParserSet) else {}
 
@@ -149,7 +149,7 @@ def main(model_dir: str) -> dict[str, Any]:
     from vllm.tokenizers import get_tokenizer
 
     from engine.backends.vllm_parsers import VLLMParserSet, bind_vllm_parsers
-    from engine.derender.vocab import vocab_for
+    from derender.vocab import vocab_for
     from engine.qwen3.vocab import IM_END_ID
 
     vllm_tokenizer = get_tokenizer(model_dir)

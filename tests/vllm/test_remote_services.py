@@ -42,10 +42,10 @@ import aiohttp
 import msgspec
 import pytest
 
-from engine.derender.chat import ChatDerender, ChatOptions
-from engine.derender.completion import CompletionDerender, CompletionOptions
-from engine.derender.vocab import vocab_for
-from engine.openai_schema import (
+from derender.chat import ChatDerender, ChatOptions
+from derender.completion import CompletionDerender, CompletionOptions
+from derender.vocab import vocab_for
+from wire.openai_schema import (
     CHAT_COMPLETION_CHUNK_DECODER,
     CHAT_COMPLETION_DECODER,
     CHAT_COMPLETION_REQUEST_DECODER,
@@ -58,7 +58,7 @@ from engine.openai_schema import (
     CompletionChunk,
     Usage,
 )
-from engine.protocol import (
+from wire.protocol import (
     GenerateRequest,
     GenerateTokensResponse,
     GenerateTokensStreamResponse,
@@ -727,7 +727,7 @@ async def test_render_carries_the_structured_outputs_onehop_sends(
     session: aiohttp.ClientSession, vllm_url: str, model: str, case: str
 ) -> None:
     """vLLM's /render and onehop's gateway put the same constraint in `sampling_params`."""
-    from engine.protocol import StructuredOutputs
+    from wire.protocol import StructuredOutputs
     from gateway.upstream.engine_request import structured_outputs
 
     body = json.dumps({"model": model, "messages": WEATHER_TURN, **STRUCTURED_CASES[case]}).encode()

@@ -1,7 +1,7 @@
 """Stock vLLM 0.32 and onehop's engine over the `vllm` backend answer `/inference/v1/generate` alike.
 
 Both servers run from vLLM's venv on the tiny Qwen3 model and get the same
-greedy requests; responses are decoded with `engine.protocol` and compared.
+greedy requests; responses are decoded with `wire.protocol` and compared.
 The differences allowed, each asserted where it shows (so a change on either
 side is noticed):
 
@@ -15,7 +15,7 @@ side is noticed):
   so ids, text and logprobs are compared concatenated per choice, and chunk
   shapes as a set.
 - stream encoding: onehop leaves out fields at their defaults (null, [])
-  in chunks, where vLLM writes them (see `engine/protocol.py`); chunk shapes
+  in chunks, where vLLM writes them (see `wire/protocol.py`); chunk shapes
   compare the keys whose values are not null. Non-streaming bodies carry
   every key on both sides and are compared key for key.
 - onehop adds an SSE comment (`: onehop-engine-cpu-us=N`) before `[DONE]`;
@@ -34,7 +34,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from engine.protocol import (
+from wire.protocol import (
     EngineError,
     GenerateTextResponse,
     GenerateTextStreamResponse,

@@ -15,7 +15,7 @@ import pytest
 
 from engine.backends.base import BackendError
 from engine.backends.vllm import VLLMBackend, VLLMBackendConfig, _top_count, logprob_entries
-from engine.protocol import GenerateLogProb, GenerateLogProbsContent
+from wire.protocol import GenerateLogProb, GenerateLogProbsContent
 
 
 @dataclass

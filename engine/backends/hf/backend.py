@@ -50,8 +50,8 @@ from engine.backends.hf.model import HFBackendConfig, load_model, load_tokenizer
 from engine.backends.hf.plan import check_ids, generators, make_plan
 from engine.backends.hf.sampling import sample
 from engine.backends.hf.state import RequestState, Row, StepResult, accept
-from engine.grammar_compile import GrammarError, compile_grammar
-from engine.protocol import StructuredOutputs
+from wire.grammar_compile import GrammarError, compile_grammar
+from wire.protocol import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 

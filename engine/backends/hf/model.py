@@ -25,7 +25,7 @@ from transformers.cache_utils import DynamicLayer
 
 from engine.backends.base import BackendError, BackendInfo
 from engine.backends.grammar_check import DEFAULT_TIMEOUT_S
-from engine.grammar_compile import CONSTRAINTS
+from wire.grammar_compile import CONSTRAINTS
 
 
 class HFBackendConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -15,7 +15,7 @@ import torch
 
 from engine.backends.base import BackendInfo, BackendRequest, BackendRequestError
 from engine.backends.checks import first_out_of_vocab, logprobs_width, output_limit
-from engine.protocol import SamplingParams
+from wire.protocol import SamplingParams
 
 # vLLM's sampling epsilon: temperatures below it decode greedily.
 GREEDY_BELOW = 1e-5

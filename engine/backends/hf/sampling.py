@@ -14,7 +14,7 @@ import torch
 
 from engine.backends.hf.plan import Plan
 from engine.backends.hf.state import Row
-from engine.protocol import GenerateLogProb, GenerateLogProbsContent
+from wire.protocol import GenerateLogProb, GenerateLogProbsContent
 
 # top_p first looks for its nucleus among this many best tokens: real models
 # rarely spread 0.9 of their mass wider, and a full sort is the slow path.

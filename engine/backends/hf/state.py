@@ -15,7 +15,7 @@ import torch
 from engine.backends.base import BackendOutput, BackendRequest, FinishReason
 from engine.backends.grammar import ChoiceGrammar
 from engine.backends.hf.plan import Plan
-from engine.protocol import GenerateLogProbsContent
+from wire.protocol import GenerateLogProbsContent
 
 
 class Outbox:

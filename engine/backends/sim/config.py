@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from engine.derender.parsers import REASONING_PARSERS, TOOL_PARSERS
+from derender.parsers import REASONING_PARSERS, TOOL_PARSERS
 
 
 class SimConfigError(ValueError):

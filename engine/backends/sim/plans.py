@@ -17,9 +17,9 @@ from engine.backends.sim.prompt import TOOL_CALL_START, Prompt, PromptReader, to
 from engine.backends.sim.schema import constrained_text, fake_arguments
 from engine.backends.sim.tokenizer import encoder
 from engine.backends.sim.words import Words
-from engine.derender.parsers import REASONING_PARSERS, TOOL_PARSERS
-from engine.derender.parsers.base import ToolCallText
-from engine.protocol import StructuredOutputs
+from derender.parsers import REASONING_PARSERS, TOOL_PARSERS
+from derender.parsers.base import ToolCallText
+from wire.protocol import StructuredOutputs
 
 _CONTENT_WORDS = (16, 64)
 _REASONING_WORDS = (8, 32)

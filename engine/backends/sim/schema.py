@@ -14,7 +14,7 @@ from typing import Any
 
 from engine.backends.base import BackendRequestError
 from engine.backends.sim.words import phrase
-from engine.protocol import StructuredOutputs
+from wire.protocol import StructuredOutputs
 
 SIM_CONSTRAINTS = frozenset({"json", "json_object", "choice"})
 """What auto mode writes to order: a schema instance, a JSON object, one of the choices."""

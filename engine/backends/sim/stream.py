@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from engine.backends.base import BackendInfo, BackendOutput, BackendRequest, FinishReason
 from engine.backends.checks import logprobs_width, output_limit, request_eos
-from engine.protocol import GenerateLogProb, GenerateLogProbsContent
+from wire.protocol import GenerateLogProb, GenerateLogProbsContent
 
 _RANK_STEP = 1.5
 

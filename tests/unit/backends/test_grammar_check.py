@@ -10,7 +10,7 @@ import pytest
 
 from engine.backends.base import BackendRequestError
 from engine.backends.grammar_check import GrammarCheck
-from engine.protocol import StructuredOutputs
+from wire.protocol import StructuredOutputs
 from tests.support.grammars import many_choices, ref_chain, rule_chain
 
 pytest.importorskip("llguidance")

@@ -33,7 +33,7 @@ from engine.backends.base import (  # noqa: E402
     BackendRequestError,
 )
 from engine.backends.hf import HFBackend, HFBackendConfig  # noqa: E402
-from engine.protocol import GenerateLogProbsContent, SamplingParams  # noqa: E402
+from wire.protocol import GenerateLogProbsContent, SamplingParams  # noqa: E402
 from tests.support.waiting import wait_until  # noqa: E402
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -14,10 +14,10 @@ import pytest
 
 from engine.backends.base import Backend, BackendError, BackendOutput, BackendRequest, BackendRequestError
 from engine.backends.sim import SimBackend, SimBackendConfig, SimConfigError
-from engine.derender.chat import ChatDerender, ChatOptions
-from engine.derender.vocab import TokenVocab
-from engine.openai_schema import ChatCompletion
-from engine.protocol import SamplingParams
+from derender.chat import ChatDerender, ChatOptions
+from derender.vocab import TokenVocab
+from wire.openai_schema import ChatCompletion
+from wire.protocol import SamplingParams
 from engine.qwen3.fixtures import cache_dir
 from engine.qwen3.vocab import ENDOFTEXT_ID, IM_END_ID, IM_START_ID
 from tests.support.families import FAMILIES, family

@@ -10,7 +10,7 @@ import pytest
 from engine.app import create_app, resolve_parsers
 from engine.backends.vllm_parsers import owners
 from engine.config import EngineConfig
-from engine.derender.parsers import REASONING_PARSERS, TOOL_PARSERS, UnknownParser
+from derender.parsers import REASONING_PARSERS, TOOL_PARSERS, UnknownParser
 from engine.state import ENGINE
 
 

@@ -12,10 +12,10 @@ from typing import Any
 import msgspec
 import pytest
 
-from engine.derender.chat import ChatDerender, ChatOptions
-from engine.derender.errors import TokenIdOutOfRange
-from engine.derender.text import TextParams
-from engine.derender.vocab import TokenVocab
+from derender.chat import ChatDerender, ChatOptions
+from derender.errors import TokenIdOutOfRange
+from derender.text import TextParams
+from derender.vocab import TokenVocab
 from engine.qwen3.vocab import IM_END_ID, THINK_END_ID, THINK_START_ID, TOOL_CALL_START_ID
 from tests.support.streams import comparable_response, fixed, parsed_arguments, random_splits, stream, whole
 

@@ -7,10 +7,10 @@ from typing import Any
 import msgspec
 import pytest
 
-from engine.derender.completion import CompletionDerender, CompletionOptions
-from engine.derender.text import TextParams
-from engine.derender.vocab import TokenVocab
-from engine.openai_schema import CompletionRequest
+from derender.completion import CompletionDerender, CompletionOptions
+from derender.text import TextParams
+from derender.vocab import TokenVocab
+from wire.openai_schema import CompletionRequest
 from tests.support.streams import fake_logprobs
 
 TEXT = "Once upon a time 🫠 there was a parser. THE END and more"

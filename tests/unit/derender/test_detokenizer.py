@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.derender.detokenizer import ByteLevelDetokenizer, WindowDetokenizer, make_detokenizer
-from engine.derender.errors import TokenIdOutOfRange
-from engine.derender.text import TextParams, TextPipeline
-from engine.derender.vocab import TokenVocab, vocab_for
+from derender.detokenizer import ByteLevelDetokenizer, WindowDetokenizer, make_detokenizer
+from derender.errors import TokenIdOutOfRange
+from derender.text import TextParams, TextPipeline
+from derender.vocab import TokenVocab, vocab_for
 from engine.qwen3.vocab import IM_END_ID, THINK_END_ID, THINK_START_ID
 
 # 🫠 𓀀 🧬 䨻 are split over two or three byte tokens by the Qwen3 vocabulary.
@@ -202,7 +202,7 @@ def test_vocabularies_are_not_kept_past_the_bounded_cache() -> None:
     import gc
     import weakref
 
-    from engine.derender.vocab import VOCAB_CACHE_SIZE
+    from derender.vocab import VOCAB_CACHE_SIZE
 
     tokenizer = _byte_level_tokenizer()
     vocab = vocab_for(tokenizer)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.derender.errors import TokenIdOutOfRange
-from engine.derender.logprobs import chat_logprobs, completion_logprobs
-from engine.derender.vocab import TokenVocab
-from engine.protocol import GenerateLogProb, GenerateLogProbsContent
+from derender.errors import TokenIdOutOfRange
+from derender.logprobs import chat_logprobs, completion_logprobs
+from derender.vocab import TokenVocab
+from wire.protocol import GenerateLogProb, GenerateLogProbsContent
 
 
 def entry(vocab: TokenVocab, sampled: int, padded: int) -> GenerateLogProbsContent:

@@ -10,9 +10,9 @@ from typing import Any
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from engine.derender.chat import ChatOptions
-from engine.derender.text import TextParams, TextPipeline
-from engine.derender.vocab import TokenVocab
+from derender.chat import ChatOptions
+from derender.text import TextParams, TextPipeline
+from derender.vocab import TokenVocab
 from engine.qwen3.vocab import IM_END_ID, THINK_END_ID, THINK_START_ID, TOOL_CALL_END_ID, TOOL_CALL_START_ID
 from tests.support.streams import comparable_response, parsed_arguments, random_splits, stream, whole
 
@@ -145,8 +145,8 @@ def test_text_route_equals_token_route(
     qwen3_tokenizer: Any, qwen3_vocab: TokenVocab, data: Any, stops: list[str], tools: bool, width: int, seed: int
 ) -> None:
     """Engine `text` mode + gateway-side parsing gives the token route's answer."""
-    from engine.derender.chat import ChatDerender
-    from engine.derender.logprobs import chat_logprobs
+    from derender.chat import ChatDerender
+    from derender.logprobs import chat_logprobs
     from tests.support.streams import counter_ids, default_finish, fake_logprobs, fold_chunks
 
     ids = data.draw(marker_free_streams(qwen3_tokenizer))

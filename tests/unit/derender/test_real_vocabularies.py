@@ -21,14 +21,14 @@ import msgspec
 import pytest
 from tokenizers import Tokenizer
 
-from engine.derender.chat import ChatOptions
-from engine.derender.detokenizer import make_detokenizer
-from engine.derender.parsers import bind_parsers
-from engine.derender.parsers.base import ToolCallText
-from engine.derender.parsers.registry import REASONING_PARSERS, TOOL_PARSERS
-from engine.derender.text import TextParams
-from engine.derender.vocab import TokenVocab, vocab_for
-from engine.openai_schema import ChatCompletionRequest
+from derender.chat import ChatOptions
+from derender.detokenizer import make_detokenizer
+from derender.parsers import bind_parsers
+from derender.parsers.base import ToolCallText
+from derender.parsers.registry import REASONING_PARSERS, TOOL_PARSERS
+from derender.text import TextParams
+from derender.vocab import TokenVocab, vocab_for
+from wire.openai_schema import ChatCompletionRequest
 from engine.qwen3.fixtures import ensure_tokenizer
 from tests.support import deepseek, harmony_tokenizer, mistral
 from tests.support.real_vocabularies import (
@@ -249,7 +249,7 @@ def test_mistral_reasoning_without_think_serves_the_model_without_reasoning(
     tokenizer, vocab = tekken
     vocab.parsers.clear()  # the warning is the first binding's; other tests may have bound it
     assert vocab.token_id("[THINK]") is None
-    with caplog.at_level(logging.WARNING, logger="engine.derender.parsers.choice"):
+    with caplog.at_level(logging.WARNING, logger="derender.parsers.choice"):
         bound = bind_parsers(vocab, "mistral", "mistral")
         assert bind_parsers(vocab, "mistral", None) is not None
         assert bind_parsers(vocab, "mistral", "mistral") is bound

@@ -7,10 +7,10 @@ from typing import Any
 import msgspec
 import pytest
 
-from engine.derender.chat import ChatDerender, ChatOptions
-from engine.derender.completion import CompletionDerender, CompletionOptions
-from engine.derender.errors import AnswerNotKept
-from engine.derender.vocab import TokenVocab
+from derender.chat import ChatDerender, ChatOptions
+from derender.completion import CompletionDerender, CompletionOptions
+from derender.errors import AnswerNotKept
+from derender.vocab import TokenVocab
 from engine.qwen3.vocab import IM_END_ID
 from tests.support.streams import fake_logprobs
 

@@ -21,7 +21,7 @@ import msgspec
 import pytest
 from tokenizers import Tokenizer, processors
 
-from engine.openai_schema import ChatCompletionRequest
+from wire.openai_schema import ChatCompletionRequest
 from engine.qwen3.fixtures import cache_dir
 from gateway.edge.errors import InvalidRequest
 from gateway.render.local import LocalRenderer

@@ -14,7 +14,7 @@ import msgspec
 import pytest
 from msgspec import UNSET
 
-from engine.openai_schema import (
+from wire.openai_schema import (
     ChatCompletion,
     ChatCompletionChoice,
     ChatCompletionChunk,

@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from engine.openai_schema import ChatCompletion, ChatCompletionChoice, ChatCompletionMessage, Usage
+from wire.openai_schema import ChatCompletion, ChatCompletionChoice, ChatCompletionMessage, Usage
 from gateway.config import Agents
 from gateway.apis.context_edits import CLEARED
 from gateway.edge.errors import InvalidRequest

@@ -23,8 +23,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import Span, SpanKind, StatusCode
 
-from engine.openai_schema import CompletionTokensDetails, PromptTokensDetails, Usage
-from engine.telemetry import Tracing, TracingConfig
+from wire.openai_schema import CompletionTokensDetails, PromptTokensDetails, Usage
+from plumbing.telemetry import Tracing, TracingConfig
 from gateway.edge.admission import Gate
 from gateway.config import Admission, EngineEndpoint, GatewayConfig
 from gateway.edge.errors import EngineFailed

@@ -13,8 +13,8 @@ import aiohttp
 import msgspec
 import pytest
 
-from engine.derender.errors import DerenderError
-from engine.protocol import SUMMARY_COMMENT, EngineSummary
+from derender.errors import DerenderError
+from wire.protocol import SUMMARY_COMMENT, EngineSummary
 from gateway.config import Timeouts
 from gateway.edge.errors import EngineFailed, EngineTimeout, InvalidRequest
 from gateway.observe.outcome import Tally, Tokens

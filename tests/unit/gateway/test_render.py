@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.openai_schema import ChatCompletionRequest
+from wire.openai_schema import ChatCompletionRequest
 from gateway.render.local import LocalRenderer
 from tests.support.waiting import wait_until
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-from engine.openai_schema import (
+from wire.openai_schema import (
     ChatCompletion,
     ChatCompletionChoice,
     ChatCompletionMessage,

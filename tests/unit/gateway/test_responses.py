@@ -24,7 +24,7 @@ from openai.types.responses import (
     ResponseStreamEvent,
 )
 
-from engine.openai_schema import (
+from wire.openai_schema import (
     ChatCompletion,
     ChatCompletionChoice,
     ChatCompletionChunk,

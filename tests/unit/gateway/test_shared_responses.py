@@ -6,7 +6,7 @@ from pathlib import Path
 
 import msgspec
 
-from engine.openai_schema import ChatMessageParam
+from wire.openai_schema import ChatMessageParam
 from gateway.config import ResponseStoreConfig
 from gateway.apis.response_store import entry_size
 from gateway.apis.shared_responses import SharedResponseStore

@@ -20,7 +20,7 @@ import msgspec
 import pytest
 from aiohttp import web
 
-from engine.protocol import SUMMARY_COMMENT, EngineSummary
+from wire.protocol import SUMMARY_COMMENT, EngineSummary
 from gateway.upstream.engine_stream import EngineResponse, StreamPool
 from gateway.edge.errors import ClientGone, EngineDied, EngineFailed, EngineTimeout
 from gateway.observe.outcome import Tally, Tokens

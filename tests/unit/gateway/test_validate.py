@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from engine.openai_schema import MAX_JSON_DEPTH, ChatCompletionRequest, CompletionRequest
+from wire.openai_schema import MAX_JSON_DEPTH, ChatCompletionRequest, CompletionRequest
 from gateway.config import Limits
 from gateway.edge.errors import CONTEXT_LENGTH_EXCEEDED, InvalidRequest, error_json
 from gateway.edge.validate import (

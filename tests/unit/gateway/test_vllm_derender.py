@@ -7,8 +7,8 @@ import json
 import msgspec
 import pytest
 
-from engine import openai_schema as oa
-from engine import protocol as p
+from wire import openai_schema as oa
+from wire import protocol as p
 from gateway.upstream import vllm_derender as vd
 from gateway.edge.errors import EngineFailed
 from gateway.routing.policy import RequestFeatures

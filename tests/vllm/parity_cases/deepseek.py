@@ -23,15 +23,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from engine.derender.parsers.base import ToolCallText
-from engine.derender.parsers.deepseek import (
+from derender.parsers.base import ToolCallText
+from derender.parsers.deepseek import (
     CALL_BEGIN,
     CALLS_BEGIN,
     SEP,
     format_calls_v3,
     format_calls_v31,
 )
-from engine.derender.vocab import vocab_for
+from derender.vocab import vocab_for
 from tests.support import parity
 from tests.support.deepseek import EOS, deepseek_tokenizer_dir
 from tests.support.parity import Deviation, Lossy, both

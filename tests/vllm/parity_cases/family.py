@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
-from engine.derender.vocab import TokenVocab
+from derender.vocab import TokenVocab
 from tests.support.parity import Deviation
 
 Fixture = Callable[[str], Any]

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from engine.derender.vocab import vocab_for
+from derender.vocab import vocab_for
 from tests.support import parity
 from tests.support.glm_tokenizer import STOP_TOKENS, glm_token_id, glm_tokenizer_dir
 from tests.support.parity import Deviation, both

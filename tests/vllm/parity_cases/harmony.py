@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.derender.vocab import vocab_for
+from derender.vocab import vocab_for
 from tests.support import parity
 from tests.support.harmony_tokenizer import o200k_harmony_tokenizer
 from tests.support.parity import Deviation, both, parsed_calls

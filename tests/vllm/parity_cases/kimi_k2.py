@@ -20,14 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from engine.derender.parsers.kimi_k2 import (
+from derender.parsers.kimi_k2 import (
     ARGUMENT_BEGIN as AB,
     CALL_BEGIN as CB,
     CALL_END as CE,
     SECTION_BEGIN as SB,
     SECTION_END as SE,
 )
-from engine.derender.vocab import vocab_for
+from derender.vocab import vocab_for
 from tests.support import parity
 from tests.support.kimi_k2 import OPEN_TURN, kimi_tokenizer_dir
 from tests.support.parity import Deviation, Split, both, encode

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.derender.parsers.llama3_json import PYTHON_TAG as TAG
-from engine.derender.vocab import vocab_for
+from derender.parsers.llama3_json import PYTHON_TAG as TAG
+from derender.vocab import vocab_for
 from tests.support import parity
 from tests.support.llama3 import EOT, llama3_tokenizer_dir
 from tests.support.parity import LOSSY, Deviation, Split, both, encode

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.derender.parsers.minimax_m2 import END, START
-from engine.derender.vocab import vocab_for
+from derender.parsers.minimax_m2 import END, START
+from derender.vocab import vocab_for
 from tests.support import parity
 from tests.support.minimax_m2 import EOS, minimax_tokenizer_dir
 from tests.support.parity import LOSSY, Deviation, both, encode

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.derender.parsers.pythonic import PYTHON_END as PE, PYTHON_START as PS
-from engine.derender.vocab import vocab_for
+from derender.parsers.pythonic import PYTHON_END as PE, PYTHON_START as PS
+from derender.vocab import vocab_for
 from tests.support import parity
 from tests.support.parity import LOSSY, Deviation, Split, encode, parsed_calls
 from tests.support.pythonic import EOT, pythonic_tokenizer_dir

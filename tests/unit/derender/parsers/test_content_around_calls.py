@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from engine.derender.parsers.base import ToolCallText
+from derender.parsers.base import ToolCallText
 from tests.support.families import FAMILIES, Family, family
 from tests.support.streams import comparable_response, fixed, random_splits, stream, whole
 

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.derender.parsers.base import ToolCallText
+from derender.parsers.base import ToolCallText
 from tests.support.families import FAMILIES, Family, family
 from tests.support.streams import comparable_response, fixed, random_splits, stream, whole
 

@@ -19,17 +19,17 @@ from typing import Any
 import msgspec
 import pytest
 
-from engine.derender.chat import ChatDerender, ChatOptions
-from engine.derender.parsers import deepseek
-from engine.derender.parsers.base import ToolCallText
-from engine.derender.parsers.deepseek import CALL_BEGIN as CB
-from engine.derender.parsers.deepseek import CALL_END as CE
-from engine.derender.parsers.deepseek import CALLS_BEGIN as SB
-from engine.derender.parsers.deepseek import CALLS_END as SE
-from engine.derender.parsers.deepseek import SEP
-from engine.derender.parsers.registry import REASONING_PARSERS, TOOL_PARSERS
-from engine.derender.vocab import TokenVocab, vocab_for
-from engine.openai_schema import ChatCompletionRequest
+from derender.chat import ChatDerender, ChatOptions
+from derender.parsers import deepseek
+from derender.parsers.base import ToolCallText
+from derender.parsers.deepseek import CALL_BEGIN as CB
+from derender.parsers.deepseek import CALL_END as CE
+from derender.parsers.deepseek import CALLS_BEGIN as SB
+from derender.parsers.deepseek import CALLS_END as SE
+from derender.parsers.deepseek import SEP
+from derender.parsers.registry import REASONING_PARSERS, TOOL_PARSERS
+from derender.vocab import TokenVocab, vocab_for
+from wire.openai_schema import ChatCompletionRequest
 from tests.support.deepseek import EOS, deepseek_tokenizer_dir
 from tests.support.streams import chunked_answer, comparable_response, counter_ids, fixed, stream, whole
 from tests.support.tools import WEATHER_TOOLS
@@ -390,7 +390,7 @@ def test_text_route_gives_the_token_route_answer(vocab: TokenVocab, tokenizer: A
 
 
 def test_markers_must_be_single_tokens(qwen3_vocab: TokenVocab) -> None:
-    from engine.derender.parsers.base import UnknownParser
+    from derender.parsers.base import UnknownParser
 
     with pytest.raises(UnknownParser):
         deepseek.bind_v3(qwen3_vocab)

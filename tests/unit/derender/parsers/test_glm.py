@@ -5,7 +5,7 @@ the GLM test template; it is streamed one token per chunk, in widths 2..8 and
 in random splits, and every folded answer must equal the non-streamed
 `response()`. Expected answers follow vLLM 0.32's `glm45`/`glm47` parsers
 except where vLLM loses text or writes invalid JSON (the module docstring of
-`engine.derender.parsers.glm`; tests/vllm/parity_cases/glm.py has those cases
+`derender.parsers.glm`; tests/vllm/parity_cases/glm.py has those cases
 against vLLM itself).
 
 The tokenizer is Qwen3's BPE with GLM's added tokens (`tests.support.glm_tokenizer`
@@ -24,13 +24,13 @@ from typing import Any
 import msgspec
 import pytest
 
-from engine.derender.chat import ChatDerender, ChatOptions
-from engine.derender.parsers import REASONING_PARSERS, TOOL_PARSERS
-from engine.derender.parsers.base import ToolCallText
-from engine.derender.parsers.glm import format_calls_45, format_calls_47, forced_prefix_45, forced_prefix_47
-from engine.derender.text import TextParams
-from engine.derender.vocab import TokenVocab, vocab_for
-from engine.openai_schema import ChatCompletionRequest, DeltaFunctionCall
+from derender.chat import ChatDerender, ChatOptions
+from derender.parsers import REASONING_PARSERS, TOOL_PARSERS
+from derender.parsers.base import ToolCallText
+from derender.parsers.glm import format_calls_45, format_calls_47, forced_prefix_45, forced_prefix_47
+from derender.text import TextParams
+from derender.vocab import TokenVocab, vocab_for
+from wire.openai_schema import ChatCompletionRequest, DeltaFunctionCall
 from tests.support.glm_tokenizer import glm_token_id, glm_tokenizer_dir
 from tests.support.streams import FAMILY_CHUNKINGS, comparable_response, stream, whole
 

@@ -22,13 +22,13 @@ from typing import Any
 import msgspec
 import pytest
 
-from engine.derender.chat import ChatOptions
-from engine.derender.parsers import harmony
-from engine.derender.parsers.base import ToolCallText
-from engine.derender.parsers.harmony import CALL, CHANNEL, CONSTRAIN, END, MESSAGE, RETURN, START, Header, HeaderError
-from engine.derender.text import TextParams
-from engine.derender.vocab import TokenVocab, vocab_for
-from engine.openai_schema import ChatCompletionRequest
+from derender.chat import ChatOptions
+from derender.parsers import harmony
+from derender.parsers.base import ToolCallText
+from derender.parsers.harmony import CALL, CHANNEL, CONSTRAIN, END, MESSAGE, RETURN, START, Header, HeaderError
+from derender.text import TextParams
+from derender.vocab import TokenVocab, vocab_for
+from wire.openai_schema import ChatCompletionRequest
 from tests.support.harmony_tokenizer import harmony_tokenizer
 from tests.support.parity import Split, encode
 from tests.support.streams import FAMILY_CHUNKINGS, chunked_answer, comparable_response, counter_ids, stream
@@ -392,7 +392,7 @@ def test_format_calls_reads_back(vocab: TokenVocab, enc: Any, ids_of: Any, promp
 
 
 def test_registered_under_vllm_names() -> None:
-    from engine.derender.parsers import REASONING_PARSERS, TOOL_PARSERS
+    from derender.parsers import REASONING_PARSERS, TOOL_PARSERS
 
     assert REASONING_PARSERS["openai_gptoss"] is harmony.REASONING
     assert TOOL_PARSERS["openai"] is harmony.TOOLS
@@ -461,7 +461,7 @@ def test_function_name(recipient: str | None, name: str | None) -> None:
 
 def test_text_route_finds_markers_in_text(vocab: TokenVocab, enc: Any, ids_of: Any, prompt: list[int]) -> None:
     """An engine in `text` mode with `skip_special_tokens=false` sends marker text: the same answer."""
-    from engine.derender.chat import ChatDerender
+    from derender.chat import ChatDerender
 
     options = chat_options(skip_special_tokens=False)
     output = enc(analysis("R."), NEXT, preamble("P."), NEXT, WEATHER)

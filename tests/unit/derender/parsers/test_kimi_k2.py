@@ -20,19 +20,19 @@ from typing import Any
 import msgspec
 import pytest
 
-from engine.derender.chat import ChatDerender, ChatOptions
-from engine.derender.parsers import kimi_k2
-from engine.derender.parsers.base import ParseOptions, ToolCallText
-from engine.derender.parsers.kimi_k2 import (
+from derender.chat import ChatDerender, ChatOptions
+from derender.parsers import kimi_k2
+from derender.parsers.base import ParseOptions, ToolCallText
+from derender.parsers.kimi_k2 import (
     ARGUMENT_BEGIN as AB,
     CALL_BEGIN as CB,
     CALL_END as CE,
     SECTION_BEGIN as SB,
     SECTION_END as SE,
 )
-from engine.derender.parsers.json_arguments import ArgumentsText, coerce_text, coerce_value
-from engine.derender.vocab import TokenVocab, vocab_for
-from engine.openai_schema import ChatCompletionRequest
+from derender.parsers.json_arguments import ArgumentsText, coerce_text, coerce_value
+from derender.vocab import TokenVocab, vocab_for
+from wire.openai_schema import ChatCompletionRequest
 from tests.support.kimi_k2 import OPEN_TURN, kimi_tokenizer_dir
 from tests.support.parity import Split, encode
 from tests.support.streams import chunked_answer, comparable_response, fixed, stream

@@ -19,13 +19,13 @@ import msgspec
 import pytest
 from tokenizers import Tokenizer
 
-from engine.derender.chat import ChatDerender, ChatOptions
-from engine.derender.parsers import llama3_json
-from engine.derender.parsers.base import ToolCallText
-from engine.derender.parsers.llama3_json import PYTHON_TAG as TAG
-from engine.derender.parsers.registry import tool_factory
-from engine.derender.vocab import TokenVocab, vocab_for
-from engine.openai_schema import ChatCompletionRequest
+from derender.chat import ChatDerender, ChatOptions
+from derender.parsers import llama3_json
+from derender.parsers.base import ToolCallText
+from derender.parsers.llama3_json import PYTHON_TAG as TAG
+from derender.parsers.registry import tool_factory
+from derender.vocab import TokenVocab, vocab_for
+from wire.openai_schema import ChatCompletionRequest
 from tests.support.llama3 import EOT, OPEN_TURN, llama3_tokenizer_dir
 from tests.support.parity import Split, encode_fast
 from tests.support.streams import chunked_answer, comparable_response

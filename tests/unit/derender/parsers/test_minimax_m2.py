@@ -18,12 +18,12 @@ from typing import Any
 import msgspec
 import pytest
 
-from engine.derender.chat import ChatDerender, ChatOptions
-from engine.derender.parsers import minimax_m2
-from engine.derender.parsers.base import ToolCallText
-from engine.derender.parsers.minimax_m2 import END, START
-from engine.derender.vocab import TokenVocab, vocab_for
-from engine.openai_schema import ChatCompletionRequest
+from derender.chat import ChatDerender, ChatOptions
+from derender.parsers import minimax_m2
+from derender.parsers.base import ToolCallText
+from derender.parsers.minimax_m2 import END, START
+from derender.vocab import TokenVocab, vocab_for
+from wire.openai_schema import ChatCompletionRequest
 from tests.support.minimax_m2 import EOS, minimax_tokenizer_dir
 from tests.support.parity import encode
 from tests.support.streams import chunked_answer, comparable_response, fixed, stream

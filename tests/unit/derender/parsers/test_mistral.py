@@ -20,13 +20,13 @@ import msgspec
 import pytest
 from tokenizers import Tokenizer
 
-from engine.derender.chat import ChatDerender, ChatOptions
-from engine.derender.parsers import mistral
-from engine.derender.parsers.base import ToolCallText, UnknownParser
-from engine.derender.parsers.mistral import ARGS as A, THINK_END as ET, THINK_START as T, TOOL_CALLS as TC
-from engine.derender.parsers.mistral import JsonValueEnd, call_id
-from engine.derender.vocab import TokenVocab, vocab_for
-from engine.openai_schema import ChatCompletionRequest
+from derender.chat import ChatDerender, ChatOptions
+from derender.parsers import mistral
+from derender.parsers.base import ToolCallText, UnknownParser
+from derender.parsers.mistral import ARGS as A, THINK_END as ET, THINK_START as T, TOOL_CALLS as TC
+from derender.parsers.mistral import JsonValueEnd, call_id
+from derender.vocab import TokenVocab, vocab_for
+from wire.openai_schema import ChatCompletionRequest
 from tests.support.mistral import EOS, mistral_tokenizer_dir, mistral_v3_tokenizer_dir
 from tests.support.parity import Split, encode_fast
 from tests.support.streams import chunked_answer, comparable_response, fixed, stream

@@ -20,12 +20,12 @@ import msgspec
 import pytest
 from tokenizers import Tokenizer
 
-from engine.derender.chat import ChatDerender, ChatOptions
-from engine.derender.parsers import pythonic
-from engine.derender.parsers.base import ParseOptions, ToolCallText
-from engine.derender.parsers.pythonic import PYTHON_END as PE, PYTHON_START as PS, BadValue, literal_json
-from engine.derender.vocab import TokenVocab, vocab_for
-from engine.openai_schema import ChatCompletionRequest
+from derender.chat import ChatDerender, ChatOptions
+from derender.parsers import pythonic
+from derender.parsers.base import ParseOptions, ToolCallText
+from derender.parsers.pythonic import PYTHON_END as PE, PYTHON_START as PS, BadValue, literal_json
+from derender.vocab import TokenVocab, vocab_for
+from wire.openai_schema import ChatCompletionRequest
 from tests.support.parity import Split
 from tests.support.pythonic import EOT, pythonic_tokenizer_dir
 from tests.support.streams import chunked_answer, comparable_response

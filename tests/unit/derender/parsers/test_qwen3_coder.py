@@ -4,7 +4,7 @@ Each vector is model output text (or token pieces) after a Qwen3 prompt; it is
 streamed one token per chunk, in fixed widths 2..8 and in random splits, and
 every folded answer must equal the non-streamed `response()`. The expected
 answers follow vLLM 0.32's `qwen3_coder` except where it loses text or writes
-invalid JSON (see the module docstring of `engine.derender.parsers.qwen3_coder`
+invalid JSON (see the module docstring of `derender.parsers.qwen3_coder`
 and tests/vllm/parity_cases/qwen3_coder.py for those cases against vLLM).
 
 The tokenizer is the offline Qwen3 one (`qwen3_tokenizer` fixture), which is
@@ -25,14 +25,14 @@ from typing import Any
 import msgspec
 import pytest
 
-from engine.derender.chat import ChatDerender, ChatOptions
-from engine.derender.parsers import TOOL_PARSERS
-from engine.derender.parsers.base import ToolCallText
-from engine.derender.parsers.qwen3_coder import forced_prefix, format_calls
-from engine.derender.parsers.typed_values import STRING_ONLY, coerce, parameter_types
-from engine.derender.text import TextParams
-from engine.derender.vocab import TokenVocab
-from engine.openai_schema import ChatCompletionRequest
+from derender.chat import ChatDerender, ChatOptions
+from derender.parsers import TOOL_PARSERS
+from derender.parsers.base import ToolCallText
+from derender.parsers.qwen3_coder import forced_prefix, format_calls
+from derender.parsers.typed_values import STRING_ONLY, coerce, parameter_types
+from derender.text import TextParams
+from derender.vocab import TokenVocab
+from wire.openai_schema import ChatCompletionRequest
 from engine.qwen3.vocab import IM_END_ID
 from tests.support.streams import FAMILY_CHUNKINGS, comparable_response, counter_ids, fold_chunks, stream, whole
 
