@@ -232,6 +232,15 @@ class ModelConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     def patterns(self) -> list[str]:
         return [alias for alias in self.aliases if is_pattern(alias)]
 
+    @property
+    def parsers(self) -> tuple[str | None, str | None]:
+        """The reasoning and tool parser names (`auto` not yet settled), once `served_models()`
+        filled in the gateway's defaults; unset here means that has not happened."""
+        reasoning, tool = self.reasoning_parser, self.tool_parser
+        if isinstance(reasoning, msgspec.UnsetType) or isinstance(tool, msgspec.UnsetType):
+            raise ConfigError(f"model {self.name!r}: its parsers were read before the gateway's defaults filled them")
+        return reasoning, tool
+
 
 def is_pattern(alias: str) -> bool:
     return any(mark in alias for mark in "*?[")

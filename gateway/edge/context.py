@@ -2,7 +2,7 @@
 
     Edge            built where the request arrives, before its body is read: its id,
                     the caller (tenant, owner), its headers, the server span, the
-                    arrival time, the tally its outcome is made from
+                    arrival time and deadline, the tally its outcome is made from
     RequestContext  the edge, once the body is decoded: the model, the session, and
                     after routing the decided target
 
@@ -52,13 +52,17 @@ class Edge:
     span: Span
     started: float
     """perf_counter() at arrival."""
+    deadline: float | None
+    """perf_counter() by which the answer must have ended (`timeouts.stream_deadline_s` from
+    arrival); None: no bound."""
     tally: Tally
 
     @classmethod
-    def of(cls, http: web.Request, endpoint: str, request_id: str) -> Edge:
+    def of(cls, http: web.Request, endpoint: str, request_id: str, deadline_s: float | None) -> Edge:
         """The edge of `http`; a request the observe middleware did not see gets a tally of its
         own and the no-op span (no outcome is emitted for it)."""
         tally = http.get(TALLY_KEY)
+        started: float = http.get(STARTED_KEY, time.perf_counter())  # aiohttp types get() as Any, whatever the key
         return cls(
             request_id=request_id,
             endpoint=endpoint,
@@ -66,7 +70,8 @@ class Edge:
             owner=owner(http),
             headers=http.headers,
             span=http.get(SPAN_KEY, INVALID_SPAN),
-            started=http.get(STARTED_KEY, time.perf_counter()),
+            started=started,
+            deadline=None if deadline_s is None else started + deadline_s,
             tally=tally if tally is not None else Tally(),
         )
 

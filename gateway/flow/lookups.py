@@ -71,7 +71,7 @@ async def handle_input_tokens(http: web.Request) -> web.Response:
     would render it; only the fields that shape the prompt matter."""
     state = http.app[GATEWAY]
     body = await read_body(http, state.config.timeouts.client_body_s)
-    chat = RESPONSES.decode(body, Edge.of(http, RESPONSES.name, request_id=""), state).chat
+    chat = RESPONSES.decode(body, Edge.of(http, RESPONSES.name, request_id="", deadline_s=None), state).chat
     return _json(InputTokens(input_tokens=await _prompt_tokens(http, chat)))
 
 

@@ -84,7 +84,7 @@ async def serve(http: web.Request, endpoint: Endpoint[Any]) -> web.StreamRespons
     """The edge: the aiohttp request becomes a context; everything after works on the context."""
     state = http.app[GATEWAY]
     http[REQUEST_ID_KEY] = response_id = f"{endpoint.id_prefix}{uuid.uuid4().hex}"
-    edge = Edge.of(http, endpoint.name, response_id)
+    edge = Edge.of(http, endpoint.name, response_id, state.config.timeouts.stream_deadline_s)
     edge.tally.request_id = response_id
     body = await read_body(http, state.config.timeouts.client_body_s)
     request = endpoint.decode(body, edge, state)
@@ -452,8 +452,9 @@ async def all_of(work: Sequence[Awaitable[T]]) -> list[T]:
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         for task in tasks:
-            if task.done() and task.exception() is not None:
-                raise task.exception()  # type: ignore[misc]
+            failure = task.exception() if task.done() else None
+            if failure is not None:
+                raise failure
         return [task.result() for task in tasks]
     finally:
         for task in tasks:

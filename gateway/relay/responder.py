@@ -159,7 +159,7 @@ class Responder:
         stream: ClientStream | None = None
         tail = DONE_FRAME if done else b""
         limit_s = self._timeouts.stream_deadline_s
-        deadline = asyncio.timeout_at(self._deadline(limit_s))
+        deadline = asyncio.timeout_at(self._deadline())
         try:
             try:
                 async with deadline, aclosing(frames):  # a client that leaves closes them at once, not at collection
@@ -199,9 +199,8 @@ class Responder:
         timer = StreamTimer(self._ctx, self._metrics, self._ctx.routed.route)
         return ClientStream(self._http, response, timer, self._timeouts.client_write_s)
 
-    def _deadline(self, limit_s: float | None) -> float | None:
-        """`stream_deadline_s` counted from the request's arrival, on the loop's clock."""
-        if limit_s is None:
+    def _deadline(self) -> float | None:
+        """The request's deadline (`stream_deadline_s` from its arrival) on the loop's clock."""
+        if self._ctx.deadline is None:
             return None
-        waited = time.perf_counter() - self._ctx.started
-        return asyncio.get_running_loop().time() + limit_s - waited
+        return asyncio.get_running_loop().time() + self._ctx.deadline - time.perf_counter()

@@ -137,11 +137,17 @@ class LocalRenderer:
             raise InvalidRequest("prompt must not be empty", param="prompt")
         if isinstance(prompt, str):
             return [self.encode_sync(prompt, add_special_tokens=request.add_special_tokens)]
-        if all(isinstance(item, int) for item in prompt):
-            return [list(prompt)]  # type: ignore[arg-type]
-        if all(isinstance(item, str) for item in prompt):
-            return [self.encode_sync(item, add_special_tokens=request.add_special_tokens) for item in prompt]  # type: ignore[arg-type]
-        return [list(item) for item in prompt]  # type: ignore[arg-type]
+        # The request's own check: one kind of item throughout (`CompletionRequest.__post_init__`).
+        if isinstance(prompt[0], int):
+            return [[item for item in prompt if isinstance(item, int)]]
+        return [self._prompt_ids(item, request.add_special_tokens) for item in prompt]
+
+    def _prompt_ids(self, item: str | int | list[int], add_special_tokens: bool) -> list[int]:
+        """One prompt of a list: text, encoded; token ids, as they are."""
+        if isinstance(item, str):
+            return self.encode_sync(item, add_special_tokens=add_special_tokens)
+        assert isinstance(item, list)  # a list of ints is the whole prompt, taken above
+        return list(item)
 
     def encode_sync(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         if add_special_tokens or self._split is None:

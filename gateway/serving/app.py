@@ -122,8 +122,8 @@ async def _runtime(plan: _ModelPlan, limits: Limits) -> ModelRuntime:
         renderer=renderer,
         vocab=vocab,
         max_chars_per_token=_longest_token(vocab),
-        reasoning_parser=config.reasoning_parser,  # type: ignore[arg-type]
-        tool_parser=config.tool_parser,  # type: ignore[arg-type]
+        reasoning_parser=config.parsers[0],
+        tool_parser=config.parsers[1],
         reasoning_field=config.reasoning_field,
         parses_locally=plan.parses_locally,
         render=config.render,
@@ -162,7 +162,7 @@ async def _start(state: GatewayState, plans: list[_ModelPlan], loops: Supervisor
     release_freed_memory()
     for engines in state.clients:
         loops.start("health", engines.watch_health)
-        loops.start("dns", lambda engines=engines: engines.watch_dns(config.health.dns_interval_s))  # type: ignore[misc]
+        loops.start("dns", functools.partial(engines.watch_dns, config.health.dns_interval_s))
     loops.start("feedback", lambda: state.feedback.run(state.clients[0].session))
 
 
@@ -294,7 +294,7 @@ def ascii_header(value: str) -> str:
 def resolve_parsers(model: ModelConfig) -> tuple[ModelConfig, bool]:
     """Settle `auto` from the tokenizer folder; also whether the gateway can parse these
     families itself (if not, chat only takes routes where the engine parses)."""
-    found = resolve(model.tokenizer, model.reasoning_parser, model.tool_parser)  # type: ignore[arg-type]
+    found = resolve(model.tokenizer, *model.parsers)
     local = (found.reasoning is None or found.reasoning in REASONING_PARSERS) and (
         found.tool is None or found.tool in TOOL_PARSERS
     )
@@ -329,8 +329,8 @@ def create_app(config: GatewayConfig) -> web.Application:
             expected=Expected(
                 model=model.name,
                 names=frozenset(model.names()),
-                reasoning_parser=model.reasoning_parser,  # type: ignore[arg-type]
-                tool_parser=model.tool_parser,  # type: ignore[arg-type]
+                reasoning_parser=model.parsers[0],
+                tool_parser=model.parsers[1],
                 parsers=not prefill,
             ),
             tracing=tracing,

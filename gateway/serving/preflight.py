@@ -121,6 +121,6 @@ def _check_model(model: ModelConfig) -> None:
         folder = load_folder(model.tokenizer)
         for source in folder.templates.values():
             ChatTemplate(source)
-        resolve(model.tokenizer, model.reasoning_parser, model.tool_parser)  # type: ignore[arg-type]
+        resolve(model.tokenizer, *model.parsers)
     except (TokenizerFolderError, ChatTemplateError, OSError, ValueError) as exc:
         raise StartupError(f"model {model.name}: {exc}") from exc

@@ -83,7 +83,7 @@ def edge(span: Span = trace.INVALID_SPAN, started: float | None = None) -> Edge:
     """A request's edge as the pipeline hands it to these helpers: no aiohttp request needed."""
     return Edge(
         request_id="chatcmpl-1", endpoint="chat", tenant=None, owner="anonymous", headers={}, span=span,
-        started=time.perf_counter() if started is None else started, tally=Tally(),
+        started=time.perf_counter() if started is None else started, deadline=None, tally=Tally(),
     )
 
 

@@ -105,7 +105,7 @@ async def decide_route(http: web.Request) -> web.Response:
     features = RequestFeatures(model=model.name, headers=headers, **body)
     edge = Edge(
         request_id="chatcmpl-1", endpoint="chat", tenant=None, owner="anonymous", headers=http.headers,
-        span=trace.INVALID_SPAN, started=time.perf_counter(), tally=Tally(),
+        span=trace.INVALID_SPAN, started=time.perf_counter(), deadline=None, tally=Tally(),
     )
     routed = await choose_route(state, RequestContext.decoded(edge, model, model.name, None), features, PROMPT)
     target = routed.routed
