@@ -1,21 +1,45 @@
 """Request checks and readings that the backends and the engine server share.
 
 The engine server (`engine.generate`) refuses a request before any backend sees it, with
-HTTP errors that name the field; a backend driven directly repeats the checks it relies
-on with `BackendRequestError`. Each place words its own errors. What they share is here,
-written once: which token id falls outside the vocabulary, how many tokens a choice may
-produce, whose EOS ids end it, and how many top logprobs a token carries.
+HTTP errors that name the field; a backend driven directly (a test, an embedding) repeats
+the checks it relies on with `BackendRequestError`, the same for every backend. Written once
+here: what a prompt must be for a backend to take it, which token id falls outside
+the vocabulary, how many tokens a choice may produce, whose EOS ids end it, and how many top
+logprobs a token carries.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
-from engine.backends.base import BackendInfo, BackendRequest
+from engine.backends.base import BackendInfo, BackendRequest, BackendRequestError
 
 ALL_LOGPROBS = 20
 """What `logprobs=-1` (the whole vocabulary) is served as: OpenAI's `top_logprobs` ceiling and
 vLLM's default `max_logprobs` (151k entries a token for Qwen3 would help no client)."""
+
+
+def check_prompt(request: BackendRequest, info: BackendInfo, running: Container[str]) -> None:
+    """A request a backend may take: an id not already running, a prompt of at least one token
+    that leaves room for output within `max_model_len`, every id in the vocabulary."""
+    if request.request_id in running:
+        raise BackendRequestError(f"request id {request.request_id!r} is already running")
+    ids = request.prompt_token_ids
+    if not ids:
+        raise BackendRequestError("the prompt must hold at least one token")
+    if len(ids) >= info.max_model_len:
+        raise BackendRequestError(
+            f"the prompt ({len(ids)} tokens) is longer than the maximum model length allows:"
+            f" max_model_len={info.max_model_len} leaves no room for output"
+        )
+    check_ids(ids, info.vocab_size, "the prompt")
+
+
+def check_ids(ids: Sequence[int], vocab: int, what: str) -> None:
+    """Every id of `what` (the prompt, `allowed_token_ids`, `logit_bias`) in the vocabulary."""
+    bad = first_out_of_vocab(ids, vocab)
+    if bad is not None:
+        raise BackendRequestError(f"token id {bad} in {what} is out of vocabulary (size {vocab})")
 
 
 def first_out_of_vocab(ids: Sequence[int], vocab: int) -> int | None:

@@ -42,12 +42,12 @@ from engine.backends.base import (
     BackendRequest,
     BackendRequestError,
 )
-from engine.backends.checks import request_eos
+from engine.backends.checks import check_prompt, request_eos
 from engine.backends.grammar import ChoiceGrammar, GrammarTokenizer
 from engine.backends.grammar_check import GrammarCheck, compile_executor
 from engine.backends.hf.batch import Batch
 from engine.backends.hf.model import HFBackendConfig, load_model, load_tokenizer, read_info
-from engine.backends.hf.plan import check_ids, generators, make_plan
+from engine.backends.hf.plan import generators, make_plan
 from engine.backends.hf.sampling import sample
 from engine.backends.hf.state import RequestState, Row, StepResult, accept
 from wire.grammar_compile import GrammarError, compile_grammar
@@ -184,17 +184,9 @@ class HFBackend:
     def _register(self, request: BackendRequest) -> RequestState:
         if self._task is None or self._task.done() or self._closing:
             raise BackendError("the hf backend is not running")
-        if request.request_id in self._requests:
-            raise BackendRequestError(f"request id {request.request_id!r} is already running")
         info = self.info
+        check_prompt(request, info, self._requests)
         ids = request.prompt_token_ids
-        if not ids:
-            raise BackendRequestError("the prompt must hold at least one token")
-        if len(ids) > info.max_model_len:
-            raise BackendRequestError(
-                f"the prompt ({len(ids)} tokens) is longer than the maximum model length of {info.max_model_len}"
-            )
-        check_ids(ids, info.vocab_size, "the prompt")
         n = request.sampling.n
         if n > self._config.max_batch_size:
             raise BackendRequestError(f"n={n} is more than max_batch_size={self._config.max_batch_size}")

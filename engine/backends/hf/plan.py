@@ -8,13 +8,12 @@ looks values up. The checks are those the hf backend needs beyond the engine's o
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from engine.backends.base import BackendInfo, BackendRequest, BackendRequestError
-from engine.backends.checks import first_out_of_vocab, logprobs_width, output_limit
+from engine.backends.checks import check_ids, logprobs_width, output_limit
 from wire.protocol import SamplingParams
 
 # vLLM's sampling epsilon: temperatures below it decode greedily.
@@ -55,12 +54,6 @@ class Plan:
             or self.frequency_penalty != 0.0
             or self.presence_penalty != 0.0
         )
-
-
-def check_ids(ids: Sequence[int], vocab: int, what: str) -> None:
-    bad = first_out_of_vocab(ids, vocab)
-    if bad is not None:
-        raise BackendRequestError(f"token id {bad} in {what} is out of vocabulary (size {vocab})")
 
 
 def _check_supported(sampling: SamplingParams) -> None:

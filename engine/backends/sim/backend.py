@@ -23,7 +23,7 @@ from engine.backends.base import (
     BackendRequest,
     BackendRequestError,
 )
-from engine.backends.checks import ALL_LOGPROBS
+from engine.backends.checks import ALL_LOGPROBS, check_prompt
 from engine.backends.sim.config import SimBackendConfig
 from engine.backends.sim.plans import Planner
 from engine.backends.sim.prompt import Prompt
@@ -142,23 +142,11 @@ class SimBackend:
     # -- per request --------------------------------------------------------
 
     def _check(self, request: BackendRequest) -> Prompt:
-        ids = list(request.prompt_token_ids)
-        if not ids:
-            raise BackendRequestError("the prompt is empty")
-        if len(ids) >= self._info.max_model_len:
-            raise BackendRequestError(
-                f"the prompt ({len(ids)} tokens) leaves no room for output"
-                f" within max_model_len={self._info.max_model_len}"
-            )
-        bad = next((i for i in (min(ids), max(ids)) if not 0 <= i < self._info.vocab_size), None)
-        if bad is not None:
-            raise BackendRequestError(f"token id {bad} is outside the vocabulary of {self._info.vocab_size}")
+        check_prompt(request, self._info, self._live)
         k = request.sampling.logprobs
         if k is not None and k > MAX_LOGPROBS:
             raise BackendRequestError(f"logprobs={k} is more than the maximum of {MAX_LOGPROBS}")
-        if request.request_id in self._live:
-            raise BackendRequestError(f"request {request.request_id!r} is already running")
-        return self._planner.reader.read(ids)
+        return self._planner.reader.read(list(request.prompt_token_ids))
 
     def _kv_role(self, request: BackendRequest) -> str | None:
         """Check a disaggregated-serving handshake the way a KV connector would see it.
