@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 import msgspec
@@ -22,7 +22,7 @@ from derender.vocab import TokenVocab
 from engine.qwen3.vocab import IM_END_ID
 from gateway.config import Timeouts
 from gateway.edge.errors import EngineFailed, EngineUnavailable
-from gateway.flow.endpoints import Answer
+from gateway.flow.endpoints import Answer, Endpoint
 from gateway.observe.outcome import Tally, Tokens
 from gateway.relay.engine import Derender
 from gateway.relay.routes import Leg, Parsed, Relayed, Upstream, VllmForm
@@ -52,6 +52,11 @@ class FakeEndpoint:
 
     chunk_decoder = CHAT_COMPLETION_CHUNK_DECODER
     answer_decoder = CHAT_COMPLETION_DECODER
+
+
+def relayed(url: str, tally: Tally | None = None) -> Relayed:
+    """The derender route in front of the engine at `url`, with the chat endpoint's decoders."""
+    return Relayed(upstream(url, Tally() if tally is None else tally), cast("Endpoint[Any]", FakeEndpoint()))
 
 
 def upstream(url: str, tally: Tally) -> Upstream:
@@ -88,7 +93,7 @@ async def objects(chunks: AsyncGenerator[Any, None]) -> list[Any]:
 async def test_relayed_stream_is_the_engines_events_but_its_comments_and_the_summary_is_tallied() -> None:
     tally = Tally()
     async with sse_engine(Script(split_at(RELAYED_STREAM, [7, 40, 200]))) as url:
-        route = Relayed(upstream(url, tally), FakeEndpoint())  # type: ignore[arg-type]
+        route = relayed(url, tally)
         sent = await collect(route.frames(leg()))
     assert sent == EVENTS + b"data: [DONE]\n\n"
     assert route.ends_itself
@@ -97,27 +102,27 @@ async def test_relayed_stream_is_the_engines_events_but_its_comments_and_the_sum
 
 async def test_relayed_chunks_and_answer_are_the_client_apis_objects() -> None:
     async with sse_engine(Script([RELAYED_STREAM])) as url:
-        route = Relayed(upstream(url, Tally()), FakeEndpoint())  # type: ignore[arg-type]
+        route = relayed(url)
         chunks = await objects(route.chunks(leg()))
     assert [chunk.choices[0].finish_reason for chunk in chunks] == [None, "stop"]
     assert chunks[0].choices[0].delta.content == "Hi"
     async with sse_engine(Script([msgspec.json.encode(COMPLETION)], content_type="application/json")) as url:
-        answer = await Relayed(upstream(url, Tally()), FakeEndpoint()).answer(leg())  # type: ignore[arg-type]
+        answer = await relayed(url).answer(leg())
     assert answer.choices[0].message.content == "Hi" and answer.usage.total_tokens == 7
 
 
 async def test_relayed_body_is_relayed_as_it_came_and_a_broken_one_is_the_engines_failure() -> None:
     whole = msgspec.json.encode(COMPLETION)
     async with sse_engine(Script(split_at(whole, [10]), content_type="application/json")) as url:
-        assert await Relayed(upstream(url, Tally()), FakeEndpoint()).body(leg()) == whole  # type: ignore[arg-type]
+        assert await relayed(url).body(leg()) == whole
     async with sse_engine(Script([b"<html>502</html>"], content_type="text/html")) as url:
         with pytest.raises(EngineFailed, match="invalid answer"):
-            await Relayed(upstream(url, Tally()), FakeEndpoint()).body(leg())  # type: ignore[arg-type]
+            await relayed(url).body(leg())
 
 
 async def test_relayed_stream_cut_short_fails_after_what_was_whole() -> None:
     async with sse_engine(Script([EVENTS[:-10]])) as url:
-        frames = Relayed(upstream(url, Tally()), FakeEndpoint()).frames(leg())  # type: ignore[arg-type]
+        frames = relayed(url).frames(leg())
         first = await frames.asend(None)
         assert first == EVENTS[: EVENTS.index(b"\n\n") + 2]
         with pytest.raises(EngineFailed, match="before \\[DONE\\]"):
