@@ -40,7 +40,6 @@ from engine.errors import (
     PayloadTooLarge,
     Unavailable,
     as_http_error,
-    error_body,
     log_failure,
 )
 from wire.grammar_limits import GrammarTooLarge, check_grammar
@@ -596,15 +595,15 @@ async def _stream(
         try:
             async with contextlib.aclosing(payloads):
                 async for payload in payloads:
-                    await response.write(b"data: " + payload + b"\n\n")
+                    await response.write(writer.frame(payload))
         except ConnectionResetError:
             raise  # the client is gone: nothing more can be sent
         except EngineHTTPError as exc:
-            await response.write(b"data: " + error_body(exc) + b"\n\n")
+            await response.write(writer.error_frame(exc))
         except Exception as exc:  # after the first byte, errors travel in-band
             error = as_http_error(exc)
             log_failure(http, error, exc)
-            await response.write(b"data: " + error_body(error) + b"\n\n")
+            await response.write(writer.error_frame(error))
         trailer = (
             SUMMARY_COMMENT + encode(writer.summary()) + b"\n\n"
             + CPU_COMMENT + str(round(times.output_s * 1e6)).encode() + b"\n\n"

@@ -3,7 +3,8 @@
 A writer lives for one request and keeps one derender state per choice:
 `tokens` (ids and id logprobs, stop strings still checked when text exists),
 `text` (vLLM's text mode: text deltas, decoded logprobs) and onehop's
-`derender` (finished OpenAI chat or completion objects). Every writer turns
+`derender` (finished OpenAI chat or completion objects, or with `present`
+another API's: Responses or Anthropic events). Every writer turns
 one backend step of one choice into at most one SSE payload (one choice per
 event, as vLLM streams) and can also build the non-streaming body.
 
@@ -24,6 +25,9 @@ from engine.backends.base import BackendOutput
 from derender.chat import ChatDerender, ChatOptions
 from derender.completion import CompletionDerender, CompletionOptions
 from derender.logprobs import chat_logprobs
+from derender.messages import MessagesAssembler
+from derender.messages import error_frame as messages_error_frame
+from derender.responses import ResponsesAssembler
 from derender.text import TextParams, TextPipeline
 from derender.usage import derender_summary, open_choices, summary_of
 from wire.openai_schema import ChatLogprobs, Usage
@@ -40,11 +44,14 @@ from wire.protocol import (
     GenerateTokensResponse,
     GenerateTokensStreamChoice,
     GenerateTokensStreamResponse,
+    ResponsesPresent,
     SamplingParams,
     encode,
     public_request_id,
 )
 from engine.vllm_derender import VllmDerenderWriter
+from engine.errors import EngineHTTPError
+from engine.writer_context import DataFrames
 from engine.writer_context import WriterContext as WriterContext  # make_writer's argument, for its callers
 
 
@@ -66,6 +73,12 @@ class OutputWriter(Protocol):
 
     def summary(self) -> EngineSummary:
         """Finish reasons and token counts so far (for the trace, and the gateway's)."""
+
+    def frame(self, payload: bytes) -> bytes:
+        """A streamed payload as the SSE bytes written."""
+
+    def error_frame(self, error: EngineHTTPError) -> bytes:
+        """The SSE bytes that say a stream failed after its first byte."""
 
 
 def text_params(sampling: SamplingParams) -> TextParams:
@@ -144,7 +157,7 @@ def _kept_logprobs(output: BackendOutput, kept: int) -> list[GenerateLogProbsCon
     return output.logprobs[:kept]
 
 
-class _ModeWriter:
+class _ModeWriter(DataFrames):
     """The tokens and text writers' shared flow; subclasses build their mode's choices."""
 
     _stream_type: type[GenerateTokensStreamResponse | GenerateTextStreamResponse]
@@ -290,7 +303,7 @@ def _response_id(request_id: str, prefix: str) -> str:
     return request_id if request_id.startswith(prefix) else f"{prefix}{request_id}"
 
 
-class DerenderWriter:
+class DerenderWriter(DataFrames):
     """`output_mode: "derender"`: finished OpenAI chat / completion objects, ready to relay."""
 
     def __init__(self, request: GenerateRequest, context: WriterContext) -> None:
@@ -298,8 +311,9 @@ class DerenderWriter:
         sampling = request.sampling_params
         keep_answer = not request.stream  # only the non-streaming body needs the whole answer
         options = request.stream_options
-        include_usage = bool(options and options.include_usage)
-        continuous = bool(options and options.continuous_usage_stats)
+        # Another API's answer always reports usage at its end (its own shape, never chat's chunk).
+        include_usage = bool(options and options.include_usage) or request.present is not None
+        continuous = bool(options and options.continuous_usage_stats) and request.present is None
         self._derender: ChatDerender | CompletionDerender
         if request.chat_request is not None:
             chat = request.chat_request
@@ -376,6 +390,57 @@ class DerenderWriter:
         return encode(self._derender.response())
 
 
+class PresentedWriter(DerenderWriter):
+    """`derender` with `present`: the chat derender's chunks (parsed reasoning, text and tool
+    calls) as another API's events, or its whole answer, by that API's assembler. Payloads are
+    whole SSE events (`event:` and `data:`), several per step where the API opens and closes
+    items; they are never chat's, so the gateway relays them as they are."""
+
+    def __init__(self, request: GenerateRequest, context: WriterContext) -> None:
+        super().__init__(request, context)
+        assert isinstance(self._derender, ChatDerender)  # `present` comes with a chat_request
+        self._chat = self._derender
+        present = request.present
+        self._assembler: ResponsesAssembler | MessagesAssembler
+        if isinstance(present, ResponsesPresent):
+            self._assembler = ResponsesAssembler(present)
+        else:
+            assert present is not None  # make_writer's choice
+            self._assembler = MessagesAssembler(present, len(request.token_ids))
+
+    def head(self) -> list[bytes]:
+        opening = b"".join(self._assembler.feed(chunk) for chunk in self._chat.start())
+        return [opening] if opening else []
+
+    def step(self, output: BackendOutput) -> bytes | None:
+        if self._chat.choices[output.index].finished:
+            return None
+        chunk = self._chat.step(
+            output.index,
+            output.token_ids,
+            output.logprobs,
+            finish_reason=output.finish_reason,
+            stop_reason=output.stop_reason,
+        )
+        return (self._assembler.feed(chunk) or None) if chunk is not None else None
+
+    def tail(self) -> list[bytes]:
+        usage = self._chat.usage_chunk()
+        return [(self._assembler.feed(usage) if usage is not None else b"") + self._assembler.end()]
+
+    def body(self) -> bytes:
+        return encode(self._assembler.whole(self._chat.response()))
+
+    def frame(self, payload: bytes) -> bytes:
+        return payload
+
+    def error_frame(self, error: EngineHTTPError) -> bytes:
+        if isinstance(self._assembler, ResponsesAssembler):
+            code = "engine_failed" if error.status >= 500 else None  # the gateway's code for the same failure
+            return self._assembler.error(code, error.message, error.param)
+        return messages_error_frame(error.status, error.message)
+
+
 def template_kwargs(request: GenerateRequest) -> dict[str, object]:
     """`enable_thinking` and friends: /render's parser kwargs win over the chat request's."""
     kwargs: dict[str, object] = {}
@@ -393,4 +458,6 @@ def make_writer(request: GenerateRequest, context: WriterContext) -> OutputWrite
         return TextWriter(request, context)
     if request.vllm_derender:
         return VllmDerenderWriter(request, context, text_params(request.sampling_params))
+    if request.present is not None:
+        return PresentedWriter(request, context)
     return DerenderWriter(request, context)

@@ -30,7 +30,7 @@ from wire.protocol import (
     ParseContext,
     encode,
 )
-from engine.writer_context import WriterContext
+from engine.writer_context import DataFrames, WriterContext
 
 FORM = "vllm"
 """The name of this derender form in the engine's capabilities (onehop's own is `onehop`)."""
@@ -77,7 +77,7 @@ def template_kwargs(request: GenerateRequest, context: ParseContext) -> dict[str
     return kwargs
 
 
-class VllmDerenderWriter:
+class VllmDerenderWriter(DataFrames):
     """The engine's writer for vLLM's derender form: nothing streams, the body is vLLM's answer."""
 
     def __init__(self, request: GenerateRequest, context: WriterContext, text: TextParams) -> None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from derender.chat import ReasoningField
 from derender.vocab import TokenVocab
+from engine.errors import EngineHTTPError, error_body
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,3 +18,15 @@ class WriterContext:
     reasoning_parser: str | None = None
     tool_parser: str | None = None
     reasoning_field: ReasoningField = "reasoning"
+
+
+class DataFrames:
+    """SSE framing of the engine's own answers: each payload a `data:` event, a failure after the
+    first byte an OpenAI error object in one. A writer that answers in another API's events
+    frames them itself."""
+
+    def frame(self, payload: bytes) -> bytes:
+        return b"data: " + payload + b"\n\n"
+
+    def error_frame(self, error: EngineHTTPError) -> bytes:
+        return b"data: " + error_body(error) + b"\n\n"

@@ -1,14 +1,18 @@
 """Gateway CPU per streamed token, by API, on one route: chat beside Responses and Messages.
 
-Chat on the `derender` route is a byte relay: the engine writes the client's chunks. The
-Responses and Messages APIs are answered from the same engine chunks, translated by the
-gateway into their own events; this measures what that translation costs the gateway.
-One gateway process (`--workers 1`) in front of the sim engine (N tokens per answer at a fixed
-inter-token delay); per API and concurrency, closed-loop clients stream answers back to back,
-rounds interleaved, and the gateway's CPU (utime + stime from /proc) is divided by the tokens
-and the requests it relayed. The client shares the machine: compare rows of one run.
+On the `derender` route the engine writes each API's own events (chat chunks, Responses
+events, Anthropic events) and the gateway relays their bytes; on `text` and `tokens` the
+gateway derenders and assembles them itself. One gateway process (`--workers 1`) in front of
+the sim engine (N tokens per answer at a fixed inter-token delay); per API and concurrency,
+closed-loop clients stream answers back to back, rounds interleaved, and the gateway's CPU
+(utime + stime from /proc) is divided by the tokens and the requests it relayed. The client
+shares the machine: compare rows of one run.
 
-    .venv/bin/python scripts/bench_apis.py [--quick] [--route derender] [--json out.json]
+`--baseline REV` runs a second gateway from commit REV's tree (`git archive`) beside this
+one, in front of the same engine, rounds interleaved: the table then gives each API's CPU
+on both and the ratio, a before/after measured side by side.
+
+    .venv/bin/python scripts/bench_apis.py [--quick] [--route derender] [--baseline REV] [--json out.json]
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
@@ -101,6 +106,8 @@ TOKENS_OF: dict[str, Callable[[dict[str, Any]], int | None]] = {
 
 @dataclass
 class Cell:
+    tree: str
+    """Which gateway: "this" tree, or the baseline commit."""
     api: str
     streams: int
     requests: int = 0
@@ -145,41 +152,58 @@ async def run_cell(
     cell.cpu_s += process_cpu(pid) - before
 
 
-async def measure(size: Size, route: str) -> dict[str, Any]:
+def unpack(rev: str, folder: Path) -> Path:
+    """Commit `rev`'s tree, unpacked under `folder` (no checkout of this one changes)."""
+    tree = folder / "baseline"
+    tree.mkdir()
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    return tree
+
+
+async def measure(size: Size, route: str, baseline: str | None = None) -> dict[str, Any]:
     tokenizer_dir = ensure_tokenizer()
     plan = Plan(tokens=size.tokens, itl_ms=size.itl_ms, ttft_ms=0, requests={}, warmup=0,
                 tracing_streams=0, tracing_requests=0, tracing_rounds=0)
-    engine_port, gateway_port = free_port(), free_port()
-    engine_url, gateway_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{gateway_port}"
+    engine_port = free_port()
+    engine_url = f"http://127.0.0.1:{engine_port}"
     bodies = _bodies(size.tokens)
     headers = {"Content-Type": "application/json", "onehop-route": route}
-    cells: dict[tuple[str, int], Cell] = {}
+    cells: dict[tuple[str, str, int], Cell] = {}
     with tempfile.TemporaryDirectory(prefix="bench_apis_") as tmp:
         folder = Path(tmp)
+        trees = {"this": ROOT} | ({baseline: unpack(baseline, folder)} if baseline else {})
         engine = start_engine(tokenizer_dir, engine_port, plan, folder / "engine.log")
-        gateway = None
+        gateways: dict[str, tuple[str, Any]] = {}
         try:
             async with client_session() as session:
                 await wait_ready(session, engine_url, engine, folder / "engine.log")
-                gateway = start_gateway(tokenizer_dir, engine_url, gateway_port, folder)
-                await wait_ready(session, gateway_url, gateway, folder / "gateway.log")
-                for measured in [False] + [True] * size.rounds:
+                for index, (tree, root) in enumerate(trees.items()):
+                    port = free_port()
+                    process = start_gateway(tokenizer_dir, engine_url, port, folder, name=f"gateway{index}", root=root)
+                    gateways[tree] = (f"http://127.0.0.1:{port}", process)
+                    await wait_ready(session, gateways[tree][0], process, folder / f"gateway{index}.log")
+                for round_index, measured in enumerate([False] + [True] * size.rounds):
+                    order = list(gateways.items())[:: 1 if round_index % 2 else -1]  # neither always first
                     for streams in CONCURRENCY:
                         for api in APIS:
-                            path, body = bodies[api]
-                            cell = cells.setdefault((api, streams), Cell(api, streams)) if measured else Cell(api, streams)
-                            count = size.requests if measured else streams
-                            await run_cell(session, gateway_url + path, body, headers, cell, count, gateway.pid, size.tokens)
+                            for tree, (url, process) in order:
+                                path, body = bodies[api]
+                                key = (tree, api, streams)
+                                cell = cells.setdefault(key, Cell(tree, api, streams)) if measured else Cell(*key)
+                                count = size.requests if measured else streams
+                                await run_cell(session, url + path, body, headers, cell, count, process.pid, size.tokens)
                     print(f"{'measured' if measured else 'warmed'}", file=sys.stderr)
         finally:
-            if gateway is not None:
-                stop(gateway)
+            for _, process in gateways.values():
+                stop(process)
             stop(engine)
-    return {"size": asdict(size), "route": route, "rows": [_row(cell) for cell in cells.values()]}
+    return {"size": asdict(size), "route": route, "baseline": baseline, "rows": [_row(cell) for cell in cells.values()]}
 
 
 def _row(cell: Cell) -> dict[str, Any]:
     return {
+        "tree": cell.tree,
         "api": cell.api,
         "streams": cell.streams,
         "requests": cell.requests,
@@ -191,14 +215,20 @@ def _row(cell: Cell) -> dict[str, Any]:
 
 def report(results: dict[str, Any]) -> str:
     size = results["size"]
-    lines = [
+    head = (
         f"route {results['route']}, {size['tokens']} tokens per answer at {size['itl_ms']} ms, "
-        f"{size['requests']} requests x {size['rounds']} rounds per cell",
+        f"{size['requests']} requests x {size['rounds']} rounds per cell"
+    )
+    rows = results["rows"]
+    if results.get("baseline"):
+        return head + "\n" + _compared(rows, results["baseline"])
+    lines = [
+        head,
         "| API | streams | events/request | gateway CPU µs/token | gateway CPU ms/request | × chat |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    chat = {row["streams"]: row["cpu_us_per_token"] for row in results["rows"] if row["api"] == "chat"}
-    for row in sorted(results["rows"], key=lambda r: (r["streams"], APIS.index(r["api"]))):
+    chat = {row["streams"]: row["cpu_us_per_token"] for row in rows if row["api"] == "chat"}
+    for row in sorted(rows, key=lambda r: (r["streams"], APIS.index(r["api"]))):
         ratio = row["cpu_us_per_token"] / chat[row["streams"]] if chat.get(row["streams"]) else float("nan")
         lines.append(
             f"| {row['api']} | {row['streams']} | {row['events_per_request']:.0f} | {row['cpu_us_per_token']:.1f} "
@@ -207,14 +237,33 @@ def report(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _compared(rows: list[dict[str, Any]], baseline: str) -> str:
+    """Each API and concurrency on both gateways: CPU per token, and the baseline's over this one's."""
+    cpu = {(row["tree"], row["api"], row["streams"]): row["cpu_us_per_token"] for row in rows}
+    chat = {(tree, streams): cpu[tree, "chat", streams] for tree, _, streams in cpu}
+    lines = [
+        f"| API | streams | baseline {baseline} µs/token (× its chat) | this tree µs/token (× its chat) | baseline / this |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for streams in CONCURRENCY:
+        for api in APIS:
+            before, after = cpu[baseline, api, streams], cpu["this", api, streams]
+            lines.append(
+                f"| {api} | {streams} | {before:.1f} ({before / chat[baseline, streams]:.2f}) "
+                f"| {after:.1f} ({after / chat['this', streams]:.2f}) | {before / after:.2f} |"
+            )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a short run (fewer, shorter answers)")
     parser.add_argument("--route", default="derender", choices=("derender", "text", "tokens"))
+    parser.add_argument("--baseline", default=None, help="a commit whose gateway runs beside this one")
     parser.add_argument("--json", type=Path, default=None, help="write the raw results here")
     args = parser.parse_args(argv)
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
-        results = runner.run(measure(QUICK if args.quick else FULL, args.route))
+        results = runner.run(measure(QUICK if args.quick else FULL, args.route, args.baseline))
     print(report(results))
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2))

@@ -322,12 +322,14 @@ def child_env() -> dict[str, str]:
     return {key: value for key, value in os.environ.items() if not key.startswith("OTEL_")}
 
 
-def spawn(args: list[str], log: Path, *, module: bool = True) -> subprocess.Popen[bytes]:
+def spawn(args: list[str], log: Path, *, module: bool = True, root: Path = ROOT) -> subprocess.Popen[bytes]:
+    """`root`: the source tree the process runs (another commit's, to compare two side by side)."""
     command = [sys.executable, *(["-m", "onehop"] if module else []), *args]
+    env = child_env()
+    if root != ROOT:
+        env["PYTHONPATH"] = str(root)  # its packages before the installed ones
     with log.open("wb") as out:
-        return subprocess.Popen(
-            command, cwd=ROOT, env=child_env(), start_new_session=True, stdout=out, stderr=subprocess.STDOUT
-        )
+        return subprocess.Popen(command, cwd=root, env=env, start_new_session=True, stdout=out, stderr=subprocess.STDOUT)
 
 
 def start_engine(tokenizer_dir: Path, port: int, plan: Plan, log: Path) -> subprocess.Popen[bytes]:
@@ -348,6 +350,7 @@ def start_gateway(
     tracing: dict[str, Any] | None = None,
     extra: dict[str, Any] | None = None,
     workers: int = 1,
+    root: Path = ROOT,
 ) -> subprocess.Popen[bytes]:
     """A gateway in front of `engine_url` (one process unless `workers` says more: then the
     supervisor's); `extra` adds or replaces top-level config keys."""
@@ -365,7 +368,7 @@ def start_gateway(
     config |= extra or {}
     path = folder / f"{name}.yaml"
     path.write_text(json.dumps(config))  # JSON is YAML
-    return spawn(["gateway", "--config", str(path), "--workers", str(workers)], folder / f"{name}.log")
+    return spawn(["gateway", "--config", str(path), "--workers", str(workers)], folder / f"{name}.log", root=root)
 
 
 def start_sink(port: int, log: Path) -> subprocess.Popen[bytes]:

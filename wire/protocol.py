@@ -250,6 +250,41 @@ class ParseContext(Struct, omit_defaults=True, forbid_unknown_fields=True, kw_on
     history_tool_call_cnt: Annotated[int, Meta(ge=0)] = 0
 
 
+class Callee(Struct, frozen=True):
+    """What a chat tool call's (flattened) name stands for in the client's API."""
+
+    name: str
+    namespace: str | None = None
+    custom: bool = False
+    """A custom tool: its call's `{"input": ...}` arguments are the item's free text."""
+
+
+class ResponsesPresent(Struct, tag_field="api", tag="responses", forbid_unknown_fields=True, kw_only=True):
+    """Answer as OpenAI's Responses API (`wire.responses`), assembled by `derender.responses`."""
+
+    response: dict[str, Any]
+    """The Response as it starts (`in_progress`, no output, no usage): its id, model and the
+    request's settings echoed, which the gateway knows and the engine does not."""
+    callees: dict[str, Callee] = {}
+    """Chat function names that stand for a namespace's tool or a custom tool (others are plain)."""
+    text_call: Callee | None = None
+    """A forced custom tool whose grammar the turn's text follows: the text is its call."""
+
+
+class MessagesPresent(Struct, tag_field="api", tag="messages", forbid_unknown_fields=True, kw_only=True):
+    """Answer as Anthropic's Messages API (`wire.messages`), assembled by `derender.messages`."""
+
+    id: str
+    model: str
+    """The name the answer carries (the client's, which may be an alias)."""
+    stop_sequences: list[str] = []
+    context_management: dict[str, Any] | None = None
+    """What the request's `context_management` edits did, reported as Anthropic does."""
+
+
+Present = ResponsesPresent | MessagesPresent
+
+
 class GenerateRequest(Struct, omit_defaults=True, forbid_unknown_fields=True, kw_only=True):
     request_id: str = msgspec.field(default_factory=random_uuid)
     token_ids: Annotated[list[TokenId], Meta(min_length=1)]
@@ -282,6 +317,9 @@ class GenerateRequest(Struct, omit_defaults=True, forbid_unknown_fields=True, kw
     # numbers its choices from prompt_index * n, as vLLM's /v1/completions
     # does, so the gateway can relay several engines' chunks unchanged.
     prompt_index: Annotated[int, Meta(ge=0)] = 0
+    # onehop extension, with a chat_request: answer in another API's shape (its events
+    # when streamed, its object when not) instead of chat's. One choice only.
+    present: Present | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -303,6 +341,11 @@ class GenerateRequest(Struct, omit_defaults=True, forbid_unknown_fields=True, kw
             self._validate_derender()
         elif self.chat_request is not None or self.completion_request is not None:
             raise ProtocolError("chat_request and completion_request need output_mode='derender'")
+        if self.present is not None:
+            if self.chat_request is None:
+                raise ProtocolError("present needs output_mode='derender' and a chat_request")
+            if self.sampling_params.n != 1:
+                raise ProtocolError("present answers one choice: sampling_params.n must be 1")
 
     def _too_deep(self) -> str | None:
         """The first free-form JSON field nesting deeper than MAX_JSON_DEPTH (the engine is
@@ -312,6 +355,10 @@ class GenerateRequest(Struct, omit_defaults=True, forbid_unknown_fields=True, kw
             "kv_transfer_params": self.kv_transfer_params,
             "ec_transfer_params": self.ec_transfer_params,
         }
+        if isinstance(self.present, ResponsesPresent):
+            own["present.response"] = self.present.response
+        elif isinstance(self.present, MessagesPresent):
+            own["present.context_management"] = self.present.context_management
         context = self.parse_context
         if context is not None:
             own["parse_context.chat_template_kwargs"] = context.chat_template_kwargs

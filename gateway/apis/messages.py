@@ -1,14 +1,9 @@
 """Anthropic's Messages API (`POST /v1/messages`, `/v1/messages/count_tokens`) as a chat completion.
 
 `to_chat` turns the request into the chat request the pipeline runs; `MessagesPresenter`
-turns the chat answer back into a `Message`, or the chat chunks into Anthropic's events:
-
-    message_start                                    (after the first chunk: an engine that
-    (content_block_start                              fails before it gets an HTTP status)
-     content_block_delta*                            one block open at a time, a new one
-     content_block_stop)*                            whenever the kind changes: thinking,
-    message_delta  {stop_reason, stop_sequence}      text, one tool_use per call
-    message_stop
+says what the answer needs of the request, from which the Messages assembler
+(`derender.messages`) writes Anthropic's events or the whole Message, on the engine (the
+`derender` route: the gateway relays its bytes) or here (the other routes, from chat chunks).
 
 Names follow the `anthropic` SDK's types. An unknown top-level request field is ignored or
 refused by name, as `agents.unknown_fields` says (`gateway.edge.unknown_fields`); blocks, tools and
@@ -33,20 +28,28 @@ from msgspec import UNSET, Meta, Struct, UnsetType
 from wire.openai_schema import (
     ChatCompletion,
     ChatCompletionChunk,
-    ChatCompletionMessage,
     ChatCompletionRequest,
     ChatMessageParam,
     ChatTool,
-    DeltaToolCall,
     FunctionCall,
     FunctionDefinition,
     NamedFunction,
     NamedToolChoice,
     ToolCall,
     ToolChoice as ChatToolChoice,
-    Usage,
-    random_uuid,
 )
+from derender.messages import MessagesAssembler
+from wire.messages import (
+    ErrorObject,
+    ErrorResponse,
+    Message,
+    TextBlock,
+    ThinkingBlock,
+    ToolUseBlock,
+    Typed,
+    error_type,
+)
+from wire.protocol import MessagesPresent
 from gateway.apis.anthropic_tools import CLIENT_TOOLS, hosted_label, is_computer
 from gateway.config import Agents
 from gateway.apis.context_edits import (
@@ -66,46 +69,25 @@ from gateway.edge.unknown_fields import Decoded, TolerantDecoder
 # ------------------------------------------------------------ content blocks, in and out
 
 
-class _Typed(Struct, tag_field="type"):
-    """A block or event whose `type` names its kind (written first)."""
-
-
-class TextBlock(_Typed, tag="text"):
-    text: str
-
-
-class ImageBlock(_Typed, tag="image"):
+class ImageBlock(Typed, tag="image"):
     """Refused: onehop serves text models."""
 
 
-class DocumentBlock(_Typed, tag="document"):
+class DocumentBlock(Typed, tag="document"):
     """Refused, as images are."""
 
 
-class ThinkingBlock(_Typed, tag="thinking"):
-    thinking: str
-    signature: str = ""  # ours are empty: nothing here checks one
-
-
-class RedactedThinkingBlock(_Typed, tag="redacted_thinking"):
+class RedactedThinkingBlock(Typed, tag="redacted_thinking"):
     """Dropped: Anthropic's encrypted reasoning means nothing to another model."""
 
 
-class ToolUseBlock(_Typed, tag="tool_use"):
-    id: str
-    name: str
-    input: dict[str, Any]
-
-
-class ToolResultBlock(_Typed, tag="tool_result"):
+class ToolResultBlock(Typed, tag="tool_result"):
     tool_use_id: str
     content: str | list[TextBlock | ImageBlock | DocumentBlock] = ""
     is_error: bool = False  # the text says what went wrong; chat has no flag for it
 
 
 Block = TextBlock | ImageBlock | DocumentBlock | ThinkingBlock | RedactedThinkingBlock | ToolUseBlock | ToolResultBlock
-ContentBlock = ThinkingBlock | TextBlock | ToolUseBlock
-"""What an answer holds."""
 
 _MEDIA = (ImageBlock, DocumentBlock)
 _ALLOWED: dict[str, tuple[type, ...]] = {
@@ -211,7 +193,6 @@ class _LenientCountTokensRequest(CountTokensRequest, kw_only=True, omit_defaults
 
 _REQUEST_DECODER = TolerantDecoder(MessagesRequest, _LenientMessagesRequest)
 _COUNT_DECODER = TolerantDecoder(CountTokensRequest, _LenientCountTokensRequest)
-_ARGUMENTS_DECODER = msgspec.json.Decoder()
 _encode = msgspec.json.Encoder().encode
 _UNKNOWN = re.compile(r"Object contains unknown field `([^`]*)`")
 _MISSING = re.compile(r"Object missing required field `([^`]*)`")
@@ -578,102 +559,9 @@ def _output_config(config: OutputConfig) -> dict[str, Any]:
 # ------------------------------------------------------------ answers and events
 
 
-class MessagesUsage(Struct):
-    """Anthropic counts cached prompt tokens apart: the three inputs add up to the prompt."""
-
-    input_tokens: int
-    cache_creation_input_tokens: int
-    cache_read_input_tokens: int
-    output_tokens: int
-
-
-class Message(_Typed, tag="message", kw_only=True):
-    id: str
-    role: Literal["assistant"] = "assistant"
-    model: str
-    content: list[ContentBlock]
-    stop_reason: str | None = None
-    stop_sequence: str | None = None
-    usage: MessagesUsage
-    context_management: ContextManagementResponse | UnsetType = UNSET  # only when the request sent some
-
-
-class TextDelta(_Typed, tag="text_delta"):
-    text: str
-
-
-class ThinkingDelta(_Typed, tag="thinking_delta"):
-    thinking: str
-
-
-class SignatureDelta(_Typed, tag="signature_delta"):
-    signature: str
-
-
-class InputJSONDelta(_Typed, tag="input_json_delta"):
-    partial_json: str
-
-
-class MessageStart(_Typed, tag="message_start"):
-    message: Message
-
-
-class ContentBlockStart(_Typed, tag="content_block_start"):
-    index: int
-    content_block: ContentBlock
-
-
-class ContentBlockDelta(_Typed, tag="content_block_delta"):
-    index: int
-    delta: TextDelta | ThinkingDelta | SignatureDelta | InputJSONDelta
-
-
-class ContentBlockStop(_Typed, tag="content_block_stop"):
-    index: int
-
-
-class StopInfo(Struct):
-    stop_reason: str | None
-    stop_sequence: str | None
-
-
-class MessageDelta(_Typed, tag="message_delta"):
-    delta: StopInfo
-    usage: MessagesUsage
-    context_management: ContextManagementResponse | UnsetType = UNSET
-
-
-class MessageStop(_Typed, tag="message_stop"):
-    pass
-
-
-class ErrorObject(Struct):
-    type: str
-    message: str
-
-
-class ErrorResponse(_Typed, tag="error"):
-    """Anthropic's error body, and the data of its `error` event."""
-
-    error: ErrorObject
-
-
-Event = (
-    MessageStart | ContentBlockStart | ContentBlockDelta | ContentBlockStop | MessageDelta | MessageStop | ErrorResponse
-)
-
-_ERROR_TYPES = {
-    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-    413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 502: "api_error", 503: "overloaded_error",
-    504: "timeout_error", 529: "overloaded_error",
-}
-"""Anthropic's documented types by status; the SDK's ErrorType has `timeout_error` for a 504."""
-
-
 def error_body(error: GatewayError) -> bytes:
-    fallback = "invalid_request_error" if error.status < 500 else "api_error"
     message = too_long(error.message) if error.code == CONTEXT_LENGTH_EXCEEDED else error.message
-    return _encode(ErrorResponse(ErrorObject(_ERROR_TYPES.get(error.status, fallback), message)))
+    return _encode(ErrorResponse(ErrorObject(error_type(error.status), message)))
 
 
 _MAXIMUM = re.compile(r"maximum context length is (\d+) tokens")
@@ -700,164 +588,39 @@ def too_long(message: str) -> str:
     return f"prompt is too long: {tokens} tokens > {most} maximum"
 
 
-def _frame(event: Event) -> bytes:
-    return b"event: " + _kind(event).encode() + b"\ndata: " + _encode(event) + b"\n\n"
-
-
-def _text(value: object) -> str:
-    """A chat field that may be UNSET, None or a string, as a string."""
-    return value if isinstance(value, str) else ""
-
-
-_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "content_filter": "refusal"}
-
-
-def _stop(finish: str | None, matched: object, sequences: list[str] | None, called: bool) -> StopInfo:
-    """vLLM answers a forced tool call with "stop": a call made is a `tool_use` stop either way.
-    `matched` is vLLM's `stop_reason`: the stop string hit (or a stop token's id)."""
-    if called and finish in ("stop", "tool_calls"):
-        return StopInfo("tool_use", None)
-    if finish == "stop" and isinstance(matched, str) and matched in (sequences or ()):
-        return StopInfo("stop_sequence", matched)
-    return StopInfo(_STOP_REASONS.get(finish or "stop", "end_turn"), None)
-
-
-def _usage(usage: Usage | None, prompt_tokens: int) -> MessagesUsage:
-    if usage is None:
-        return MessagesUsage(prompt_tokens, 0, 0, 0)
-    details = usage.prompt_tokens_details
-    cached = (details.cached_tokens or 0) if details is not None else 0
-    return MessagesUsage(usage.prompt_tokens - cached, 0, cached, usage.completion_tokens or 0)
-
-
-def _tool_input(arguments: str) -> dict[str, Any]:
-    """The call's arguments as `input`, which must be an object: arguments a model wrote badly
-    become `{}`, which the client's tool refuses as a tool_result the model can read and
-    retry from, where failing the whole turn would lose the text and other calls."""
-    try:
-        value = _ARGUMENTS_DECODER.decode(arguments)
-    except msgspec.DecodeError:
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
-def _content(message: ChatCompletionMessage) -> list[ContentBlock]:
-    blocks: list[ContentBlock] = []
-    reasoning = _text(message.reasoning) or _text(message.reasoning_content)
-    if reasoning:
-        blocks.append(ThinkingBlock(reasoning))
-    if message.content:
-        blocks.append(TextBlock(message.content))
-    for call in message.tool_calls or ():
-        blocks.append(ToolUseBlock(call.id, call.function.name, _tool_input(call.function.arguments)))
-    return blocks
-
-
-class _Blocks:
-    """The content blocks of one stream. At most one is open: `kind` is "thinking", "text",
-    or the chat index of the tool call whose arguments stream into it."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.kind: str | int | None = None
-        self.tools: dict[int, int] = {}  # chat tool-call index → block index
-        self.finish: str | None = None
-        self.matched: object = None
-        self.usage: Usage | None = None
-
-    def feed(self, chunk: ChatCompletionChunk, out: list[bytes]) -> None:
-        if chunk.usage is not UNSET and chunk.usage is not None:
-            self.usage = chunk.usage
-        for choice in chunk.choices:  # one choice: a presented request asks for one
-            delta = choice.delta
-            reasoning = _text(delta.reasoning) or _text(delta.reasoning_content)
-            if reasoning:
-                self._delta("thinking", ThinkingDelta(reasoning), out)
-            if content := _text(delta.content):
-                self._delta("text", TextDelta(content), out)
-            for call in delta.tool_calls or ():
-                self._tool(call, out)
-            if choice.finish_reason is not None:
-                self.finish, self.matched = choice.finish_reason, choice.stop_reason
-
-    def _delta(self, kind: str, delta: TextDelta | ThinkingDelta, out: list[bytes]) -> None:
-        if self.kind != kind:
-            self._open(kind, ThinkingBlock("") if kind == "thinking" else TextBlock(""), out)
-        out.append(_frame(ContentBlockDelta(self.count - 1, delta)))
-
-    def _tool(self, call: DeltaToolCall, out: list[bytes]) -> None:
-        function = call.function if call.function is not UNSET and call.function is not None else None
-        index = self.tools.get(call.index)
-        if index is None:  # vLLM names the call (and gives its id) in its first delta
-            block = ToolUseBlock(_text(call.id) or f"toolu_{random_uuid()}", _text(function and function.name), {})
-            index = self.tools[call.index] = self._open(call.index, block, out)
-        # A call resumed after another block opened (vLLM never does) keeps its own index.
-        if arguments := _text(function and function.arguments):
-            out.append(_frame(ContentBlockDelta(index, InputJSONDelta(arguments))))
-
-    def _open(self, kind: str | int, block: ContentBlock, out: list[bytes]) -> int:
-        self.close(out)
-        self.kind = kind
-        out.append(_frame(ContentBlockStart(self.count, block)))
-        self.count += 1
-        return self.count - 1
-
-    def close(self, out: list[bytes]) -> None:
-        if self.kind is None:
-            return
-        if self.kind == "thinking":  # Anthropic ends a thinking block with its signature
-            out.append(_frame(ContentBlockDelta(self.count - 1, SignatureDelta(""))))
-        out.append(_frame(ContentBlockStop(self.count - 1)))
-        self.kind = None
-
-
 class MessagesPresenter:
-    """Chat answers as Anthropic's (`gateway.apis.translate.Presenter`); `context` is what the
-    request's `context_management` did (None when it sent none), reported as Anthropic does."""
+    """Chat answers as Anthropic's (`gateway.apis.translate.Presenter`): what the answer needs of
+    the request, for the Messages assembler (`derender.messages`) on the engine or here.
+    `context` is what the request's `context_management` did (None when it sent none)."""
+
+    final_events: tuple[str, ...] = ()
 
     def __init__(self, context: ContextManagementResponse | None = None) -> None:
-        self.context: ContextManagementResponse | UnsetType = UNSET if context is None else context
+        self._context = None if context is None else msgspec.to_builtins(context)
 
-    def whole(self, turn: Turn[MessagesRequest], meta: Presented, completion: ChatCompletion) -> Message:
-        choice = completion.choices[0]
-        content = _content(choice.message)
-        called = any(isinstance(block, ToolUseBlock) for block in content)
-        stop = _stop(choice.finish_reason, choice.stop_reason, turn.original.stop_sequences, called)
-        return Message(
+    def present(self, turn: Turn[MessagesRequest], meta: Presented) -> MessagesPresent:
+        return MessagesPresent(
             id=meta.response_id,
             model=meta.model,
-            content=content,
-            stop_reason=stop.stop_reason,
-            stop_sequence=stop.stop_sequence,
-            usage=_usage(completion.usage, meta.prompt_tokens),
-            context_management=self.context,
+            stop_sequences=turn.original.stop_sequences or [],
+            context_management=self._context,
         )
+
+    def whole(self, turn: Turn[MessagesRequest], meta: Presented, completion: ChatCompletion) -> Message:
+        return MessagesAssembler(self.present(turn, meta), meta.prompt_tokens).whole(completion)
 
     async def stream(
         self, turn: Turn[MessagesRequest], meta: Presented, chunks: AsyncGenerator[ChatCompletionChunk, None]
     ) -> AsyncGenerator[bytes, object]:
-        blocks = _Blocks()
-        started = False
+        assembler = MessagesAssembler(self.present(turn, meta), meta.prompt_tokens)
         async with aclosing(chunks):
             async for chunk in chunks:  # hot loop: one write per chunk
-                out = [] if started else [self._start(meta)]
-                started = True
-                blocks.feed(chunk, out)
-                if out:
-                    yield b"".join(out)
-        out = [] if started else [self._start(meta)]
-        blocks.close(out)
-        stop = _stop(blocks.finish, blocks.matched, turn.original.stop_sequences, bool(blocks.tools))
-        out.append(_frame(MessageDelta(stop, _usage(blocks.usage, meta.prompt_tokens), self.context)))
-        out.append(_frame(MessageStop()))
-        yield b"".join(out)
+                if out := assembler.feed(chunk):
+                    yield out
+        yield assembler.end()
 
-    def error_frame(self, error: GatewayError) -> bytes:
+    def relayed(self, turn: Turn[MessagesRequest], meta: Presented, final: bytes) -> None:
+        """Nothing is kept of a Message."""
+
+    def error_frame(self, error: GatewayError, sequence: int | None = None) -> bytes:
         return b"event: error\ndata: " + error_body(error) + b"\n\n"
-
-    @staticmethod
-    def _start(meta: Presented) -> bytes:
-        message = Message(
-            id=meta.response_id, model=meta.model, content=[], usage=MessagesUsage(meta.prompt_tokens, 0, 0, 0)
-        )
-        return _frame(MessageStart(message))

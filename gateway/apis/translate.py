@@ -2,8 +2,11 @@
 
 Such an endpoint translates its request into the chat request the pipeline
 already runs (render, route, engine, derender: one implementation), and a
-`Presenter` turns the chat answer back into its own shape: the chunks of a
-stream into its events as they come, a whole chat completion into its object.
+`Presenter` gives the answer its own shape: it says what the API's assembler
+(`derender.responses`, `derender.messages`) needs of the request (`present`),
+which the engine runs on the `derender` route (the gateway relays its events
+and keeps what the API stores: `relayed`), and the gateway runs here on the
+others, over the chat chunks (`stream`) or the chat completion (`whole`).
 No second parser: reasoning and tool calls were parsed once, by the chat
 derender (on the engine or in the gateway), whatever the route.
 """
@@ -17,6 +20,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import msgspec
 
 from wire.openai_schema import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, StreamOptions
+from wire.protocol import Present
 from gateway.edge.errors import GatewayError
 
 F = TypeVar("F")
@@ -66,6 +70,18 @@ class Presented:
 
 
 class Presenter(Protocol[F]):
+    final_events: tuple[str, ...]
+    """The stream events whose data holds the whole answer (for `relayed`)."""
+
+    def present(self, turn: Turn[F], meta: Presented) -> Present:
+        """What the API's assembler needs of the request, sent to a derender engine."""
+        ...
+
+    def relayed(self, turn: Turn[F], meta: Presented, final: bytes) -> None:
+        """The engine assembled the answer: `final` is its whole answer, or the data of its
+        final event (one of `final_events`); the API keeps what it stores of it."""
+        ...
+
     def stream(
         self, turn: Turn[F], meta: Presented, chunks: AsyncGenerator[ChatCompletionChunk, None]
     ) -> AsyncGenerator[bytes, object]:
@@ -77,6 +93,7 @@ class Presenter(Protocol[F]):
         """A whole chat completion as this API's answer object (JSON-encodable)."""
         ...
 
-    def error_frame(self, error: GatewayError) -> bytes:
-        """The frame that ends a stream that failed after its first byte."""
+    def error_frame(self, error: GatewayError, sequence: int | None = None) -> bytes:
+        """The frame that ends a stream that failed after its first byte; `sequence`: how many
+        events the engine wrote before it (None: `stream` wrote them)."""
         ...

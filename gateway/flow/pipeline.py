@@ -51,7 +51,7 @@ from gateway.edge.errors import (
 )
 from gateway.observe.spans import DerenderWork, describe_model, describe_request, measured
 from gateway.observe.outcome import Tokens
-from gateway.relay.engine import encoded
+from gateway.relay.engine import Presenting, encoded
 from gateway.relay.responder import Responder
 from gateway.relay.routes import EngineRoute, Leg, Parsed, Relayed, Remote, Upstream, VllmForm
 from gateway.routing.choose import choose_route
@@ -227,8 +227,17 @@ class Exchange:
         # A stock vLLM ≥ 0.33 takes the derender route in its own form (routing picks it
         # only for a non-streaming chat): parse_context in, GenerateDerenderResponse out.
         self.vllm_form = target.route == "derender" and target.engines.derender_form(target.endpoint.url) == "vllm"
+        self.presenting = self._presenting()
         self.route = self._route()
         self.responder = Responder(http, ctx, state.config.timeouts, state.metrics)
+
+    def _presenting(self) -> Presenting | None:
+        """On the derender route, the engine assembles another API's answer itself (one leg)."""
+        presenter = self.presenter
+        if presenter is None or self.target.route != "derender" or self.vllm_form:
+            return None
+        meta = self._presented(self.legs[0])
+        return Presenting(presenter.final_events, lambda final: presenter.relayed(self.request, meta, final))
 
     def _route(self) -> EngineRoute:
         route, endpoint, answer = self.target.route, self.endpoint, self.answer
@@ -238,7 +247,7 @@ class Exchange:
             chat = endpoint.chat_request(self.request)
             return VllmForm(upstream, answer, bool(chat is not None and chat.return_token_ids))
         if route == "derender":
-            return Relayed(upstream, endpoint)
+            return Relayed(upstream, endpoint, self.presenting)
         if route == "tokens-remote":
             return Remote(upstream, endpoint, lambda leg: endpoint.remote_derender(answer, self.body, leg.prompt))
         work = DerenderWork(self.ctx, self.state, route)
@@ -290,6 +299,10 @@ class Exchange:
         )
 
     def _derender_fields(self, leg: Leg) -> dict[str, Any]:
+        if self.presenting is not None:
+            assert self.presenter is not None
+            present = self.presenter.present(self.request, self._presented(leg))
+            return {**self.endpoint.engine_fields(self.body, leg.index), "present": present}
         if not self.vllm_form:
             return self.endpoint.engine_fields(self.body, leg.index)
         chat = self.endpoint.chat_request(self.request)
@@ -328,18 +341,21 @@ class Exchange:
         return Presented(answer.response_id, answer.model_name, answer.created, len(leg.prompt))
 
     async def _respond_stream(self) -> web.StreamResponse:
-        route, responder = self.route, self.responder
-        if self.presenter is not None:  # one prompt, one choice: the API's own events from the chat chunks
+        route, responder, presenter, presenting = self.route, self.responder, self.presenter, self.presenting
+        if presenter is not None and presenting is not None:  # the engine wrote the API's events
+            frames = route.frames(self.legs[0])
+            return await responder.stream(frames, done=False, end=lambda e: presenter.error_frame(e, presenting.events))
+        if presenter is not None:  # one prompt, one choice: the API's own events from the chat chunks
             leg = self.legs[0]
-            frames = self.presenter.stream(self.request, self._presented(leg), self._tallied(route.chunks(leg)))
-            return await responder.stream(frames, done=False, end=self.presenter.error_frame)
+            frames = presenter.stream(self.request, self._presented(leg), self._tallied(route.chunks(leg)))
+            return await responder.stream(frames, done=False, end=presenter.error_frame)
         if len(self.legs) > 1:
             return await responder.stream(encoded(self._merged(merged([route.chunks(leg) for leg in self.legs]))))
         return await responder.stream(route.frames(self.legs[0]), done=not route.ends_itself)
 
     async def _respond_json(self) -> web.Response:
         route, tally = self.route, self.ctx.tally
-        if self.presenter is not None:
+        if self.presenter is not None and self.presenting is None:
             leg = self.legs[0]
             answer = await route.answer(leg)
             tally.record([choice.finish_reason for choice in answer.choices], Tokens.of_usage(answer.usage))

@@ -2,7 +2,8 @@
 
 - `pieces`: an engine stream's reads, under one read deadline (`ReadDeadline`).
 - `EngineEvents`: the derender route's check of the engine's SSE (whole events,
-  JSON chunks, `[DONE]`, the engine's own comments kept from the client).
+  JSON chunks, `[DONE]`, the engine's own comments kept from the client); with
+  `Presenting`, another API's named events (Responses, Messages), counted.
 - `Derendered`: the text and token routes' stateful derender of the engine's
   events into OpenAI chunks (the engine's own `derender/` code).
 - `spliced`: either of those, through to the client: on the request's task up to
@@ -15,7 +16,7 @@ The routes (`gateway.relay.routes`) are made of these; the client side is `gatew
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import AbstractAsyncContextManager, aclosing
 from typing import Any, Protocol
 
@@ -193,20 +194,37 @@ ENGINE_COMMENT = b": onehop-engine-"
 """Comments the engine writes for the gateway (its summary, its CPU time): never the client's."""
 
 
+class Presenting:
+    """The derender route answering in another API's events (`wire.protocol.Present`): the
+    engine wrote them, the gateway counts them (an error event it adds is numbered after
+    them), hands the data of the final one to `keep`, and ends the stream without `[DONE]`."""
+
+    __slots__ = ("events", "final", "keep")
+
+    def __init__(self, final_events: tuple[str, ...], keep: Callable[[bytes], None]) -> None:
+        self.final = tuple(b"event: " + name.encode() + b"\n" for name in final_events)
+        self.keep = keep
+        self.events = 0
+        """How many events went to the client."""
+
+
 class EngineEvents:
     """The derender route's check of the engine's SSE bytes, as they pass.
 
     `feed` returns the whole events of what arrived (a partial one waits for its
     end), minus the engine's internal comments. An event that breaks the protocol
     (not SSE, not JSON: an HTML page, a stack trace) is raised at the next call,
-    after the good events before it went out: nothing valid is held back.
+    after the good events before it went out: nothing valid is held back. Chat and
+    completion chunks are `data:` events; another API's (`presenting`) name their
+    type in an `event:` line first.
     """
 
-    __slots__ = ("_broken", "_parts", "_size", "_tally", "done", "summary")
+    __slots__ = ("_broken", "_parts", "_presenting", "_size", "_tally", "done", "summary")
 
-    def __init__(self, answered: Tally | None = None) -> None:
+    def __init__(self, answered: Tally | None = None, presenting: Presenting | None = None) -> None:
         self._tally = answered if answered is not None else Tally()
         """Where the engine's summary (finish reasons, tokens) is recorded for the request's outcome."""
+        self._presenting = presenting
         self._parts: list[bytes] = []
         """A partial event, as it arrived: joined once, when its end comes (never re-scanned)."""
         self._size = 0
@@ -256,8 +274,13 @@ class EngineEvents:
         """Whether `event` goes to the client; raises for one that breaks the protocol."""
         if self.done:
             return False
+        if event.startswith(b"event: ") and self._presenting is not None:
+            self._named(event, self._presenting)
+            return True
         if event.startswith(b"data: "):
             self.done = event == DONE_EVENT
+            if self.done and self._presenting is not None:
+                return False  # its API's stream ends with its own last event
             if not self.done:
                 try:
                     _JSON_OBJECT.decode(event[6:])  # parses (and so checks) every field, keeps none
@@ -271,6 +294,20 @@ class EngineEvents:
         if event.startswith(b":"):
             return True
         raise EngineFailed(f"the engine's stream is not SSE: {event[:120]!r}")
+
+    def _named(self, event: bytes, presenting: Presenting) -> None:
+        """Check an `event:`-named event (one line naming its type, one `data:` line)."""
+        start = event.find(b"\ndata: {")
+        if start < 0:
+            raise EngineFailed(f"the engine sent an event without data: {event[:120]!r}")
+        data = event[start + 7 :]
+        try:
+            _JSON_OBJECT.decode(data)
+        except msgspec.DecodeError as exc:
+            raise _invalid_chunk(exc, event) from exc
+        presenting.events += 1
+        if event.startswith(presenting.final):
+            presenting.keep(data)
 
     def tail(self) -> bytes:
         """Nothing more to send (the engine's `[DONE]` went out); raises for a stream cut short."""
@@ -353,11 +390,12 @@ async def read_answer(engine: EngineAnswer, limit: int) -> bytes:
     return b"".join(parts)
 
 
-def check_answer(body: bytes) -> None:
+def check_answer(body: bytes, presented: bool = False) -> None:
     """A non-streamed engine answer is JSON of one (msgspec parses the fields it skips too:
-    the whole body is checked), else the engine broke the protocol."""
+    the whole body is checked), else the engine broke the protocol. `presented`: it is
+    another API's answer object (a Response, a Message), not a choice list."""
     try:
-        _ENGINE_ANSWER.decode(body)
+        (_JSON_OBJECT if presented else _ENGINE_ANSWER).decode(body)
     except msgspec.DecodeError as exc:
         raise EngineFailed(f"the engine sent an invalid answer: {exc}: {body[:120]!r}") from exc
 

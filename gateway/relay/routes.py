@@ -1,6 +1,7 @@
 """One object per route: how an engine request's answer becomes the client's.
 
-    Relayed      derender         the engine answers in the client's API: its bytes,
+    Relayed      derender         the engine answers in the client's API (chat,
+                                  completions, Responses, Messages): its bytes,
                                   checked, go through untouched
     VllmForm     derender         a stock vLLM ≥ 0.33 (its own form): parse_context
                                   in, GenerateDerenderResponse out (whole chat only)
@@ -38,6 +39,7 @@ from gateway.relay.engine import (
     Derender,
     Derendered,
     EngineEvents,
+    Presenting,
     check_answer,
     derendered_batches,
     engine_payloads,
@@ -122,26 +124,31 @@ class EngineRoute(Protocol):
 
 
 class Relayed:
-    """The derender route: the engine's own answer in the client's API, checked as it passes."""
+    """The derender route: the engine's own answer in the client's API, checked as it passes;
+    with `presenting`, in the API the client's chat request was translated from (Responses,
+    Messages: the engine assembled its events or its object)."""
 
     name: Route = "derender"
     ends_itself = True
 
-    def __init__(self, upstream: Upstream, endpoint: Endpoint[Any]) -> None:
+    def __init__(self, upstream: Upstream, endpoint: Endpoint[Any], presenting: Presenting | None = None) -> None:
         self._up = upstream
         self._endpoint = endpoint
+        self._presenting = presenting
 
     def frames(self, leg: Leg) -> Frames:
         up = self._up
-        return spliced(up.open(leg), up.timeouts, EngineEvents(up.tally))
+        return spliced(up.open(leg), up.timeouts, EngineEvents(up.tally, self._presenting))
 
     async def body(self, leg: Leg) -> bytes:
         raw, engine = await self._up.read(leg)
-        check_answer(raw)
+        check_answer(raw, presented=self._presenting is not None)
         header = engine.headers.get(SUMMARY_HEADER)
         summary = decode_summary(header) if header is not None else None
         if summary is not None:
             self._up.tally.record(summary.finish_reasons, Tokens.of_summary(summary))
+        if self._presenting is not None:
+            self._presenting.keep(raw)
         return raw
 
     async def chunks(self, leg: Leg) -> AsyncGenerator[Any, None]:

@@ -45,7 +45,8 @@ from wire.openai_schema import (
     Usage,
 )
 from gateway.edge.errors import EngineFailed, EngineUnavailable, InvalidRequest
-from gateway.apis.agent_tools import FREE_TEXT, CustomInputStream, ToolPolicy, custom_input, hosted_types
+from derender.custom_input import CustomInputStream, custom_input
+from gateway.apis.agent_tools import FREE_TEXT, ToolPolicy, hosted_types
 from gateway.apis.response_store import ResponseStore
 from gateway.apis.responses import ResponsesPresenter, ResponsesRequest, decode_request, to_chat
 from gateway.apis.translate import Presented, Turn, turn

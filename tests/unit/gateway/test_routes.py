@@ -25,10 +25,19 @@ from gateway.edge.errors import EngineFailed, EngineUnavailable
 from gateway.flow.endpoints import Answer, Endpoint
 from gateway.observe.outcome import Tally, Tokens
 from gateway.relay.engine import Derender
+from derender.responses import ResponsesAssembler
+from gateway.apis.responses import ResponsesPresenter
+from gateway.relay.engine import Presenting
 from gateway.relay.routes import Leg, Parsed, Relayed, Upstream, VllmForm
 from tests.support.sse_engine import Script, split_at, sse_engine
-from wire.openai_schema import CHAT_COMPLETION_CHUNK_DECODER, CHAT_COMPLETION_DECODER
-from wire.protocol import SUMMARY_COMMENT, EngineSummary
+from wire.openai_schema import (
+    CHAT_COMPLETION_CHUNK_DECODER,
+    CHAT_COMPLETION_DECODER,
+    ChatCompletion,
+    ChatCompletionChunk,
+)
+from wire.protocol import SUMMARY_COMMENT, EngineSummary, ResponsesPresent
+from wire.responses import FINAL_TYPES
 
 SUMMARY = EngineSummary(finish_reasons=["stop"], prompt_tokens=5, completion_tokens=2)
 CHUNKS = [
@@ -127,6 +136,81 @@ async def test_relayed_stream_cut_short_fails_after_what_was_whole() -> None:
         assert first == EVENTS[: EVENTS.index(b"\n\n") + 2]
         with pytest.raises(EngineFailed, match="before \\[DONE\\]"):
             await frames.asend(None)
+
+
+# ------------------------------------------------------------ derender, presented: another API's events
+
+STARTED = {"id": "resp_1", "object": "response", "created_at": 1, "status": "in_progress", "model": "m", "output": []}
+USAGE_CHUNK = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [],
+               "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}}
+
+
+def responses_events() -> bytes:
+    """A Responses stream's events as the engine writes them: its assembler over the chat chunks."""
+    assembler = ResponsesAssembler(ResponsesPresent(response=STARTED))
+    chunks = [msgspec.convert(chunk, ChatCompletionChunk) for chunk in [*CHUNKS, USAGE_CHUNK]]
+    return b"".join(assembler.feed(chunk) for chunk in chunks) + assembler.end()
+
+
+def wire_end() -> bytes:
+    return SUMMARY_COMMENT + msgspec.json.encode(SUMMARY) + b"\n\n" + b"data: [DONE]\n\n"
+
+
+def presented(url: str, kept: list[bytes], tally: Tally | None = None) -> tuple[Relayed, Presenting]:
+    presenting = Presenting(FINAL_TYPES, kept.append)
+    endpoint = cast("Endpoint[Any]", FakeEndpoint())
+    return Relayed(upstream(url, Tally() if tally is None else tally), endpoint, presenting), presenting
+
+
+async def test_presented_stream_is_the_engines_events_counted_without_done_and_its_final_one_kept() -> None:
+    events, kept, tally = responses_events(), list[bytes](), Tally()
+    cuts = [5, 40, events.index(b"event: response.output_text.delta") + 3, len(events) - 9, len(events) + 30]
+    async with sse_engine(Script(split_at(events + wire_end(), cuts))) as url:
+        route, presenting = presented(url, kept, tally)
+        sent = await collect(route.frames(leg()))
+    assert sent == events  # byte for byte: nothing re-encoded, the engine's [DONE] kept from the client
+    assert presenting.events == events.count(b"event: ") > 5
+    final = msgspec.json.decode(kept[0])
+    assert len(kept) == 1 and final["type"] == "response.completed"
+    assert final["response"]["output"][0]["content"][0]["text"] == "Hi" and final["response"]["usage"]["total_tokens"] == 7
+    assert tally.finish_reasons == ("stop",) and tally.tokens == Tokens(prompt=5, completion=2)
+
+
+async def test_presented_stream_cut_short_gets_the_gateways_error_numbered_after_the_engines_events() -> None:
+    events = responses_events()
+    first_three = events[: events.index(b"\n\n", events.index(b"event: response.output_item.added")) + 2]
+    async with sse_engine(Script([first_three, b"event: response.output_text.delta\ndata: {"])) as url:
+        route, presenting = presented(url, [])
+        frames = route.frames(leg())
+        assert await frames.asend(None) == first_three
+        with pytest.raises(EngineFailed, match="before \\[DONE\\]") as failed:
+            await frames.asend(None)
+    assert presenting.events == 3
+    error = ResponsesPresenter(None, "tenant").error_frame(failed.value, presenting.events)
+    assert error.startswith(b"event: error\ndata: ") and msgspec.json.decode(error[19:])["sequence_number"] == 3
+
+
+async def test_presented_body_is_the_engines_answer_object_as_it_came_and_kept() -> None:
+    completion = msgspec.convert(COMPLETION, ChatCompletion)
+    whole = msgspec.json.encode(ResponsesAssembler(ResponsesPresent(response=STARTED)).whole(completion))
+    kept: list[bytes] = []
+    async with sse_engine(Script(split_at(whole, [10]), content_type="application/json")) as url:
+        assert await presented(url, kept)[0].body(leg()) == whole
+    assert kept == [whole]
+
+
+@pytest.mark.parametrize(
+    ("event", "error"),
+    [
+        (b"event: response.created\n\n", "without data"),
+        (b"event: response.created\ndata: {not json}\n\n", "invalid chunk"),
+        (b"<html>502</html>\n\n", "not SSE"),
+    ],
+)
+async def test_a_presented_event_that_breaks_the_protocol_is_the_engines_failure(event: bytes, error: str) -> None:
+    async with sse_engine(Script([event + wire_end()])) as url:
+        with pytest.raises(EngineFailed, match=error):
+            await collect(presented(url, [])[0].frames(leg()))
 
 
 # ------------------------------------------------------------ vLLM's derender form: whole answers only
