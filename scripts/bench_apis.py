@@ -237,6 +237,11 @@ def report(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _ratio(top: float, bottom: float) -> str:
+    """A ratio of two CPU figures; a short run may measure none (the clock's tick is 10 ms)."""
+    return f"{top / bottom:.2f}" if bottom else "n/a"
+
+
 def _compared(rows: list[dict[str, Any]], baseline: str) -> str:
     """Each API and concurrency on both gateways: CPU per token, and the baseline's over this one's."""
     cpu = {(row["tree"], row["api"], row["streams"]): row["cpu_us_per_token"] for row in rows}
@@ -249,8 +254,8 @@ def _compared(rows: list[dict[str, Any]], baseline: str) -> str:
         for api in APIS:
             before, after = cpu[baseline, api, streams], cpu["this", api, streams]
             lines.append(
-                f"| {api} | {streams} | {before:.1f} ({before / chat[baseline, streams]:.2f}) "
-                f"| {after:.1f} ({after / chat['this', streams]:.2f}) | {before / after:.2f} |"
+                f"| {api} | {streams} | {before:.1f} ({_ratio(before, chat[baseline, streams])}) "
+                f"| {after:.1f} ({_ratio(after, chat['this', streams])}) | {_ratio(before, after)} |"
             )
     return "\n".join(lines)
 

@@ -14,17 +14,19 @@ ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 180
 
 
-@pytest.mark.slow  # starts an engine and a gateway of its own: CI's second stage
-def test_quick_run_reports_every_api_and_concurrency(tmp_path: Path) -> None:
+@pytest.mark.slow  # starts an engine and two gateways of its own: CI's second stage
+def test_quick_run_reports_every_api_and_concurrency_beside_a_baseline(tmp_path: Path) -> None:
     out = tmp_path / "apis.json"
     done = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_apis.py"), "--quick", "--json", str(out)],
+        [sys.executable, str(ROOT / "scripts" / "bench_apis.py"), "--quick", "--baseline", "HEAD", "--json", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S, check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(out.read_text())
-    cells = {(row["api"], row["streams"]) for row in results["rows"]}
-    assert cells == {(api, streams) for api in ("chat", "responses", "messages") for streams in (1, 16)}
+    cells = {(row["tree"], row["api"], row["streams"]) for row in results["rows"]}
+    assert cells == {
+        (tree, api, streams) for tree in ("this", "HEAD") for api in ("chat", "responses", "messages") for streams in (1, 16)
+    }
     for row in results["rows"]:
         assert row["requests"] == results["size"]["requests"] * results["size"]["rounds"]
         assert row["events_per_request"] >= results["size"]["tokens"] // 2  # streamed, not answered whole
