@@ -184,7 +184,7 @@ class KVSubscriber:
         assert state.last is not None
         self._count("gap")
         if state.replay is None:
-            self._lost(state, "gap")
+            self._drop(state, "gap")
             return
         try:
             await self._replay(state, state.last + 1, seq)
@@ -243,6 +243,9 @@ class KVSubscriber:
     def _lost(self, state: _Rank, reason: str) -> None:
         """A batch of this rank was lost: what the index holds of it may be wrong."""
         self._count(reason)
+        self._drop(state, reason)
+
+    def _drop(self, state: _Rank, reason: str) -> None:
         self._log(reason, "KV events of %s rank %d: %s; its index entries are dropped", self.engine, state.rank, reason)
         self.index.clear(self.engine, state.rank)
         self.index.mark_stale(self.engine, reason, state.rank)
