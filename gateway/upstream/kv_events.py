@@ -67,8 +67,6 @@ class _Rank:
     endpoint: str
     replay: str | None
     last: int | None = None
-    duplicates_from: int | None = None
-    """After a replay: SUB messages from here to `last` were applied by the replay."""
 
 
 @dataclass
@@ -160,15 +158,12 @@ class KVSubscriber:
             return
         last = state.last
         if last is not None and seq <= last:
-            if state.duplicates_from is not None and seq >= state.duplicates_from:
-                self._count("duplicate")
-                return
             self._count("restart")
             self.index.clear(self.engine, state.rank)
             self.index.mark_fresh(self.engine, state.rank)
         elif last is not None and seq > last + 1:
             await self._gap(state, seq)
-        state.last, state.duplicates_from = seq, None
+        state.last = seq
         self._apply(state, frames[2])
 
     @staticmethod
@@ -193,7 +188,6 @@ class KVSubscriber:
             self._lost(state, "replay_failed")
             return
         self._count("replayed")
-        state.duplicates_from = seq
 
     async def _replay(self, state: _Rank, start: int, end: int) -> None:
         """Apply batches `start` to `end - 1` from the replay socket, in order."""
@@ -267,7 +261,7 @@ class KVSubscriber:
             return
         if reason in ("replayed", "replay_failed"):
             self.metrics.kv_replays.labels(self.engine, "ok" if reason == "replayed" else "failed").inc()
-        if reason not in ("replayed", "duplicate"):
+        if reason != "replayed":
             self.metrics.kv_event_errors.labels(self.engine, reason).inc()
 
     def _publish_stale(self) -> None:
