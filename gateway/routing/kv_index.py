@@ -14,7 +14,8 @@ is all an index needs. ~0.15 µs a block of 16 tokens. A collision (1 in 2^64 a 
 a crafted prompt) costs one routing decision, never a wrong answer: the engine checks
 its own hash.
 
-Layout, for memory (the bytes per block are in docs and the report):
+Layout (~320 bytes a block held, ~2.4 µs a block of 16 tokens stored, evictions included;
+tests/unit/gateway/test_kv_index.py prints both):
 - `_lru`: (our key << 16 | source id) -> engine hash, in store order: eviction order
   across the index and each source's set of held keys at once;
 - per source `by_hash`: engine hash -> our key, for removals;
@@ -260,7 +261,7 @@ class KVIndex:
         return None
 
     def _store(self, source: _Source, block_hash: BlockHash, key: int) -> None:
-        # Hot path: ~1 µs a block with the hash above. A re-stored block (vLLM reports prefix
+        # Hot path, once per stored block. A re-stored block (vLLM reports prefix
         # cache hits as stores too) moves to the young end of the eviction order.
         slot = (key << _SOURCE_BITS) | source.sid
         held = self._lru.get(slot)
