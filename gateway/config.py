@@ -35,6 +35,9 @@ LARGE_RENDER_CHARS = 1024 * 1024
 """Above an agent's turn (142K tokens, ~570K characters) and below the bodies that stalled
 small requests (~4 MB each)."""
 LARGE_RENDER_WORKERS = 2
+KV_INDEX_MAX_BLOCKS = 1_000_000
+KV_BLOCK_SIZE = 16
+KV_REPLAY_TIMEOUT_S = 2.0
 
 
 class ConfigError(ValueError):
@@ -173,6 +176,19 @@ class Health(Struct, forbid_unknown_fields=True, kw_only=True):
     """How often `resolve: true` engines' host names are looked up again."""
 
 
+class KVIndexConfig(Struct, forbid_unknown_fields=True, kw_only=True):
+    """Bounds of the index of which engine holds which prefix blocks (one per gateway process)."""
+
+    max_blocks: Annotated[int, Meta(ge=1)] = KV_INDEX_MAX_BLOCKS
+    """Blocks held across all engines (once per engine holding one); past it the least
+    recently stored are forgotten first."""
+    block_size: Annotated[int, Meta(ge=1)] = KV_BLOCK_SIZE
+    """The engines' KV cache block size in tokens (vLLM's `--block-size`); events of other
+    sizes are counted and ignored."""
+    replay_timeout_s: Annotated[float, Meta(gt=0)] = KV_REPLAY_TIMEOUT_S
+    """Longest wait for an engine's replay of missed event batches."""
+
+
 class Balancing(Struct, forbid_unknown_fields=True, kw_only=True):
     mode: Literal["least_outstanding", "prefix_affinity"] = "least_outstanding"
     """least_outstanding: power of two choices. prefix_affinity: requests that share their
@@ -180,6 +196,8 @@ class Balancing(Struct, forbid_unknown_fields=True, kw_only=True):
     unless it has more than `load_factor` times the pool's mean outstanding requests."""
     prefix_tokens: Annotated[int, Meta(ge=1)] = 256
     load_factor: Annotated[float, Meta(ge=1)] = 1.25
+    kv_index: KVIndexConfig = msgspec.field(default_factory=KVIndexConfig)
+    """The index of the engines' KV cache blocks, fed by the engines' `kv_events`."""
 
 
 class EngineEndpoint(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -187,9 +205,37 @@ class EngineEndpoint(Struct, forbid_unknown_fields=True, kw_only=True):
     """Base URL of a onehop engine or a vLLM server started with --enable-scale-out."""
     resolve: bool = False
     """Every address the host name resolves to is an engine (a Kubernetes headless Service)."""
+    kv_events: str | None = None
+    """`tcp://HOST:PORT` of the engine's KV cache event publisher (vLLM's
+    `--kv-events-config` endpoint, as seen from the gateway); None: not subscribed."""
+    kv_replay: str | None = None
+    """`tcp://HOST:PORT` of its replay socket, to ask for missed batches; None: a missed
+    batch drops the engine's index entries instead."""
+    kv_topic: str = ""
+    data_parallel_size: Annotated[int, Meta(ge=1)] = 1
+    """Data-parallel ranks behind this URL: rank r publishes (and replays) on port + r."""
 
     def __post_init__(self) -> None:
         check_url(self.url, "an engine's url")
+        for name in ("kv_events", "kv_replay"):
+            endpoint = getattr(self, name)
+            if endpoint is not None:
+                check_tcp(endpoint, f"engine {self.url}: {name}")
+        if self.kv_replay is not None and self.kv_events is None:
+            raise ConfigError(f"engine {self.url}: kv_replay needs kv_events")
+        if self.resolve and self.kv_events is not None:
+            raise ConfigError(f"engine {self.url}: kv_events names one engine, so resolve: true cannot have it")
+
+
+def check_tcp(endpoint: str, what: str) -> None:
+    """`tcp://HOST:PORT`, a ZMQ endpoint to connect to."""
+    try:
+        parts = urlsplit(endpoint)
+        port = parts.port
+    except ValueError as exc:
+        raise ConfigError(f"{what} {endpoint!r} is not a URL: {exc}") from exc
+    if parts.scheme != "tcp" or not parts.hostname or port is None or parts.path or parts.query:
+        raise ConfigError(f"{what} {endpoint!r} is not tcp://HOST:PORT")
 
 
 def check_url(url: str, what: str) -> None:

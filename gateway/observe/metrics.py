@@ -136,6 +136,36 @@ class GatewayMetrics:
             "onehop_gateway_engine_circuit_open", "1 while an engine's circuit breaker is open, else 0.", ["engine"],
             registry=r, multiprocess_mode="livemax",
         )
+        self.kv_events = Counter(
+            "onehop_gateway_kv_events",
+            "KV cache events received from engines, by engine and type (BlockStored, BlockRemoved, AllBlocksCleared).",
+            ["engine", "type"], registry=r,
+        )
+        self.kv_event_errors = Counter(
+            "onehop_gateway_kv_event_errors",
+            "KV cache event batches lost or events not indexed, by engine and reason: frames, seq, decode, gap, "
+            "replay_failed, restart, internal (a batch lost); block_size, medium, group, shape, unknown_parent "
+            "(a stored event not indexed).",
+            ["engine", "reason"], registry=r,
+        )
+        self.kv_replays = Counter(
+            "onehop_gateway_kv_replays",
+            "Replays of missed KV event batches asked of an engine, by outcome (ok, failed).",
+            ["engine", "outcome"], registry=r,
+        )
+        self.kv_index_blocks = Gauge(
+            "onehop_gateway_kv_index_blocks", "Prefix blocks in the KV cache index (once per engine rank holding one).",
+            registry=r, multiprocess_mode="livemax",
+        )
+        self.kv_engine_stale = Gauge(
+            "onehop_gateway_kv_engine_stale",
+            "1 while the KV cache index has lost events of an engine (its entries were dropped), else 0.",
+            ["engine"], registry=r, multiprocess_mode="livemax",
+        )
+
+    def kv_ignored(self, engine: str, reason: str) -> None:
+        """A stored event the KV cache index did not index (`KVIndex(on_ignored=...)`)."""
+        self.kv_event_errors.labels(engine, reason).inc()
 
     def record(self, outcome: Outcome) -> None:
         """A request's outcome: its count, duration, disconnect and tokens (subscribed in `gateway.serving.app`)."""

@@ -85,3 +85,48 @@ def test_response_store_bounds_decode_and_a_share_past_the_whole_is_refused(tmp_
     path.write_text(base + "response_store: {max_bytes: 1000000, max_tenant_bytes: 2000000}\n")
     with pytest.raises(ConfigError, match="max_tenant_bytes"):
         load_config(path)
+
+
+KV_EVENTS = """
+model: m
+tokenizer: t
+engines:
+  - url: http://a:8000
+    kv_events: tcp://a:5557
+    kv_replay: tcp://a:5558
+    kv_topic: kv
+    data_parallel_size: 2
+  - url: http://b:8000
+balancing:
+  kv_index: {max_blocks: 5000, block_size: 32}
+"""
+
+
+def test_kv_events_endpoints_and_the_index_bounds_decode(tmp_path: Path) -> None:
+    path = tmp_path / "kv.yaml"
+    path.write_text(KV_EVENTS)
+    config = load_config(path)
+    first, second = config.engines
+    assert (first.kv_events, first.kv_replay, first.kv_topic, first.data_parallel_size) == (
+        "tcp://a:5557", "tcp://a:5558", "kv", 2,
+    )
+    assert second.kv_events is None and second.data_parallel_size == 1
+    assert (config.balancing.kv_index.max_blocks, config.balancing.kv_index.block_size) == (5000, 32)
+
+
+@pytest.mark.parametrize(
+    ("engine", "error"),
+    [
+        ("{url: 'http://a', kv_events: 'http://a:5557'}", "kv_events 'http://a:5557' is not tcp://HOST:PORT"),
+        ("{url: 'http://a', kv_events: 'tcp://a'}", "is not tcp://HOST:PORT"),
+        ("{url: 'http://a', kv_events: 'tcp://a:99999'}", "kv_events 'tcp://a:99999' is not a URL"),
+        ("{url: 'http://a', kv_replay: 'tcp://a:5558'}", "kv_replay needs kv_events"),
+        ("{url: 'http://a', resolve: true, kv_events: 'tcp://a:5557'}", "resolve: true cannot have it"),
+        ("{url: 'http://a', kv_events: 'tcp://a:5557', data_parallel_size: 0}", "data_parallel_size"),
+    ],
+)
+def test_a_bad_kv_events_endpoint_is_refused(tmp_path: Path, engine: str, error: str) -> None:
+    path = tmp_path / "kv.yaml"
+    path.write_text(f"model: m\ntokenizer: t\nengines: [{engine}]\n")
+    with pytest.raises(ConfigError, match=error.replace("(", r"\(").replace("?", r"\?")):
+        load_config(path)
