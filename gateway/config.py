@@ -38,6 +38,8 @@ LARGE_RENDER_WORKERS = 2
 KV_INDEX_MAX_BLOCKS = 1_000_000
 KV_BLOCK_SIZE = 16
 KV_REPLAY_TIMEOUT_S = 2.0
+KV_LOAD_TOKENS = 512.0
+KV_SESSIONS = 65_536
 
 
 class ConfigError(ValueError):
@@ -190,12 +192,19 @@ class KVIndexConfig(Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class Balancing(Struct, forbid_unknown_fields=True, kw_only=True):
-    mode: Literal["least_outstanding", "prefix_affinity"] = "least_outstanding"
+    mode: Literal["least_outstanding", "prefix_affinity", "kv_cache"] = "least_outstanding"
     """least_outstanding: power of two choices. prefix_affinity: requests that share their
     first `prefix_tokens` rendered tokens go to the same engine (its prefix cache is warm),
-    unless it has more than `load_factor` times the pool's mean outstanding requests."""
+    unless it has more than `load_factor` times the pool's mean outstanding requests.
+    kv_cache: the engine whose cached prefix of the prompt (from its `kv_events`) saves the
+    most prefill, weighed against its load (`gateway.routing.kv_score`); engines without
+    `kv_events`, or a stale index, fall back to prefix_affinity."""
     prefix_tokens: Annotated[int, Meta(ge=1)] = 256
     load_factor: Annotated[float, Meta(ge=1)] = 1.25
+    kv_load_tokens: Annotated[float, Meta(ge=0)] = KV_LOAD_TOKENS
+    """kv_cache: what one outstanding request costs an engine, in prompt tokens to prefill."""
+    kv_sessions: Annotated[int, Meta(ge=0)] = KV_SESSIONS
+    """kv_cache: sessions whose last engine is remembered (to break ties), least recent forgotten first."""
     kv_index: KVIndexConfig = msgspec.field(default_factory=KVIndexConfig)
     """The index of the engines' KV cache blocks, fed by the engines' `kv_events`."""
 

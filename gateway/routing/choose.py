@@ -47,12 +47,13 @@ async def choose_route(
     model = ctx.model
     with measured(state, "policy", ctx.span) as span:
         engines = model.engines
-        endpoint, available = await engines.pick_serving(prompt, constraint=features.constraint)
+        constraint, session = features.constraint, ctx.session
+        endpoint, available, why = await engines.pick_serving(prompt, constraint=constraint, session=session)
         decision = decide_route(state, ctx, engines, endpoint.url, available, features)
         pool = decision.pool
         if pool is not None:
             engines = model.pools[pool]  # `decide_route` names only pools this model has
-            endpoint, available = await engines.pick_serving(prompt, constraint=features.constraint)
+            endpoint, available, why = await engines.pick_serving(prompt, constraint=constraint, session=session)
             decision = decide_route(state, ctx, engines, endpoint.url, available, features)
         if span.is_recording():
             described = {
@@ -61,10 +62,13 @@ async def choose_route(
             }
             if pool is not None:
                 described["onehop.pool"] = pool
+            if why is not None:
+                described["onehop.engine.choice"] = why
             span.set_attributes(described)
             ctx.span.set_attributes({**described, "onehop.engine.endpoint": endpoint.url})
     state.metrics.policy_decisions.labels(decision.route, decision.basis).inc()
-    return ctx.with_target(Target(decision.route, engines, endpoint), decision.reason)
+    reason = decision.reason if why is None else f"{decision.reason}; engine by {why}"
+    return ctx.with_target(Target(decision.route, engines, endpoint), reason)
 
 
 def decide_route(

@@ -53,7 +53,9 @@ from gateway.apis.shared_responses import response_store
 from gateway.serving.runtime import ModelRuntime
 from gateway.observe.metrics import GatewayMetrics
 from gateway.routing.policy import Policy, policy_for
+from gateway.upstream.kv_events import KVSubscriber
 from gateway.upstream.pool import Pool
+from gateway.routing.kv_index import KVIndex
 from gateway.serving.reload import WatchedFile
 from gateway.render.local import LocalRenderer
 from gateway.render.tokenizer_folder import TokenizerFolderError
@@ -321,8 +323,18 @@ def create_app(config: GatewayConfig) -> web.Application:
     metrics = GatewayMetrics()
 
     def client(model: ModelConfig, members: list[EngineEndpoint], *, prefill: bool = False) -> EngineClient:
+        # A pool whose engines publish KV events keeps an index of their blocks; each
+        # worker process subscribes itself (ZMQ's PUB fans out to every subscriber).
+        kv = config.balancing.kv_index
+        published = [member for member in members if member.kv_events is not None]
+        index = KVIndex(kv.block_size, kv.max_blocks, on_ignored=metrics.kv_ignored) if published else None
+        subscribers = [
+            KVSubscriber.of(member, index, metrics=metrics, replay_timeout_s=kv.replay_timeout_s)
+            for member in published
+            if index is not None
+        ]
         return EngineClient(
-            Pool(members, config.health, config.balancing, on_circuit=metrics.circuit),
+            Pool(members, config.health, config.balancing, on_circuit=metrics.circuit, index=index),
             config.timeouts,
             config.health,
             remote=model.remote_url is not None,
@@ -335,6 +347,7 @@ def create_app(config: GatewayConfig) -> web.Application:
             ),
             tracing=tracing,
             on_retry=lambda url: metrics.engine_retries.labels(url).inc(),
+            subscribers=subscribers,
         )
 
     plans = []

@@ -33,6 +33,7 @@ from yarl import URL
 from wire.protocol import CONSTRAINT_KINDS, public_request_id
 from plumbing.telemetry import Tracing, inject, record_error
 from gateway.flow.session import SESSION_HEADER
+from gateway.upstream.kv_events import KVSubscriber
 from gateway.config import Health, Route, Timeouts
 from gateway.upstream.engine_stream import EngineAnswer, StreamPool
 from gateway.edge.errors import (
@@ -194,8 +195,11 @@ class EngineClient:
         expected: Expected | None = None,
         tracing: Tracing | None = None,
         on_retry: Callable[[str], None] = lambda url: None,
+        subscribers: Sequence[KVSubscriber] = (),
     ) -> None:
         self.pool = pool
+        self._subscribers = list(subscribers)
+        """Keep the pool's KV index current with its engines' KV events (`kv_cache` balancing)."""
         self.expected = expected
         self._max_model_len: int | None = None
         self._tracer = tracing.tracer if tracing is not None else trace.NoOpTracer()
@@ -226,8 +230,12 @@ class EngineClient:
         default = aiohttp.ClientTimeout(total=None, connect=timeouts.connect_s, sock_read=timeouts.idle_s)
         self._session = aiohttp.ClientSession(timeout=default, connector=connector)
         self._streams = StreamPool(timeouts.connect_s, KEEPALIVE_S)
+        for subscriber in self._subscribers:
+            subscriber.start()
 
     async def close(self) -> None:
+        for subscriber in self._subscribers:
+            await subscriber.close()
         if self._session is not None:
             await self._session.close()
             self._streams.close()
@@ -242,15 +250,16 @@ class EngineClient:
         return self.pool.pick(prompt=prompt)
 
     async def pick_serving(
-        self, prompt: Sequence[int] | None = None, *, constraint: str | None = None
-    ) -> tuple[Endpoint, frozenset[str]]:
-        """An engine and the routes it serves. One whose capabilities cannot be read (it
+        self, prompt: Sequence[int] | None = None, *, constraint: str | None = None, session: str | None = None
+    ) -> tuple[Endpoint, frozenset[str], str | None]:
+        """An engine, the routes it serves, and why it was picked when the balancing mode weighed
+        the prompt's cache (`Pool.choose`). One whose capabilities cannot be read (it
         never answered since the gateway started) counts as a failure, and another is
         picked, as a request that fails before its answer is retried elsewhere. With a
         `constraint` (a structured-output kind), only an engine that enforces it is picked:
         another one is tried (not counted as a failure), and with none a 400 says so."""
         tried: set[str] = set()
-        endpoint = self.pool.pick(prompt=prompt)
+        endpoint, why = self.pool.choose(prompt=prompt, session=session)
         while True:
             try:
                 routes = await self.routes(endpoint.url)
@@ -264,15 +273,15 @@ class EngineClient:
                     raise
                 log.warning("engine %s cannot be probed (%s); picking %s", endpoint.url, exc, other.url)
                 self._on_retry(endpoint.url)
-                endpoint = other
+                endpoint, why = other, None
                 continue
             if routes and (constraint is None or constraint in self._constraints[endpoint.url]):
-                return endpoint, routes
+                return endpoint, routes, why
             # Its generate API is off (a 403), or it lacks the constraint: not a failure, just not this one.
             tried.add(endpoint.url)
             other = self._another(tried, prompt)
             if other is not None:
-                endpoint = other
+                endpoint, why = other, None
                 continue
             if not routes:
                 raise EngineUnavailable(

@@ -1,8 +1,11 @@
 """The engine pool: which endpoint serves the next request, and which are out.
 
-- Picking: power of two choices on outstanding requests (two random
-  candidates, the less loaded wins), among endpoints whose circuit admits
-  traffic and that this request has not already failed on.
+- Picking, among endpoints whose circuit admits traffic and that this request
+  has not already failed on, by `balancing.mode`: power of two choices on
+  outstanding requests (two random candidates, the less loaded wins); the
+  prompt's prefix hashed (`prefix_affinity`); or the engines' cached prefix
+  of the prompt, from their KV events, against their load (`kv_cache`,
+  `gateway.routing.kv_score`).
 - Circuit breaker per endpoint: `failure_threshold` consecutive failures
   (refused connections, 5xx answers, failed health checks) open it; after
   `open_s` one trial request is let through (half-open); a success, or a
@@ -22,6 +25,7 @@ import random
 import socket
 import time
 from array import array
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -30,6 +34,8 @@ from yarl import URL
 
 from gateway.config import Balancing, EngineEndpoint, Health
 from gateway.edge.errors import EngineUnavailable
+from gateway.routing.kv_index import KVIndex
+from gateway.routing.kv_score import EngineView, score
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +93,10 @@ class Pool:
     on_circuit: Callable[[str, bool], None] = lambda url, is_open: None
     """Told when an endpoint's circuit opens (True) or closes (False): the metrics gauge."""
     endpoints: dict[str, Endpoint] = field(default_factory=dict)
+    index: KVIndex | None = None
+    """Which engine holds which prefix blocks (`kv_cache` mode; fed by the engines' KV events)."""
+    _sessions: OrderedDict[str, str] = field(default_factory=OrderedDict)
+    """`kv_cache`: each session's last engine, least recent first (bounded by `kv_sessions`)."""
     _rng: random.Random = field(default_factory=random.Random)
 
     def __post_init__(self) -> None:
@@ -106,18 +116,54 @@ class Pool:
     def urls(self) -> list[str]:
         return list(self.endpoints)
 
-    def pick(self, exclude: set[str] = frozenset(), prompt: Sequence[int] | None = None) -> Endpoint:  # type: ignore[assignment]
+    def pick(
+        self, exclude: set[str] = frozenset(), prompt: Sequence[int] | None = None, session: str | None = None  # type: ignore[assignment]
+    ) -> Endpoint:
+        return self.choose(exclude, prompt, session)[0]
+
+    def choose(
+        self, exclude: set[str] = frozenset(), prompt: Sequence[int] | None = None, session: str | None = None  # type: ignore[assignment]
+    ) -> tuple[Endpoint, str | None]:
+        """The engine for the next request, and why when the mode weighed the prompt's cache."""
         now = time.monotonic()
         candidates = [e for e in self.endpoints.values() if e.url not in exclude and e.breaker.admits(now)]
         if not candidates:
             tried = f" ({len(exclude)} tried)" if exclude else ""
             raise EngineUnavailable(f"no engine can take the request: every circuit is open{tried}")
         if len(candidates) == 1:
-            return candidates[0]
-        if self.balancing.mode == "prefix_affinity" and prompt is not None:
-            return self._by_prefix(candidates, prompt)
+            return candidates[0], None
+        mode = self.balancing.mode
+        if mode == "kv_cache" and prompt is not None and self.index is not None:
+            return self._by_cache(candidates, prompt, session, self.index)
+        if mode in ("prefix_affinity", "kv_cache") and prompt is not None:
+            return self._by_prefix(candidates, prompt), None
         a, b = self._rng.sample(candidates, 2)
-        return a if a.outstanding <= b.outstanding else b
+        return (a if a.outstanding <= b.outstanding else b), None
+
+    def _by_cache(
+        self, candidates: list[Endpoint], prompt: Sequence[int], session: str | None, index: KVIndex
+    ) -> tuple[Endpoint, str]:
+        """The engine whose cached prefix saves the most prefill for its load; a stale index
+        (events lost) hashes the prefix instead."""
+        matched = index.match(prompt)
+        views = [EngineView(e.url, e.outstanding, matched.get(e.url, 0), index.is_stale(e.url)) for e in candidates]
+        size = index.block_size
+        scored = score(
+            views,
+            prompt_blocks=len(prompt) // size,
+            block_size=size,
+            load_tokens=self.balancing.kv_load_tokens,
+            session_engine=self._sessions.get(session) if session is not None else None,
+            tie_key=array("I", prompt[:size]).tobytes(),
+        )
+        if scored is None:
+            return self._by_prefix(candidates, prompt), "hash: an engine's KV index is stale"
+        if session is not None and self.balancing.kv_sessions:
+            self._sessions[session] = scored.url
+            self._sessions.move_to_end(session)
+            if len(self._sessions) > self.balancing.kv_sessions:
+                self._sessions.popitem(last=False)
+        return self.endpoints[scored.url], scored.explain(size)
 
     def _by_prefix(self, candidates: list[Endpoint], prompt: Sequence[int]) -> Endpoint:
         """Rendezvous hashing on the prompt's prefix, with bounded load: the highest-ranked

@@ -7,7 +7,11 @@ import itertools
 
 import pytest
 
+from gateway.config import Balancing, EngineEndpoint, Health
+from gateway.routing.kv_index import KVIndex
 from gateway.routing.kv_score import EngineView, score
+from gateway.upstream.pool import Pool
+from wire.kv_events import BlockStored
 
 A, B, C = "http://a:8000", "http://b:8000", "http://c:8000"
 
@@ -64,3 +68,42 @@ def test_the_winner_has_the_lowest_cost(matched: int, outstanding: int) -> None:
     costs = {v.url: (100 - v.matched_blocks) * 16 + 512 * v.outstanding for v in views}
     assert scored.cost == costs[scored.url] == min(costs.values())
     assert scored.explain(16).startswith(f"{scored.rule}: {scored.matched_blocks * 16} tokens cached")
+
+
+# ------------------------------------------------------------ the pool in kv_cache mode, its index fed by events
+
+
+def stored(prompt: list[int], hashes: list[int]) -> BlockStored:
+    return BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=prompt[: 16 * len(hashes)], block_size=16)
+
+
+def kv_pool(index: KVIndex) -> Pool:
+    members = [EngineEndpoint(url=url, kv_events=f"tcp://127.0.0.1:{5557 + i}") for i, url in enumerate((A, B, C))]
+    return Pool(members, Health(), Balancing(mode="kv_cache"), index=index)
+
+
+def test_the_pool_sends_a_prompt_where_its_blocks_are_and_says_why() -> None:
+    index = KVIndex(block_size=16)
+    pool = kv_pool(index)
+    prompt = list(range(1000, 1000 + 16 * 40))
+    index.apply(B, [stored(prompt, list(range(30)))])
+    index.apply(C, [stored(prompt, [7, 8])])
+    endpoint, why = pool.choose(prompt=prompt + [5, 6, 7])
+    assert endpoint.url == B
+    assert why == f"cache: {30 * 16} tokens cached, cost {10 * 16}"
+    pool.endpoints[B].outstanding = 2  # B's cost: 10 × 16 + 2 × 512 = 1,184; C's: 38 × 16 = 608
+    assert pool.choose(prompt=prompt)[0].url == C
+
+
+def test_a_cold_session_sticks_to_its_first_engine_and_a_stale_index_hashes() -> None:
+    index = KVIndex(block_size=16)
+    pool = kv_pool(index)
+    prompt = list(range(50, 50 + 16 * 4))
+    first, why = pool.choose(prompt=prompt, session="conversation-1")
+    assert why is not None and why.startswith("hash: 0 tokens cached")
+    other = [token + 1 for token in prompt]  # another prompt: a tie that the session breaks
+    assert pool.choose(prompt=other, session="conversation-1") == (first, why.replace("hash", "session", 1))
+    index.mark_stale(A, "lost a batch")
+    endpoint, why = pool.choose(prompt=prompt, session="conversation-1")
+    assert why == "hash: an engine's KV index is stale"
+    assert endpoint == pool._by_prefix(list(pool.endpoints.values()), prompt)
