@@ -11,7 +11,7 @@ from gateway.config import Balancing, EngineEndpoint, Health
 from gateway.routing.kv_index import KVIndex
 from gateway.routing.kv_score import EngineView, score
 from gateway.upstream.pool import Pool
-from wire.kv_events import BlockStored
+from wire.kv_events import BlockHash, BlockStored
 
 A, B, C = "http://a:8000", "http://b:8000", "http://c:8000"
 
@@ -74,7 +74,7 @@ def test_the_winner_has_the_lowest_cost(matched: int, outstanding: int) -> None:
 
 
 def stored(prompt: list[int], hashes: list[int]) -> BlockStored:
-    return BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=prompt[: 16 * len(hashes)], block_size=16)
+    return BlockStored(block_hashes=list[BlockHash](hashes), parent_block_hash=None, token_ids=prompt[: 16 * len(hashes)], block_size=16)
 
 
 def kv_pool(index: KVIndex) -> Pool:
@@ -88,7 +88,7 @@ def test_the_pool_sends_a_prompt_where_its_blocks_are_and_says_why() -> None:
     prompt = list(range(1000, 1000 + 16 * 40))
     index.apply(B, [stored(prompt, list(range(30)))])
     index.apply(C, [stored(prompt, [7, 8])])
-    endpoint, why = pool.choose(prompt=prompt + [5, 6, 7])
+    endpoint, why = pool.choose(prompt=[*prompt, 5, 6, 7])
     assert endpoint.url == B
     assert why == f"cache: {30 * 16} tokens cached, cost {10 * 16}"
     pool.endpoints[B].outstanding = 2  # B's cost: 10 × 16 + 2 × 512 = 1,184; C's: 38 × 16 = 608
