@@ -35,15 +35,6 @@ def binds(endpoint: str) -> bool:
     return wildcard or endpoint.startswith(("ipc://", "inproc://")) or endpoint.endswith(":0")
 
 
-def connectable(endpoint: str, host: str) -> str:
-    """A bound endpoint as another machine connects to it: a wildcard address becomes `host`."""
-    for wildcard in ("tcp://*:", "tcp://0.0.0.0:", "tcp://[::]:", "tcp://:::"):
-        if endpoint.startswith(wildcard):
-            shown = f"[{host}]" if ":" in host and not host.startswith("[") else host
-            return f"tcp://{shown}:{endpoint[len(wildcard):]}"
-    return endpoint
-
-
 class KVEventPublisher:
     """Batches, numbers, sends and buffers KV events; `start` and `close` own the sockets."""
 
