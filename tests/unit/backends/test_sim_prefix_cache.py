@@ -24,7 +24,7 @@ def test_hits_are_leading_blocks_short_of_the_last_token() -> None:
     prompt = list(range(12))
     cache.store(cache.lookup(prompt))
     assert cache.lookup(prompt).cached_tokens == 8  # the last token is always computed
-    assert cache.lookup(prompt + [99]).cached_tokens == 12
+    assert cache.lookup([*prompt, 99]).cached_tokens == 12
     assert cache.lookup([99, *prompt]).cached_tokens == 0
     assert (cache.queries, cache.hits) == (12 + 12 + 13 + 13, 20)
 
@@ -39,7 +39,7 @@ def test_eviction_takes_the_least_recent_prompt_tail_first() -> None:
     hashes_b = prompt_hashes(b, 2)
     assert isinstance(events[0], BlockStored)
     assert events[1] == BlockRemoved(block_hashes=[hashes_b[1], hashes_b[0]], medium="GPU")
-    assert cache.lookup(a + [0]).cached_tokens == 4 and len(cache) == 4
+    assert cache.lookup([*a, 0]).cached_tokens == 4 and len(cache) == 4
 
 
 def test_a_prompt_larger_than_the_cache_keeps_its_head() -> None:
