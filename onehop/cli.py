@@ -124,7 +124,7 @@ def _add_engine(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "--kv-events-config",
         default=None,
         metavar="JSON",
-        help="vLLM's KV cache events config, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\"}' (sim)",
+        help="vLLM's KV cache events config, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\"}' (sim; default: none)",
     )
     engine.set_defaults(func=_run_engine)
 

@@ -5,7 +5,7 @@ the metrics and the capabilities document."""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Literal
@@ -43,6 +43,21 @@ async def context() -> AsyncIterator[zmq.asyncio.Context]:
     ctx = zmq.asyncio.Context()
     yield ctx
     ctx.destroy(linger=0)
+
+
+@pytest.fixture
+def subscribe(context: zmq.asyncio.Context) -> Iterator[Callable[[str], Subscriber]]:
+    """Subscribers on an endpoint, held here and closed at the test's end (one the test's
+    frame dropped would be finalized open, which warns)."""
+    made: list[Subscriber] = []
+
+    def subscriber(endpoint: str) -> Subscriber:
+        made.append(Subscriber(context, endpoint))
+        return made[-1]
+
+    yield subscriber
+    for each in made:
+        each.socket.close(linger=0)
 
 
 def prose(tokenizer: Any, count: int, theme: str = "river") -> list[int]:
@@ -216,11 +231,14 @@ async def test_prefill_time_grows_with_uncached_tokens(
 
 
 async def test_stored_blocks_are_published_chained(
-    qwen3_tokenizer: Any, qwen3_tokenizer_dir: Path, session: aiohttp.ClientSession, context: Any
+    qwen3_tokenizer: Any,
+    qwen3_tokenizer_dir: Path,
+    session: aiohttp.ClientSession,
+    subscribe: Callable[[str], Subscriber],
 ) -> None:
     prompt = prose(qwen3_tokenizer, 50)  # 3 full blocks
     async with cached_engine(qwen3_tokenizer_dir) as (base, _):
-        subscriber = Subscriber(context, (await capabilities(session, base))["kv_events"]["endpoint"])
+        subscriber = subscribe((await capabilities(session, base))["kv_events"]["endpoint"])
         await subscriber.join(session, base)
         await generate(session, base, prompt, cache_salt="s1")
         async with session.post(
@@ -246,12 +264,15 @@ async def test_stored_blocks_are_published_chained(
 
 
 async def test_a_longer_prompt_publishes_only_its_new_blocks(
-    qwen3_tokenizer: Any, qwen3_tokenizer_dir: Path, session: aiohttp.ClientSession, context: Any
+    qwen3_tokenizer: Any,
+    qwen3_tokenizer_dir: Path,
+    session: aiohttp.ClientSession,
+    subscribe: Callable[[str], Subscriber],
 ) -> None:
     prompt = prose(qwen3_tokenizer, 40)
     longer = prompt + prose(qwen3_tokenizer, 30, "hill")  # blocks 0-1 shared, 2-3 new
     async with cached_engine(qwen3_tokenizer_dir) as (base, _):
-        subscriber = Subscriber(context, (await capabilities(session, base))["kv_events"]["endpoint"])
+        subscriber = subscribe((await capabilities(session, base))["kv_events"]["endpoint"])
         await subscriber.join(session, base)
         await generate(session, base, prompt)
         await generate(session, base, prompt)  # all held: nothing changes, nothing is published
@@ -267,11 +288,14 @@ async def test_a_longer_prompt_publishes_only_its_new_blocks(
 
 
 async def test_a_small_cache_evicts_least_recently_used_first(
-    qwen3_tokenizer: Any, qwen3_tokenizer_dir: Path, session: aiohttp.ClientSession, context: Any
+    qwen3_tokenizer: Any,
+    qwen3_tokenizer_dir: Path,
+    session: aiohttp.ClientSession,
+    subscribe: Callable[[str], Subscriber],
 ) -> None:
     a, b, c = (prose(qwen3_tokenizer, 33, theme) for theme in ("river", "hill", "sea"))  # 2 blocks each
     async with cached_engine(qwen3_tokenizer_dir, cache_blocks=4) as (base, _):
-        subscriber = Subscriber(context, (await capabilities(session, base))["kv_events"]["endpoint"])
+        subscriber = subscribe((await capabilities(session, base))["kv_events"]["endpoint"])
         await subscriber.join(session, base)
         await generate(session, base, a)
         await generate(session, base, b)
@@ -287,11 +311,14 @@ async def test_a_small_cache_evicts_least_recently_used_first(
 
 
 async def test_reset_prefix_cache_publishes_all_blocks_cleared(
-    qwen3_tokenizer: Any, qwen3_tokenizer_dir: Path, session: aiohttp.ClientSession, context: Any
+    qwen3_tokenizer: Any,
+    qwen3_tokenizer_dir: Path,
+    session: aiohttp.ClientSession,
+    subscribe: Callable[[str], Subscriber],
 ) -> None:
     prompt = prose(qwen3_tokenizer, 40)
     async with cached_engine(qwen3_tokenizer_dir) as (base, _):
-        subscriber = Subscriber(context, (await capabilities(session, base))["kv_events"]["endpoint"])
+        subscriber = subscribe((await capabilities(session, base))["kv_events"]["endpoint"])
         await subscriber.join(session, base)
         await generate(session, base, prompt)
         async with session.post(base + "/reset_prefix_cache") as resp:
