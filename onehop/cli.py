@@ -124,7 +124,8 @@ def _add_engine(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "--kv-events-config",
         default=None,
         metavar="JSON",
-        help="vLLM's KV cache events config, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\"}' (sim; default: none)",
+        help="vLLM's KV cache events config (sim; default: none),"
+        " e.g. '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\"}'",
     )
     engine.set_defaults(func=_run_engine)
 
