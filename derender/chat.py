@@ -499,7 +499,8 @@ class ChatDerender:
         self.prompt_tokens = len(prompt_token_ids)
         self._include_usage = include_usage
         self._continuous = continuous_usage and include_usage
-        self._cached_tokens = cached_tokens
+        self.cached_tokens = cached_tokens
+        """Prompt tokens the engine's prefix cache held; set once the first output says (None: unknown)."""
         self._count_reasoning = options.reasoning_parser is not None
 
     @property
@@ -550,7 +551,7 @@ class ChatDerender:
 
     def usage(self) -> Usage:
         reasoning = sum(c.reasoning_tokens for c in self.choices) if self._count_reasoning else None
-        return usage_of(self.prompt_tokens, self.choices, cached_tokens=self._cached_tokens, reasoning_tokens=reasoning)
+        return usage_of(self.prompt_tokens, self.choices, cached_tokens=self.cached_tokens, reasoning_tokens=reasoning)
 
     def usage_chunk(self) -> ChatCompletionChunk | None:
         """The trailing usage-only chunk when `stream_options.include_usage` asked for it."""

@@ -235,7 +235,8 @@ class CompletionDerender:
         self.prompt_tokens = len(prompt_token_ids)
         self._include_usage = include_usage
         self._continuous = continuous_usage and include_usage
-        self._cached_tokens = cached_tokens
+        self.cached_tokens = cached_tokens
+        """Prompt tokens the engine's prefix cache held; set once the first output says (None: unknown)."""
 
     @property
     def finished(self) -> bool:
@@ -280,7 +281,7 @@ class CompletionDerender:
         return chunk
 
     def usage(self) -> Usage:
-        return usage_of(self.prompt_tokens, self.choices, cached_tokens=self._cached_tokens)
+        return usage_of(self.prompt_tokens, self.choices, cached_tokens=self.cached_tokens)
 
     def usage_chunk(self) -> CompletionChunk | None:
         if not self._include_usage:

@@ -19,7 +19,7 @@ from aiohttp import web
 from tokenizers import Tokenizer
 
 from engine.backends import make_backend
-from engine.backends.base import Backend
+from engine.backends.base import Backend, PrefixCaching
 from engine.backends.vllm_parsers import ParserKind, owners, vllm_parser_names
 from engine.config import EngineConfig
 from derender.parsers import REASONING_PARSERS, TOOL_PARSERS, UnknownParser, bind_reasoning, check_tool_markers
@@ -39,6 +39,18 @@ log = logging.getLogger(__name__)
 ABORT_PATH = "/inference/v1/abort_requests"
 LEGACY_ABORT_PATH = "/abort_requests"
 CAPABILITIES_PATH = "/inference/v1/capabilities"
+RESET_PREFIX_CACHE_PATH = "/reset_prefix_cache"
+
+
+class KVEvents(msgspec.Struct, kw_only=True):
+    """Where this engine publishes its KV cache events (`wire.kv_events`), for a gateway's
+    cache-aware routing: addresses a peer can connect to, the topic to subscribe to, and the
+    tokens per block the events' `token_ids` come in."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+    block_size: int
 
 
 class Capabilities(msgspec.Struct, kw_only=True):
@@ -61,6 +73,8 @@ class Capabilities(msgspec.Struct, kw_only=True):
     derender_forms: list[str] = []
     """The `derender` request forms served: `onehop` (`chat_request`/`completion_request`,
     streamed or not) and `vllm` (vLLM 0.33's `parse_context`, non-streaming)."""
+    kv_events: KVEvents | None = None
+    """Present when the engine publishes KV cache events."""
 
 
 @functools.lru_cache(maxsize=4)
@@ -154,6 +168,9 @@ def create_app(config: EngineConfig, *, backend: Backend | None = None) -> web.A
         tracing=Tracing(config.tracing, "onehop-engine"),
     )
     app[CONNECTION_LIMITS] = ConnectionLimits(keepalive_s=config.keepalive_s, header_s=config.client_header_s)
+    backend = app[ENGINE].backend
+    if isinstance(backend, PrefixCaching):
+        app[ENGINE].metrics.watch_prefix_cache(backend.prefix_cache_stats, backend.info.model)
     app.cleanup_ctx.append(_lifecycle)
     app.router.add_post(GENERATE_PATH, handle_generate)
     app.router.add_post(ABORT_PATH, handle_abort)
@@ -162,6 +179,7 @@ def create_app(config: EngineConfig, *, backend: Backend | None = None) -> web.A
     app.router.add_get("/v1/models", handle_models)
     app.router.add_get("/metrics", handle_metrics)
     app.router.add_get(CAPABILITIES_PATH, handle_capabilities)
+    app.router.add_post(RESET_PREFIX_CACHE_PATH, handle_reset_prefix_cache)
     return app
 
 
@@ -204,8 +222,41 @@ async def handle_capabilities(http: web.Request) -> web.Response:
             parser_choice=state.parser_choice,
             structured_outputs=sorted(constraints(state)),
             derender_forms=["onehop", VLLM_FORM] if has_text else [],
+            kv_events=_kv_events(state.backend, http.url.host or state.config.host),
         )
     )
+
+
+def _kv_events(backend: Backend, host: str) -> KVEvents | None:
+    """The backend's KV event sockets as `host` (the address this request reached) connects to them."""
+    address = backend.kv_events_address() if isinstance(backend, PrefixCaching) else None
+    if address is None:
+        return None
+    replay = address.replay_endpoint
+    return KVEvents(
+        endpoint=connectable(address.endpoint, host),
+        replay_endpoint=connectable(replay, host) if replay is not None else None,
+        topic=address.topic,
+        block_size=address.block_size,
+    )
+
+
+def connectable(endpoint: str, host: str) -> str:
+    """A bound endpoint as another machine connects to it: a wildcard address becomes `host`."""
+    for wildcard in ("tcp://*:", "tcp://0.0.0.0:", "tcp://[::]:", "tcp://:::"):
+        if endpoint.startswith(wildcard):
+            shown = f"[{host}]" if ":" in host and not host.startswith("[") else host
+            return f"tcp://{shown}:{endpoint[len(wildcard):]}"
+    return endpoint
+
+
+async def handle_reset_prefix_cache(http: web.Request) -> web.Response:
+    """vLLM's route: drop every cached block (published as `AllBlocksCleared`). A backend
+    without a prefix cache has nothing to drop, which succeeds too, as in vLLM."""
+    backend = http.app[ENGINE].backend
+    if isinstance(backend, PrefixCaching):
+        backend.reset_prefix_cache()
+    return web.Response(status=200)
 
 
 def run(config: EngineConfig) -> None:

@@ -55,6 +55,44 @@ class EngineLimits(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True
     is compiled (past them the grammar library crashes or stalls: `wire.grammar_limits`)."""
 
 
+class KVEventsConfig(Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """vLLM's `--kv-events-config`: where the engine publishes its prefix cache's block events.
+
+    The keys and defaults are vLLM's (`KVEventsConfig`), so one JSON serves both engines; an
+    unknown key is an error here, not a silently ignored typo. `publisher` left out follows
+    `enable_kv_cache_events`, as in vLLM. Wire format: `wire.kv_events`.
+    """
+
+    enable_kv_cache_events: bool = False
+    publisher: Literal["zmq", "null"] | None = None
+    endpoint: str = "tcp://*:5557"
+    """The PUB socket: a wildcard (`*`, `::`), `ipc://`, `inproc://` or port-0 endpoint is
+    bound, any other connected to (a collector that binds), as vLLM decides."""
+    replay_endpoint: str | None = None
+    """The ROUTER socket that resends buffered batches from a sequence number; None: none."""
+    buffer_steps: Annotated[int, Meta(ge=1)] = 10_000
+    """Batches kept for replay."""
+    hwm: Annotated[int, Meta(ge=0)] = 100_000
+    """ZMQ's send high-water mark: past it a slow subscriber misses messages (and replays)."""
+    max_queue_size: Annotated[int, Meta(ge=1)] = 100_000
+    """Accepted for vLLM's sake; events are sent as they come, so nothing queues here."""
+    topic: str = ""
+
+    @property
+    def publishes(self) -> bool:
+        """Whether events leave the engine: enabled, on the zmq publisher."""
+        publisher = self.publisher or ("zmq" if self.enable_kv_cache_events else "null")
+        return self.enable_kv_cache_events and publisher == "zmq"
+
+
+def kv_events_config(text: str) -> KVEventsConfig:
+    """The `--kv-events-config` JSON, strictly decoded; raises `ConfigError` naming the key."""
+    try:
+        return msgspec.json.decode(text, type=KVEventsConfig)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ConfigError(f"invalid --kv-events-config: {exc}") from exc
+
+
 def engine_limits(**values: Any) -> EngineLimits:
     """`EngineLimits` with its bounds checked (a plain constructor call skips `Meta`)."""
     try:
@@ -86,6 +124,13 @@ class EngineConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     """Per-request count bounds (`n`, logprobs, stop lists, ...), checked before generation."""
     tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
     """OpenTelemetry export; the OTEL_* variables apply when this leaves a field unset."""
+    enable_prefix_caching: bool | None = None
+    """vLLM's `--enable-prefix-caching`; None leaves the backend's own default (the sim's
+    `prefix_caching` option)."""
+    block_size: Annotated[int, Meta(ge=1)] | None = None
+    """vLLM's `--block-size`: tokens per KV cache block; None: the backend's default."""
+    kv_events_config: KVEventsConfig | None = None
+    """vLLM's `--kv-events-config`; only the sim backend publishes here."""
     backend_options: dict[str, Any] = {}
     """Extra fields of the backend's own config struct (e.g. sim's `ttft_ms`), checked strictly there."""
 

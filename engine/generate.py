@@ -282,7 +282,7 @@ def _shown(value: int) -> str:
     return str(value) if value.bit_length() <= 64 else f"a {value.bit_length()}-bit number"
 
 
-def backend_request(state: EngineState, request: GenerateRequest) -> BackendRequest:
+def backend_request(state: EngineState, request: GenerateRequest, session_id: str | None = None) -> BackendRequest:
     return BackendRequest(
         request_id=request.request_id,
         prompt_token_ids=request.token_ids,
@@ -290,6 +290,8 @@ def backend_request(state: EngineState, request: GenerateRequest) -> BackendRequ
         eos_token_ids=state.backend.info.eos_token_ids,
         kv_transfer_params=request.kv_transfer_params,
         reasoning_end_ids=_reasoning_end_ids(state, request),
+        cache_salt=request.cache_salt,
+        session_id=session_id,
     )
 
 
@@ -408,7 +410,8 @@ async def _generate(http: web.Request, state: EngineState, span: Span) -> web.St
     metrics.in_flight.labels(mode).inc()
     status = 200
     try:
-        prepared = await state.backend.prepare(backend_request(state, request))
+        session = http.headers.get(SESSION_HEADER) or None
+        prepared = await state.backend.prepare(backend_request(state, request, session))
         outputs = state.backend.generate(prepared)
         if request.stream:
             return await _stream(http, state, request, writer, outputs, times)

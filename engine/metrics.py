@@ -9,7 +9,7 @@ measured: `engine.generate._Times.output_s`).
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client import (
@@ -19,9 +19,11 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
+
+from engine.backends.base import PrefixCacheStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _GAP_BUCKETS = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -99,6 +101,35 @@ class StepHistogram(Collector):
         yield family
 
 
+class PrefixCacheCollector(Collector):
+    """vLLM's prefix-cache metrics, under vLLM's names and labels, so what reads a vLLM
+    engine's /metrics (a router's cache-aware policy, a dashboard) reads this one too.
+    Read from the backend at each scrape; nothing is written while serving."""
+
+    def __init__(self, stats: Callable[[], PrefixCacheStats | None], model: str) -> None:
+        self._stats = stats
+        self._labels = ["model_name", "engine"]
+        self._values = [model, "0"]
+
+    def describe(self) -> list[CounterMetricFamily | GaugeMetricFamily]:
+        return []  # what the backend has is known only at collection: skip the registry's name checks
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        stats = self._stats()
+        if stats is None:
+            return
+        labels = self._labels
+        families: list[CounterMetricFamily | GaugeMetricFamily] = [
+            CounterMetricFamily("vllm:prefix_cache_queries", "Prefix cache queries, in prompt tokens.", labels=labels),
+            CounterMetricFamily("vllm:prefix_cache_hits", "Prefix cache hits, in prompt tokens.", labels=labels),
+            GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV cache usage, 0 to 1 (1 is full).", labels=labels),
+            GaugeMetricFamily("vllm:num_requests_waiting", "Requests waiting to be started.", labels=labels),
+        ]
+        for family, value in zip(families, (stats.queries, stats.hits, stats.usage, stats.waiting), strict=True):
+            family.add_metric(self._values, value)
+            yield family
+
+
 @dataclass
 class EngineMetrics:
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
@@ -164,6 +195,10 @@ class EngineMetrics:
             ["reason"],
             registry=r,
         )
+
+    def watch_prefix_cache(self, stats: Callable[[], PrefixCacheStats | None], model: str) -> None:
+        """Expose a backend's prefix-cache counters under vLLM's names (when it has a cache)."""
+        self.registry.register(PrefixCacheCollector(stats, model))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -30,7 +30,7 @@ from derender.messages import error_frame as messages_error_frame
 from derender.responses import ResponsesAssembler
 from derender.text import TextParams, TextPipeline
 from derender.usage import derender_summary, open_choices, summary_of
-from wire.openai_schema import ChatLogprobs, Usage
+from wire.openai_schema import ChatLogprobs, PromptTokensDetails, Usage
 from wire.protocol import (
     EngineSummary,
     GenerateLogProbs,
@@ -51,7 +51,7 @@ from wire.protocol import (
 )
 from engine.vllm_derender import VllmDerenderWriter
 from engine.errors import EngineHTTPError
-from engine.writer_context import DataFrames
+from engine.writer_context import DataFrames, note_cached
 from engine.writer_context import WriterContext as WriterContext  # make_writer's argument, for its callers
 
 
@@ -92,10 +92,13 @@ def text_params(sampling: SamplingParams) -> TextParams:
     )
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> Usage:
-    return Usage(
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None) -> Usage:
+    usage = Usage(
         prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
     )
+    if cached_tokens is not None:
+        usage.prompt_tokens_details = PromptTokensDetails(cached_tokens=cached_tokens)
+    return usage
 
 
 class _Choices:
@@ -114,6 +117,8 @@ class _Choices:
         self.include_usage = bool(options and options.include_usage)
         self.continuous = self.include_usage and bool(options and options.continuous_usage_stats)
         self.kv_transfer_params: dict[str, Any] | None = None
+        self.cached_tokens: int | None = None
+        """What the backend's first output said its prefix cache held; None: it does not know."""
         self.pipelines: list[TextPipeline] | None = None
         if decode and context.vocab is not None and request.sampling_params.detokenize:
             params = text_params(request.sampling_params)
@@ -122,7 +127,7 @@ class _Choices:
             ]
 
     def usage(self) -> Usage:
-        return _usage(len(self.request.token_ids), sum(self.counts))
+        return _usage(len(self.request.token_ids), sum(self.counts), self.cached_tokens)
 
     def open_choices(self) -> list[int]:
         return [i for i, (reason, _) in enumerate(self.finish) if reason is None]
@@ -130,6 +135,7 @@ class _Choices:
     def advance(self, output: BackendOutput) -> tuple[Sequence[int], str, str | None, int | str | None] | None:
         """Run the choice's text pipeline; (kept ids, text, finish_reason, stop_reason), None if finished."""
         index = output.index
+        note_cached(output, self)
         if self.finish[index][0] is not None:
             return None  # a stop string already ended this choice; later ids are dropped
         ids: Sequence[int] = output.token_ids
@@ -371,6 +377,7 @@ class DerenderWriter(DataFrames):
         return derender_summary(self._derender)
 
     def step(self, output: BackendOutput) -> bytes | None:
+        note_cached(output, self._derender)
         if self._derender.choices[output.index].finished:
             return None
         chunk = self._derender.step(
@@ -413,6 +420,7 @@ class PresentedWriter(DerenderWriter):
         return [opening] if opening else []
 
     def step(self, output: BackendOutput) -> bytes | None:
+        note_cached(output, self._chat)
         if self._chat.choices[output.index].finished:
             return None
         chunk = self._chat.step(

@@ -30,7 +30,7 @@ from wire.protocol import (
     ParseContext,
     encode,
 )
-from engine.writer_context import DataFrames, WriterContext
+from engine.writer_context import DataFrames, WriterContext, note_cached
 
 FORM = "vllm"
 """The name of this derender form in the engine's capabilities (onehop's own is `onehop`)."""
@@ -120,6 +120,7 @@ class VllmDerenderWriter(DataFrames):
     def step(self, output: BackendOutput) -> bytes | None:
         if output.kv_transfer_params is not None:
             self._kv_transfer_params = output.kv_transfer_params
+        note_cached(output, self._derender)
         if not self._derender.choices[output.index].finished:
             self._derender.step(
                 output.index,

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from derender.chat import ReasoningField
 from derender.vocab import TokenVocab
+from engine.backends.base import BackendOutput
 from engine.errors import EngineHTTPError, error_body
 
 
@@ -30,3 +32,15 @@ class DataFrames:
 
     def error_frame(self, error: EngineHTTPError) -> bytes:
         return b"data: " + error_body(error) + b"\n\n"
+
+
+class CachedTokens(Protocol):
+    """A writer's usage source: its tokens or derender state."""
+
+    cached_tokens: int | None
+
+
+def note_cached(output: BackendOutput, holder: CachedTokens) -> None:
+    """Keep the prefix-cache hit a backend reports on a request's first output, for usage."""
+    if output.num_cached_tokens is not None and holder.cached_tokens is None:
+        holder.cached_tokens = output.num_cached_tokens

@@ -113,6 +113,20 @@ def _add_engine(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         default=None,
         help="most logprobs per token, -1 for the whole vocabulary (default 20)",
     )
+    engine.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="cache prompts' KV blocks (sim backend; default: its prefix_caching option, off)",
+    )
+    engine.add_argument("--block-size", type=int, default=None, help="tokens per KV cache block (sim; default 16)")
+    engine.add_argument(
+        "--kv-events-config",
+        default=None,
+        metavar="JSON",
+        help="vLLM's KV cache events config (sim; default: none),"
+        " e.g. '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\"}'",
+    )
     engine.set_defaults(func=_run_engine)
 
 
@@ -160,11 +174,14 @@ def _none_or(value: str) -> str | None:
 
 def _run_engine(args: argparse.Namespace) -> int:
     from engine.app import run
-    from engine.config import ConfigError, EngineConfig, engine_limits
+    from engine.config import ConfigError, EngineConfig, engine_limits, kv_events_config
 
     flags = {"max_num_seqs": args.max_num_seqs, "max_logprobs": args.max_logprobs}
     try:
         limits = engine_limits(**{name: value for name, value in flags.items() if value is not None})
+        kv_events = kv_events_config(args.kv_events_config) if args.kv_events_config is not None else None
+        if args.block_size is not None and args.block_size < 1:
+            raise ConfigError(f"--block-size must be at least 1, got {args.block_size}")
     except ConfigError as exc:
         raise StartupError(str(exc)) from exc
     check_port(args.host, args.port)
@@ -180,6 +197,9 @@ def _run_engine(args: argparse.Namespace) -> int:
         reasoning_field=args.reasoning_field,
         backend_options=_backend_options(args.backend_option),
         limits=limits,
+        enable_prefix_caching=args.enable_prefix_caching,
+        block_size=args.block_size,
+        kv_events_config=kv_events,
     )
     with startup_errors(args.host, args.port):
         run(config)

@@ -6,6 +6,11 @@
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
+import msgspec
+
 from engine.backends.base import Backend
 from engine.config import EngineConfig, convert_backend_config
 
@@ -28,13 +33,41 @@ def _sim_formats(config: EngineConfig) -> dict[str, str | None]:
     return formats
 
 
+log = logging.getLogger(__name__)
+
+
+def _sim_cache(config: EngineConfig) -> dict[str, Any]:
+    """vLLM's prefix-cache flags as the simulator's options (`backend_options` still win)."""
+    options: dict[str, Any] = {}
+    if config.enable_prefix_caching is not None:
+        options["prefix_caching"] = config.enable_prefix_caching
+    if config.block_size is not None:
+        options["block_size"] = config.block_size
+    if config.kv_events_config is not None:
+        options["kv_events"] = msgspec.to_builtins(config.kv_events_config)
+    return options
+
+
+def _unused_cache_flags(config: EngineConfig) -> None:
+    if config.kv_events_config is not None or config.enable_prefix_caching or config.block_size is not None:
+        log.warning(
+            "the %s backend ignores --enable-prefix-caching, --block-size and --kv-events-config", config.backend
+        )
+
+
 def make_backend(config: EngineConfig) -> Backend:
     name = config.served_model_name
     if config.backend == "sim":
         from engine.backends.sim import SimBackend, SimBackendConfig
 
-        base = {"tokenizer": config.model, **({"served_model_name": name} if name else {}), **_sim_formats(config)}
+        base = {
+            "tokenizer": config.model,
+            **({"served_model_name": name} if name else {}),
+            **_sim_formats(config),
+            **_sim_cache(config),
+        }
         return SimBackend(convert_backend_config(config, SimBackendConfig, base))
+    _unused_cache_flags(config)
     if config.backend == "hf":
         from engine.backends.hf import HFBackend, HFBackendConfig
 

@@ -46,6 +46,10 @@ class BackendRequest:
     ids (the model is reasoning when it starts); None: from the first token."""
     prepared: object | None = None
     """What the backend's `prepare` made for this request (the hf backend: its grammar matchers)."""
+    cache_salt: str | None = None
+    """Mixed into the prefix cache's first block: requests with other salts share no blocks."""
+    session_id: str | None = None
+    """The client's conversation (vLLM's `X-Session-ID`), named in the KV cache events."""
 
 
 @dataclass(slots=True)
@@ -61,6 +65,8 @@ class BackendOutput:
     stop_reason: int | None = None
     """The stop token id that ended the choice; None for EOS, length and abort."""
     num_cached_tokens: int | None = None
+    """On a request's first output: prompt tokens its prefix cache held; None where the backend
+    does not know (no prefix cache), and on later outputs."""
     queued_s: float | None = None
     """Seconds the request waited before the backend started it; None where the backend cannot tell."""
     kv_transfer_params: dict[str, object] | None = None
@@ -79,6 +85,44 @@ class BackendInfo:
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
     constraints: frozenset[str] = frozenset()
     """The structured-output kinds (`wire.protocol.CONSTRAINT_KINDS`) it can enforce."""
+
+
+@dataclass(frozen=True, slots=True)
+class KVEventsAddress:
+    """Where a backend publishes its KV cache events (`wire.kv_events`), as bound."""
+
+    endpoint: str
+    replay_endpoint: str | None
+    topic: str
+    block_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixCacheStats:
+    """A prefix cache's counters, read at each metrics scrape (vLLM's metric meanings)."""
+
+    queries: int
+    """Prompt tokens looked up."""
+    hits: int
+    """Prompt tokens found cached."""
+    usage: float
+    """The share of the KV cache in use, 0 to 1."""
+    waiting: int
+    """Requests waiting for room to start."""
+
+
+@runtime_checkable
+class PrefixCaching(Protocol):
+    """A backend with a prefix cache the engine can report on and reset (the sim's)."""
+
+    def prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """None while prefix caching is off."""
+
+    def kv_events_address(self) -> KVEventsAddress | None:
+        """None unless KV cache events are published (and the sockets are open)."""
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block (published as `AllBlocksCleared`); whether a cache was there."""
 
 
 @runtime_checkable

@@ -23,6 +23,13 @@ Configuration (`SimBackendConfig`, decoded strictly: unknown keys are errors)::
     reasoning_format    the reasoning family written ("qwen3"; the engine's parser;
                         null: none, as for tool formats without reasoning)
     tool_format         the tool-call family written ("hermes"; the engine's parser)
+    prefix_caching      keep prompts' full KV blocks and report hits (false; the
+                        engine's --enable-prefix-caching)
+    block_size          tokens per KV block (16; the engine's --block-size)
+    cache_blocks        the cache's capacity in blocks (4096)
+    prefill_us_per_token  prefill time per prompt token not cached (0)
+    kv_events           the engine's --kv-events-config (set by the engine)
+    kv_events_encoding  "map" (vLLM's events since mid-2026) or "array" (before)
 
 What each mode plans before the token rules below apply:
 
@@ -107,7 +114,8 @@ sampled id with rank 1 and a logprob in [-0.55, -0.05], and
 2..k+1 and logprobs falling by 1.5 per rank. They depend only on the token
 and its position.
 
-Timing: the first step comes ``ttft_ms`` after ``generate`` starts
+Timing: the first step comes ``ttft_ms`` (plus ``prefill_us_per_token`` for
+each prompt token the prefix cache did not hold) after ``generate`` starts
 iterating, then one step every ``itl_ms``, on a fixed schedule (a late
 consumer gets the next steps back to back, not a slower pace). Each step
 yields one ``list[BackendOutput]`` with one entry per choice still running,
@@ -122,8 +130,20 @@ cancelling its consumer, or ``abort(id)`` stops a request at once; after an
 abort, the generator yields a last batch with finish ``abort`` for each
 unfinished choice. ``close()`` aborts everything; ``generate`` then raises
 `BackendError` until ``start()`` is called again. The tokenizer is loaded by
-the constructor, so ``start()`` has nothing else to do. Each choice's first
-output reports ``num_cached_tokens=0``: there is no prefix cache.
+the constructor, so ``start()`` has nothing else to do but open the KV event
+sockets.
+
+Prefix cache (``prefix_caching``; `prefix_cache`): on arrival a request's
+prompt is looked up, its longest run of leading full blocks held counting as
+cached (one block short of the whole prompt at most: vLLM always computes the
+last prompt token); with the first step its full blocks are stored, the held
+ones touched, the least recently used evicted past ``cache_blocks``. A
+request's ``cache_salt`` goes into its first block, so only requests with the
+same salt share blocks. Each choice's first output reports the hit as
+``num_cached_tokens`` (None with prefix caching off). With the engine's
+``--kv-events-config`` (`kv_publisher`), stores and evictions are published
+as vLLM's ``BlockStored`` and ``BlockRemoved`` events, one batch per pass of
+the event loop, and a reset of the cache as ``AllBlocksCleared``.
 
 Modules, one step each:
 
@@ -134,6 +154,8 @@ Modules, one step each:
 - `schema`: tool arguments and structured-output answers from JSON schema;
 - `plans`: each mode's plan, the ids before the token rules;
 - `stream`: one choice's token stream under the stop rules, and synthetic logprobs;
+- `prefix_cache`: the chained block hashes, lookup, store and LRU eviction;
+- `kv_publisher`: vLLM's KV cache events on ZMQ PUB, with the replay ROUTER;
 - `backend`: `SimBackend`, its request checks, disaggregated handshake and pace.
 """
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import random
 import uuid
 import zlib
@@ -22,15 +23,21 @@ from engine.backends.base import (
     BackendOutput,
     BackendRequest,
     BackendRequestError,
+    KVEventsAddress,
+    PrefixCacheStats,
 )
 from engine.backends.checks import ALL_LOGPROBS, check_prompt
 from engine.backends.sim.config import SimBackendConfig
+from engine.backends.sim.kv_publisher import KVEventPublisher
 from engine.backends.sim.plans import Planner
+from engine.backends.sim.prefix_cache import Lookup, PrefixCache
 from engine.backends.sim.prompt import Prompt
 from engine.backends.sim.schema import SIM_CONSTRAINTS
 from engine.backends.sim.stream import Choice, Logprobs, rules_for
 from engine.backends.sim.tokenizer import eos_ids, load_tokenizer, vocab_size
+from wire.kv_events import AllBlocksCleared
 
+log = logging.getLogger(__name__)
 MAX_LOGPROBS = ALL_LOGPROBS
 """vLLM's default `max_logprobs`; also what `logprobs=-1` means here."""
 KV_BLOCK_TOKENS = 16
@@ -81,20 +88,61 @@ class SimBackend:
         """Prefill requests served (`do_remote_decode`): one token, then the KV handed over."""
         self.remote_decodes = 0
         """Decode requests that started from another engine's prefill (`do_remote_prefill`)."""
+        self._cache = PrefixCache(config.block_size, config.cache_blocks) if config.prefix_caching else None
+        self._publisher: KVEventPublisher | None = None
+        events = config.kv_events
+        if events is not None and events.publishes:
+            if self._cache is None:
+                log.warning("KV cache events are on but prefix caching is off: nothing will be published")
+            else:
+                self._publisher = KVEventPublisher(events, config.kv_events_encoding)
 
     @property
     def info(self) -> BackendInfo:
         return self._info
 
     async def start(self) -> None:
-        """Nothing to load beyond the tokenizer, which the constructor read."""
+        """Nothing to load beyond the tokenizer, which the constructor read; the KV event
+        sockets open here, on the serving loop."""
         self._closed = False
+        if self._publisher is not None:
+            await self._publisher.start()
 
     async def close(self) -> None:
         self._closed = True
         for live in self._live.values():
             live.abort()
         self._live.clear()
+        if self._publisher is not None:
+            await self._publisher.close()
+
+    # -- prefix cache (`PrefixCaching`) ---------------------------------------
+
+    def prefix_cache_stats(self) -> PrefixCacheStats | None:
+        cache = self._cache
+        if cache is None:
+            return None
+        # No batch limit: every request starts at once, so none waits.
+        return PrefixCacheStats(queries=cache.queries, hits=cache.hits, usage=cache.usage, waiting=0)
+
+    def kv_events_address(self) -> KVEventsAddress | None:
+        publisher = self._publisher
+        if publisher is None or publisher.endpoint is None:
+            return None
+        return KVEventsAddress(
+            endpoint=publisher.endpoint,
+            replay_endpoint=publisher.replay_endpoint,
+            topic=publisher.topic,
+            block_size=self._config.block_size,
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        if self._cache is None:
+            return False
+        self._cache.clear()
+        if self._publisher is not None:
+            self._publisher.publish([AllBlocksCleared()])
+        return True
 
     async def abort(self, request_id: str) -> None:
         live = self._live.pop(request_id, None)
@@ -115,8 +163,9 @@ class SimBackend:
         choices = self._choices(request, prompt)
         live = self._register(request.request_id)
         loop = asyncio.get_running_loop()
+        lookup = self._lookup(request)
         # A decode whose prefill ran elsewhere starts with the KV cache in place.
-        deadline = loop.time() + (0 if role == "decode" else self._config.ttft_ms / 1000)
+        deadline = loop.time() + (0 if role == "decode" else self._prefill_s(request, lookup))
         handover = self._handover(request) if role == "prefill" else None
         try:
             while True:
@@ -126,6 +175,9 @@ class SimBackend:
                     return
                 width = self._config.tokens_per_step
                 step = [choice.take(width) for choice in choices if not choice.finished]
+                if lookup is not None:
+                    self._prefilled(lookup, step)
+                    lookup = None
                 if handover is not None:
                     for output in step:
                         if output.finish_reason is not None:
@@ -140,6 +192,28 @@ class SimBackend:
                 del self._live[live.request_id]
 
     # -- per request --------------------------------------------------------
+
+    def _lookup(self, request: BackendRequest) -> Lookup | None:
+        if self._cache is None:
+            return None
+        return self._cache.lookup(request.prompt_token_ids, request.cache_salt, request.session_id)
+
+    def _prefill_s(self, request: BackendRequest, lookup: Lookup | None) -> float:
+        """Time to the first step: `ttft_ms`, plus the prompt tokens not cached at
+        `prefill_us_per_token` each."""
+        cached = lookup.cached_tokens if lookup is not None else 0
+        uncached = len(request.prompt_token_ids) - cached
+        return self._config.ttft_ms / 1000 + uncached * self._config.prefill_us_per_token / 1e6
+
+    def _prefilled(self, lookup: Lookup, step: list[BackendOutput]) -> None:
+        """The prompt's KV is computed: keep its blocks, publish what changed, and report the
+        hit on each choice's first output."""
+        assert self._cache is not None
+        events = self._cache.store(lookup)
+        if self._publisher is not None:
+            self._publisher.publish(events)
+        for output in step:
+            output.num_cached_tokens = lookup.cached_tokens
 
     def _check(self, request: BackendRequest) -> Prompt:
         check_prompt(request, self._info, self._live)

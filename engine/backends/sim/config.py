@@ -8,6 +8,7 @@ import msgspec
 from msgspec import Meta
 
 from derender.parsers import REASONING_PARSERS, TOOL_PARSERS
+from engine.config import KVEventsConfig
 
 
 class SimConfigError(ValueError):
@@ -30,11 +31,20 @@ class SimBackendConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     output_tokens: Annotated[int, Meta(ge=0)] | None = None
     reasoning_format: str | None = "qwen3"
     tool_format: str = "hermes"
+    prefix_caching: bool = False
+    block_size: Annotated[int, Meta(ge=1)] = 16
+    cache_blocks: Annotated[int, Meta(ge=1)] = 4096
+    prefill_us_per_token: Annotated[float, Meta(ge=0)] = 0
+    kv_events: KVEventsConfig | None = None
+    """The engine's `--kv-events-config`, set by the engine (publishing needs `prefix_caching`)."""
+    kv_events_encoding: Literal["map", "array"] = "map"
 
     def __post_init__(self) -> None:
         # Constructing directly skips the Meta checks; a zero step would never end one.
         if self.tokens_per_step < 1:
             raise SimConfigError(f"tokens_per_step must be at least 1, got {self.tokens_per_step}")
+        if self.block_size < 1 or self.cache_blocks < 1:
+            raise SimConfigError("block_size and cache_blocks must be at least 1")
         if self.mode == "script" and not self.script:
             raise SimConfigError("mode 'script' needs at least one text in script")
         if self.mode == "agent" and not self.agent_calls:

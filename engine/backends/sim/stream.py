@@ -100,7 +100,6 @@ class Choice:
         if rules.logprobs is not None:
             output.logprobs = [self._logprobs.entry(t, start + i) for i, t in enumerate(ids)]
         if not self._started:
-            output.num_cached_tokens = 0  # no prefix cache in the simulator
             output.queued_s = 0.0  # and no batch limit: every request starts at once
             self._started = True
         return output
