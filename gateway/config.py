@@ -334,8 +334,10 @@ class GatewayConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     """Honour an `onehop-route` request header (tests, debugging). Off unless asked for: any
     client could use it to skip the cost policy (`onehop serve`, a local tool, turns it on)."""
     policy_header: bool = False
-    """Say in an `onehop-policy` response header why the route was chosen (debugging). Off
-    unless asked for: the cost model's reason shows the engines' live load."""
+    """Say in an `onehop-policy` response header why the route (and, with `kv_cache`
+    balancing, the engine) was chosen, and in `onehop-engine` which engine (debugging). Off
+    unless asked for: the cost model's reason shows the engines' live load, and engine
+    URLs are internal."""
     render: Literal["local", "remote"] = "local"
     remote_url: str | None = None
     """vLLM server for remote render and the tokens-remote route."""

@@ -97,7 +97,7 @@ class RequestContext(Edge):
     def with_target(self, target: Target, reason: str) -> RequestContext:
         """The context once routing decided; the route and its reason go on the tally (the
         answer's headers and the outcome name them)."""
-        self.tally.route, self.tally.reason = target.route, reason
+        self.tally.route, self.tally.reason, self.tally.engine = target.route, reason, target.endpoint.url
         return dataclasses.replace(self, target=target)
 
     @property

@@ -63,7 +63,7 @@ class Tally:
     fan-out records its merged sum, not its legs).
     """
 
-    __slots__ = ("client_gone", "finish_reasons", "model", "reason", "request_id", "route", "tokens")
+    __slots__ = ("client_gone", "engine", "finish_reasons", "model", "reason", "request_id", "route", "tokens")
 
     def __init__(self) -> None:
         self.request_id: str | None = None
@@ -72,6 +72,8 @@ class Tally:
         self.route: str | None = None
         self.reason: str | None = None
         """Why the policy (or the override header) chose the route."""
+        self.engine: str | None = None
+        """The engine routing chose (a retry may have moved the request after it)."""
         self.client_gone = False
         """The client left mid-answer (counted as a 499 and a disconnect, not as the status it was sent)."""
         self.finish_reasons: tuple[str | None, ...] = ()

@@ -67,6 +67,8 @@ log = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode
 ROUTE_RESPONSE_HEADER = "onehop-route"
 POLICY_RESPONSE_HEADER = "onehop-policy"
+ENGINE_RESPONSE_HEADER = "onehop-engine"
+"""With `policy_header`: the engine routing chose (its URL), beside why."""
 REQUEST_ID_HEADER = "X-Request-Id"
 """The answer's id on every chat and completions response, errors included (as vLLM's
 `--enable-request-id-headers` sends it)."""
@@ -286,6 +288,8 @@ async def _answer_headers(request: web.Request, response: web.StreamResponse) ->
     reason = tally.reason
     if reason is not None and request.app[GATEWAY].config.policy_header:
         response.headers[POLICY_RESPONSE_HEADER] = ascii_header(reason)
+        if tally.engine is not None:
+            response.headers[ENGINE_RESPONSE_HEADER] = ascii_header(tally.engine)
 
 
 def ascii_header(value: str) -> str:

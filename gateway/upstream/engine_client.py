@@ -198,7 +198,7 @@ class EngineClient:
         subscribers: Sequence[KVSubscriber] = (),
     ) -> None:
         self.pool = pool
-        self._subscribers = list(subscribers)
+        self.kv_subscribers = list(subscribers)
         """Keep the pool's KV index current with its engines' KV events (`kv_cache` balancing)."""
         self.expected = expected
         self._max_model_len: int | None = None
@@ -230,11 +230,11 @@ class EngineClient:
         default = aiohttp.ClientTimeout(total=None, connect=timeouts.connect_s, sock_read=timeouts.idle_s)
         self._session = aiohttp.ClientSession(timeout=default, connector=connector)
         self._streams = StreamPool(timeouts.connect_s, KEEPALIVE_S)
-        for subscriber in self._subscribers:
+        for subscriber in self.kv_subscribers:
             subscriber.start()
 
     async def close(self) -> None:
-        for subscriber in self._subscribers:
+        for subscriber in self.kv_subscribers:
             await subscriber.close()
         if self._session is not None:
             await self._session.close()
