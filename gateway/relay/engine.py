@@ -25,6 +25,7 @@ import msgspec
 
 from derender.errors import DerenderError
 from derender.text import OutputFinished
+from wire.openai_schema import Usage
 from wire.protocol import (
     SUMMARY_COMMENT,
     EngineError,
@@ -54,6 +55,9 @@ _encode = msgspec.json.Encoder().encode
 
 class Derender(Protocol):
     """What the text and token routes need: ChatDerender and CompletionsDerender both fit."""
+
+    cached_tokens: int | None
+    """The prompt tokens the engine's prefix cache held, from its usage (for the answer's)."""
 
     def start(self) -> list[Any]: ...
 
@@ -440,6 +444,8 @@ def feed_chunk(derender: Derender, mode: str, payload: bytes) -> list[Any]:
         raise EngineFailed(f"the engine failed mid-stream: {exc}") from exc
     except ProtocolError as exc:
         raise EngineFailed(f"the engine sent an invalid chunk: {exc}") from exc
+    if isinstance(chunk.usage, Usage):  # the engine's usage chunk: its cached tokens are the answer's
+        note_cached(derender, chunk.usage)
     out = []
     for choice in chunk.choices:
         made = feed_choice(derender, mode, choice)
@@ -584,11 +590,21 @@ async def encoded(chunks: AsyncGenerator[Any, None]) -> AsyncGenerator[bytes, ob
             yield frame(_encode(chunk))
 
 
-def whole_choices(body: bytes, mode: str) -> list[Any]:
+def note_cached(derender: Derender, usage: Usage) -> None:
+    details = usage.prompt_tokens_details
+    if details is not None and details.cached_tokens is not None:
+        derender.cached_tokens = details.cached_tokens
+
+
+def whole_choices(body: bytes, mode: str, derender: Derender) -> list[Any]:
+    """A whole engine answer's choices (its cached tokens noted on `derender`)."""
     try:
-        return list(decode_generate_response(body, "tokens" if mode == "tokens" else "text").choices)
+        answer = decode_generate_response(body, "tokens" if mode == "tokens" else "text")
     except (EngineError, ProtocolError) as exc:
         raise EngineFailed(f"the engine sent an invalid answer: {exc}") from exc
+    if answer.usage is not None:
+        note_cached(derender, answer.usage)
+    return list(answer.choices)
 
 
 def remote_error(exc: RemoteServiceError) -> GatewayError:

@@ -256,7 +256,7 @@ class Parsed:
         derender, work = self._new(leg), self._work
         timed = work.begin()
         try:
-            for choice in whole_choices(raw, self._mode):
+            for choice in whole_choices(raw, self._mode, derender):
                 feed_choice(derender, self._mode, choice)
             return derender.response()
         except GatewayError:

@@ -162,4 +162,7 @@ def generate_body(
     if stream and include_usage and route in ("derender", "tokens-remote"):
         # The engine counts usage on these routes; on text/tokens the gateway's derender does.
         body["stream_options"] = {"include_usage": True, "continuous_usage_stats": continuous_usage}
+    elif stream and route in ("text", "tokens"):
+        # Only for its cached tokens, which only the engine knows (its last chunk).
+        body["stream_options"] = {"include_usage": True}
     return _encode(body)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import anthropic
 import openai
 import pytest
 import zmq
@@ -201,3 +202,63 @@ def _no_proxies(monkeypatch: pytest.MonkeyPatch) -> None:
     """The SDK reads proxy settings from the environment; loopback must not go through one."""
     for name in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(name, raising=False)
+
+
+# ------------------------------------------------------------ cached tokens, reported to clients
+
+
+ROUTES = ["derender", "text", "tokens"]
+
+
+async def cached_in_every_api(client: openai.AsyncOpenAI, anthropic_client: Any, route: str, prompt: str, stream: bool) -> dict[str, int]:
+    """Each API's own field for the prompt tokens the engine had cached, one request each."""
+    headers = {"onehop-route": route}
+    messages = [{"role": "user", "content": prompt}]
+    found: dict[str, int] = {}
+    if stream:
+        chat_stream = await client.chat.completions.create(  # type: ignore[call-overload]
+            model="sim", messages=messages, max_tokens=4, stream=True, stream_options={"include_usage": True},
+            extra_headers=headers,
+        )
+        usage = [chunk.usage async for chunk in chat_stream if chunk.usage is not None][-1]
+    else:
+        usage = (await client.chat.completions.create(model="sim", messages=messages, max_tokens=4, extra_headers=headers)).usage  # type: ignore[arg-type]
+    assert usage is not None and usage.prompt_tokens_details is not None
+    found["chat"] = usage.prompt_tokens_details.cached_tokens or 0
+    completion = await client.completions.create(model="sim", prompt=prompt, max_tokens=4, extra_headers=headers)
+    assert completion.usage is not None and completion.usage.prompt_tokens_details is not None
+    found["completions"] = completion.usage.prompt_tokens_details.cached_tokens or 0
+    if stream:
+        events = [event async for event in await client.responses.create(
+            model="sim", input=prompt, max_output_tokens=16, stream=True, extra_headers=headers)]
+        response = events[-1].response  # type: ignore[union-attr]
+    else:
+        response = await client.responses.create(model="sim", input=prompt, max_output_tokens=16, extra_headers=headers)
+    assert response.usage is not None
+    found["responses"] = response.usage.input_tokens_details.cached_tokens
+    message = await anthropic_client.messages.create(
+        model="sim", max_tokens=16, messages=messages, extra_headers=headers, stream=False,
+    )
+    found["messages"] = message.usage.cache_read_input_tokens or 0
+    return found
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("route", ROUTES)
+async def test_every_api_reports_the_engines_cached_tokens_on_every_route(
+    qwen3_tokenizer: Any, qwen3_tokenizer_dir: Path, route: str, stream: bool
+) -> None:
+    prompt = qwen3_tokenizer.decode(prose(qwen3_tokenizer, 400, f"harbour {route} {stream}"))
+    async with cached_engine(qwen3_tokenizer_dir) as (engine, _), AsyncExitStack() as stack:
+        config = GatewayConfig(model="sim", tokenizer=str(qwen3_tokenizer_dir), engines=[EngineEndpoint(url=engine)],
+                               route_header=True)
+        base, _state = await stack.enter_async_context(configured_gateway(config))
+        client = await stack.enter_async_context(openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0))
+        claude = await stack.enter_async_context(
+            anthropic.AsyncAnthropic(base_url=base.removesuffix("/v1"), api_key="unused", max_retries=0)
+        )
+        cold = await cached_in_every_api(client, claude, route, prompt, stream)
+        warm = await cached_in_every_api(client, claude, route, prompt, stream)
+    assert cold["chat"] == 0  # the first request of all found nothing cached
+    for api, cached in warm.items():  # each API's prompt was sent before: its full blocks are cached
+        assert cached >= 384, (api, warm)
