@@ -1,17 +1,25 @@
-"""vLLM's own KV event classes, encoded as its publisher does, decode here and feed the index.
-
-The batch is built and encoded in vLLM's venv (a subprocess), read back in the project's.
+"""vLLM's own KV events: its classes, encoded as its publisher does, decode here and feed the
+index (built in vLLM's venv, a subprocess, read back in the project's); and a live stock vLLM
+0.32 on CPU, with prefix caching and `--kv-events-config`, publishing events that the
+gateway's subscriber indexes and routes by.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
+import aiohttp
 import pytest
 
+from gateway.config import Balancing, EngineEndpoint, GatewayConfig, KVIndexConfig
 from gateway.routing.kv_index import KVIndex, request_extra_keys
-from tests.vllm.conftest import ROOT, server_env
+from tests.support.engine import engine_server
+from tests.support.gateway import configured_gateway
+from tests.support.waiting import wait_until
+from tests.vllm.conftest import ROOT, free_port, server_env, servers
 from wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 
 pytestmark = pytest.mark.vllm
@@ -55,3 +63,69 @@ def test_vllms_event_batches_decode_and_index(vllm_python: Path) -> None:
     assert index.match(prompt) == {"http://engine": 1}
     index.apply("http://engine", second.events[1:])
     assert index.size == 0
+
+
+# ------------------------------------------------------------ a live vLLM publishing, the gateway routing by it
+
+BLOCK = 32
+"""vLLM's CPU attention takes block sizes that are multiples of 32 only."""
+
+
+@pytest.fixture(scope="module")
+def publishing_vllm(vllm_python: Path, tiny_model_dir: Path) -> Iterator[tuple[str, str, str]]:
+    """A stock vLLM with prefix caching publishing its KV events: (its URL, events, replay endpoints)."""
+    port, events, replay = free_port(), free_port(), free_port()
+    config = {
+        "enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
+        # A wildcard host makes vLLM bind (a named host makes its PUB connect to the subscriber).
+        "endpoint": f"tcp://*:{events}", "replay_endpoint": f"tcp://*:{replay}",
+    }
+    argv = [
+        "bash", str(ROOT / "scripts" / "vllm_serve.sh"), str(tiny_model_dir), str(port), "--served-model-name", "tiny",
+        "--max-model-len", "2048", "--block-size", str(BLOCK), "--enable-prefix-caching",
+        "--kv-events-config", json.dumps(config),
+    ]
+    with servers([("stock vLLM publishing KV events", argv, port)], server_env(ONEHOP_VLLM_PYTHON=str(vllm_python))) as (
+        vllm,
+    ):
+        yield vllm.url, f"tcp://127.0.0.1:{events}", f"tcp://127.0.0.1:{replay}"
+
+
+async def test_a_live_vllm_publishes_what_the_gateway_indexes_and_routes_by(
+    publishing_vllm: tuple[str, str, str], tiny_model_dir: Path
+) -> None:
+    vllm, events, replay = publishing_vllm
+    prompt = list(range(1000, 1000 + BLOCK * 6 + 11))  # six full blocks and a tail
+    async with engine_server(tiny_model_dir, served_model_name="tiny") as (sim, _):  # the other candidate: no events
+        config = GatewayConfig(
+            model="tiny", tokenizer=str(tiny_model_dir), route_header=True, policy_header=True,
+            engines=[EngineEndpoint(url=vllm, kv_events=events, kv_replay=replay, kv_topic="kv"), EngineEndpoint(url=sim)],
+            balancing=Balancing(mode="kv_cache", kv_index=KVIndexConfig(block_size=BLOCK)),
+        )
+        async with configured_gateway(config) as (base, state), aiohttp.ClientSession() as http:
+            index = state.clients[0].pool.index
+            assert index is not None
+            subscriber = state.clients[0].kv_subscribers[0]
+            # The prompt straight to vLLM, until an event of it reaches the gateway (a PUB drops
+            # what it sends before the subscription reaches it; vLLM re-publishes a cached prompt).
+            for attempt in range(60):
+                body = {"token_ids": prompt, "sampling_params": {"max_tokens": 2, "temperature": 0}}
+                async with http.post(vllm + "/inference/v1/generate", json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+                try:
+                    await wait_until(lambda: subscriber.stats["BlockStored"] > 0, timeout=0.5)
+                    break
+                except AssertionError:
+                    assert attempt < 59, "vLLM's KV events never reached the gateway"
+            assert index.counts() == {vllm: 6} and index.match(prompt) == {vllm: 6}  # exactly its full blocks
+            # A longer prompt sharing them goes to vLLM by its cache: first its six blocks, then
+            # (once vLLM published the longer prompt's seventh) all seven.
+            longer = [*prompt, *range(50, 50 + BLOCK)]
+            for cached in (6, 7, 7):
+                if cached == 7:
+                    await wait_until(lambda: index.match(longer) == {vllm: 7}, what="the seventh block indexed")
+                async with http.post(base + "/completions", json={"model": "tiny", "prompt": longer, "max_tokens": 2},
+                                     headers={"onehop-route": "tokens"}) as resp:
+                    assert resp.status == 200, await resp.text()
+                    assert resp.headers["onehop-engine"] == vllm
+                    assert f"engine by cache: {cached * BLOCK} tokens cached" in resp.headers["onehop-policy"]
