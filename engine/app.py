@@ -170,7 +170,7 @@ def create_app(config: EngineConfig, *, backend: Backend | None = None) -> web.A
     app[CONNECTION_LIMITS] = ConnectionLimits(keepalive_s=config.keepalive_s, header_s=config.client_header_s)
     backend = app[ENGINE].backend
     if isinstance(backend, PrefixCaching):
-        app[ENGINE].metrics.watch_prefix_cache(backend.prefix_cache_stats, backend.info.model)
+        app[ENGINE].metrics.watch_prefix_cache(backend.prefix_cache_stats, lambda: backend.info.model)
     app.cleanup_ctx.append(_lifecycle)
     app.router.add_post(GENERATE_PATH, handle_generate)
     app.router.add_post(ABORT_PATH, handle_abort)

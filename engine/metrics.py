@@ -106,10 +106,11 @@ class PrefixCacheCollector(Collector):
     engine's /metrics (a router's cache-aware policy, a dashboard) reads this one too.
     Read from the backend at each scrape; nothing is written while serving."""
 
-    def __init__(self, stats: Callable[[], PrefixCacheStats | None], model: str) -> None:
+    def __init__(self, stats: Callable[[], PrefixCacheStats | None], model: Callable[[], str]) -> None:
         self._stats = stats
+        self._model = model
+        """The model's name, asked at collection (a backend knows it once started)."""
         self._labels = ["model_name", "engine"]
-        self._values = [model, "0"]
 
     def describe(self) -> list[CounterMetricFamily | GaugeMetricFamily]:
         return []  # what the backend has is known only at collection: skip the registry's name checks
@@ -126,7 +127,7 @@ class PrefixCacheCollector(Collector):
             GaugeMetricFamily("vllm:num_requests_waiting", "Requests waiting to be started.", labels=labels),
         ]
         for family, value in zip(families, (stats.queries, stats.hits, stats.usage, stats.waiting), strict=True):
-            family.add_metric(self._values, value)
+            family.add_metric([self._model(), "0"], value)
             yield family
 
 
@@ -196,7 +197,7 @@ class EngineMetrics:
             registry=r,
         )
 
-    def watch_prefix_cache(self, stats: Callable[[], PrefixCacheStats | None], model: str) -> None:
+    def watch_prefix_cache(self, stats: Callable[[], PrefixCacheStats | None], model: Callable[[], str]) -> None:
         """Expose a backend's prefix-cache counters under vLLM's names (when it has a cache)."""
         self.registry.register(PrefixCacheCollector(stats, model))
 

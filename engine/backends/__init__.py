@@ -67,8 +67,8 @@ def make_backend(config: EngineConfig) -> Backend:
             **_sim_cache(config),
         }
         return SimBackend(convert_backend_config(config, SimBackendConfig, base))
-    _unused_cache_flags(config)
     if config.backend == "hf":
+        _unused_cache_flags(config)
         from engine.backends.hf import HFBackend, HFBackendConfig
 
         return HFBackend(
@@ -76,6 +76,8 @@ def make_backend(config: EngineConfig) -> Backend:
         )
     from engine.backends.vllm import VLLMBackend, VLLMBackendConfig
 
-    return VLLMBackend(
-        convert_backend_config(config, VLLMBackendConfig, {"model": config.model, "served_model_name": name})
-    )
+    cache: dict[str, Any] = {"enable_prefix_caching": config.enable_prefix_caching, "block_size": config.block_size}
+    if config.kv_events_config is not None:
+        cache["kv_events"] = msgspec.to_builtins(config.kv_events_config)
+    base = {"model": config.model, "served_model_name": name, **{k: v for k, v in cache.items() if v is not None}}
+    return VLLMBackend(convert_backend_config(config, VLLMBackendConfig, base))

@@ -39,6 +39,8 @@ from engine.backends.base import (
     BackendRequest,
     BackendRequestError,
     FinishReason,
+    KVEventsAddress,
+    PrefixCacheStats,
 )
 from derender.logprobs import LOGPROB_FLOOR
 from wire.protocol import (
@@ -70,6 +72,10 @@ class VLLMBackendConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     enforce_eager: bool = True
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
+    enable_prefix_caching: bool | None = None
+    block_size: int | None = None
+    kv_events: dict[str, Any] | None = None
+    """vLLM's `--kv-events-config` (the engine's flag, passed through as `KVEventsConfig`)."""
     extra_engine_args: dict[str, Any] = {}
 
     def engine_args(self) -> dict[str, Any]:
@@ -87,6 +93,14 @@ class VLLMBackendConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
             args["served_model_name"] = self.served_model_name
         if self.max_model_len is not None:
             args["max_model_len"] = self.max_model_len
+        if self.enable_prefix_caching is not None:
+            args["enable_prefix_caching"] = self.enable_prefix_caching
+        if self.block_size is not None:
+            args["block_size"] = self.block_size
+        if self.kv_events is not None:
+            from vllm.config.kv_events import KVEventsConfig
+
+            args["kv_events_config"] = KVEventsConfig(**self.kv_events)
         args.update(self.extra_engine_args)
         return args
 
@@ -99,6 +113,8 @@ class VLLMBackend:
         self._llm: AsyncLLM | None = None
         self._info: BackendInfo | None = None
         self._running: set[str] = set()
+        self._resets: set[asyncio.Task[bool]] = set()
+        """Prefix-cache resets in flight (vLLM's is a coroutine; the route answers at once)."""
 
     @property
     def info(self) -> BackendInfo:
@@ -132,6 +148,34 @@ class VLLMBackend:
 
     def running(self) -> frozenset[str]:
         return frozenset(self._running)
+
+    # -- prefix caching (`PrefixCaching`): vLLM's own cache, metrics and events
+
+    def prefix_cache_stats(self) -> PrefixCacheStats | None:
+        return None  # vLLM's own `vllm:prefix_cache_*` metrics say it; the engine server adds none
+
+    def kv_events_address(self) -> KVEventsAddress | None:
+        """Where vLLM publishes the cache's events, as configured (vLLM binds a wildcard host)."""
+        events = self._config.kv_events
+        enabled = bool(events and events.get("enable_kv_cache_events"))
+        if events is None or not enabled or (events.get("publisher") or "zmq") != "zmq":
+            return None
+        return KVEventsAddress(
+            endpoint=events.get("endpoint", "tcp://*:5557"),
+            replay_endpoint=events.get("replay_endpoint"),
+            topic=events.get("topic", ""),
+            block_size=self._config.block_size or 16,
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM drops its cached blocks (and publishes `AllBlocksCleared` itself)."""
+        llm = self._llm
+        if llm is None:
+            return False
+        task = asyncio.get_running_loop().create_task(llm.reset_prefix_cache())
+        self._resets.add(task)
+        task.add_done_callback(self._resets.discard)
+        return True
 
     async def abort(self, request_id: str) -> None:
         if self._llm is not None and request_id in self._running:

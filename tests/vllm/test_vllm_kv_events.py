@@ -16,6 +16,7 @@ import pytest
 
 from gateway.config import Balancing, EngineEndpoint, GatewayConfig, KVIndexConfig
 from gateway.routing.kv_index import KVIndex, request_extra_keys
+from gateway.upstream.kv_events import KVSubscriber
 from tests.support.engine import engine_server
 from tests.support.gateway import configured_gateway
 from tests.support.waiting import wait_until
@@ -129,3 +130,45 @@ async def test_a_live_vllm_publishes_what_the_gateway_indexes_and_routes_by(
                     assert resp.status == 200, await resp.text()
                     assert resp.headers["onehop-engine"] == vllm
                     assert f"engine by cache: {cached * BLOCK} tokens cached" in resp.headers["onehop-policy"]
+
+
+async def test_the_vllm_backend_passes_the_flags_to_vllm_and_names_its_events(
+    vllm_python: Path, tiny_model_dir: Path
+) -> None:
+    port, events = free_port(), free_port()
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events}", "topic": "kv"}
+    argv = [
+        str(vllm_python), "-m", "onehop", "engine", "--backend", "vllm", "--model", str(tiny_model_dir),
+        "--port", str(port), "--backend-option", "max_model_len=2048",
+        "--enable-prefix-caching", "--block-size", str(BLOCK), "--kv-events-config", json.dumps(config),
+    ]
+    prompt = list(range(2000, 2000 + BLOCK * 3 + 5))
+    with servers([("onehop engine (vllm backend) publishing KV events", argv, port)],
+                 server_env(ONEHOP_VLLM_PYTHON=str(vllm_python))) as (engine,):
+        async with aiohttp.ClientSession() as http:
+            async with http.get(engine.url + "/inference/v1/capabilities") as resp:
+                named = (await resp.json())["kv_events"]
+            assert named == {"endpoint": f"tcp://127.0.0.1:{events}", "replay_endpoint": None, "topic": "kv",
+                             "block_size": BLOCK}
+            index = KVIndex(block_size=BLOCK)
+            subscriber = KVSubscriber(engine=engine.url, endpoint=named["endpoint"], index=index, topic="kv")
+            subscriber.start()
+            try:
+                for attempt in range(60):  # until the subscription has taken and an event of the prompt came
+                    body = {"token_ids": prompt, "sampling_params": {"max_tokens": 2, "temperature": 0}}
+                    async with http.post(engine.url + "/inference/v1/generate", json=body) as resp:
+                        assert resp.status == 200, await resp.text()
+                    try:
+                        await wait_until(lambda: index.match(prompt) == {engine.url: 3}, timeout=0.5)
+                        break
+                    except AssertionError:
+                        assert attempt < 59, "the engine's KV events never came"
+                async with http.post(engine.url + "/reset_prefix_cache") as resp:
+                    assert resp.status == 200
+                # vLLM publishes a step's events with the next step: another request carries the clear out.
+                other = {"token_ids": [7] * (BLOCK + 1), "sampling_params": {"max_tokens": 1, "temperature": 0}}
+                async with http.post(engine.url + "/inference/v1/generate", json=other) as resp:
+                    assert resp.status == 200, await resp.text()
+                await wait_until(lambda: index.match(prompt) == {}, what="vLLM's AllBlocksCleared applied")
+            finally:
+                await subscriber.close()
