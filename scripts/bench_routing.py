@@ -24,7 +24,8 @@ prompts, in the same order, at the same concurrency. A conversation's next turn 
 once its previous one ended.
 
 Per workload and mode: the prefix-cache hit rate (the answers' `cached_tokens` over their
-`prompt_tokens`), TTFT p50/p99 (to the first content event of the streamed chat), E2E p50,
+`prompt_tokens`), TTFT p50/p99 (to the streamed chat's first event with output: content, or a
+tool call where the sim answers one), E2E p50,
 throughput (requests over the runs' wall time) and the gateway process's CPU per request
 (utime + stime from /proc). The `oracle` row is the hit rate perfect routing with unbounded
 caches could reach: each prompt rendered in process exactly as the gateway renders it (its
@@ -349,6 +350,14 @@ def oracle(prompts: Sequence[Sequence[int]]) -> dict[str, Any]:
 
 class _Delta(msgspec.Struct):
     content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[msgspec.Raw] | None = None
+
+    def output(self) -> bool:
+        """Whether this delta carries any of the answer (the sim may answer a request with
+        tools by calling one)."""
+        return bool(self.content or self.reasoning or self.reasoning_content or self.tool_calls)
 
 
 class _Choice(msgspec.Struct):
@@ -383,25 +392,28 @@ class Answer:
 
 
 async def stream_chat(session: aiohttp.ClientSession, url: str, body: bytes, headers: dict[str, str]) -> Answer:
-    """One streamed chat: TTFT at the first event with content, E2E at the stream's end."""
+    """One streamed chat: TTFT at the first event with output (content, reasoning or a tool
+    call), E2E at the stream's end."""
     start = time.perf_counter()
     first: float | None = None
     usage: _Usage | None = None
+    last = b""
     async with session.post(url, data=body, headers=headers) as response:
         if response.status != 200:
             raise BenchError(f"{url} answered {response.status}: {(await response.text())[:500]}")
         async for line in response.content:
             if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                 continue
+            last = line
             chunk = _CHUNK.decode(line[6:])
             if chunk.error is not None:
                 raise BenchError(f"an in-band error: {bytes(chunk.error)[:500]!r}")
-            if first is None and any(c.delta is not None and c.delta.content for c in chunk.choices):
+            if first is None and any(c.delta is not None and c.delta.output() for c in chunk.choices):
                 first = time.perf_counter()
             usage = chunk.usage or usage
     end = time.perf_counter()
     if first is None or usage is None:
-        raise BenchError(f"{url}: a stream without content or usage")
+        raise BenchError(f"{url}: a stream without output or usage (its last event: {last[:300]!r})")
     details = usage.prompt_tokens_details
     if details is None or details.cached_tokens is None:
         raise BenchError(f"{url}: usage without cached_tokens")
@@ -571,7 +583,8 @@ class Cell:
     e2e_s: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     cached_tokens: int = 0
-    wall_s: float = 0.0
+    walls_s: list[float] = field(default_factory=list)
+    """Each round's wall time."""
     gateway_cpu_s: float = 0.0
     length_mismatches: int = 0
 
@@ -642,7 +655,7 @@ async def measure(size: Size, seed: int) -> dict[str, Any]:
                                 idle.plain_cpu_s += 2 * used[other]
                                 idle.blocks += 2 * stored_blocks(window)
                                 idle.batches += 2 * len(window)
-                            print(f"round {round_index} {workload} {mode}: {len(answers)} in {wall:.1f} s,"
+                            print(f"round {round_index} {workload} {mode}: {len(answers)} in {wall:.1f} s, "
                                   f"hit {cell.cached_tokens / max(cell.prompt_tokens, 1):.3f}", file=sys.stderr)
         finally:
             if recorder is not None:
@@ -658,7 +671,7 @@ async def measure(size: Size, seed: int) -> dict[str, Any]:
         "seed": seed,
         "workloads": {
             w: {"oracle": oracles[w], "requests": len(loads[w][0]), "concurrency": loads[w][1],
-                "rows": [_row(cells[w, m], size) for m in MODES] + [_oracle_row(oracles[w])]}
+                "rows": [_row(cells[w, m]) for m in MODES] + [_oracle_row(oracles[w])]}
             for w in WORKLOADS
         },
         "subscriber": {
@@ -687,11 +700,11 @@ def _add(cell: Cell, answers: Sequence[Answer], prompts: Sequence[Sequence[int]]
         cell.prompt_tokens += answer.prompt_tokens
         cell.cached_tokens += answer.cached_tokens
         cell.length_mismatches += answer.prompt_tokens != len(ids)
-    cell.wall_s += wall
+    cell.walls_s.append(wall)
     cell.gateway_cpu_s += cpu
 
 
-def _row(cell: Cell, size: Size) -> dict[str, Any]:
+def _row(cell: Cell) -> dict[str, Any]:
     requests = len(cell.e2e_s)
     return {
         "mode": cell.mode,
@@ -700,7 +713,8 @@ def _row(cell: Cell, size: Size) -> dict[str, Any]:
         "ttft_p50_ms": percentile(cell.ttft_s, 50) * 1000,
         "ttft_p99_ms": percentile(cell.ttft_s, 99) * 1000,
         "e2e_p50_ms": percentile(cell.e2e_s, 50) * 1000,
-        "throughput_rps": requests / cell.wall_s,
+        "throughput_rps": requests / sum(cell.walls_s),
+        "round_wall_s": cell.walls_s,
         "gateway_cpu_ms_per_request": cell.gateway_cpu_s / requests * 1000,
         "prompt_length_mismatches": cell.length_mismatches,
     }
@@ -708,7 +722,7 @@ def _row(cell: Cell, size: Size) -> dict[str, Any]:
 
 def _oracle_row(found: dict[str, Any]) -> dict[str, Any]:
     return {"mode": "oracle", "requests": None, "hit_rate": found["hit_rate"], "ttft_p50_ms": None, "ttft_p99_ms": None,
-            "e2e_p50_ms": None, "throughput_rps": None, "gateway_cpu_ms_per_request": None,
+            "e2e_p50_ms": None, "throughput_rps": None, "round_wall_s": None, "gateway_cpu_ms_per_request": None,
             "prompt_length_mismatches": None}
 
 
