@@ -1,8 +1,11 @@
 """The gateway's balancing modes side by side in front of four sim engines with prefix caches.
 
 Four `onehop engine --backend sim` processes, each with prefix caching on (blocks of 16
-tokens, `cache_blocks` too few for any workload's blocks to fit in one engine), prefill time
-per uncached prompt token (`prefill_us_per_token`), a fixed answer length and inter-token
+tokens, `cache_blocks` too few for any workload's blocks to fit in one engine: the full run's
+3,072 a engine, 12,288 in all, just hold the agentic workload's ~11,000 distinct blocks when
+each engine keeps its own share of the sessions, as routing by cache does and spreading
+does not), prefill time per uncached prompt token (`prefill_us_per_token`, 100 µs: about
+10,000 tokens a second, a GPU's order for a mid-size model), a fixed answer length and inter-token
 delay, and vLLM's KV cache events on ZMQ ports of their own. One gateway process per mode,
 all four started at once and kept for the run:
 
@@ -44,7 +47,8 @@ million in the full run, 100,000 scaled ×10 with `--quick`.
 
 The client, the engines and the gateways share this machine: compare rows of one run.
 
-    .venv/bin/python scripts/bench_routing.py [--quick] [--rounds N] [--seed S] [--json out.json]
+    .venv/bin/python scripts/bench_routing.py [--quick] [--rounds N] [--seed S] [--cache-blocks N]
+        [--prefill-us US] [--json out.json]
 """
 
 from __future__ import annotations
@@ -143,7 +147,7 @@ FULL = Size(
     sessions=24, turns=(10, 40), system_words=2000, tool_words=900, append_words=(120, 360), agentic_concurrency=6,
     chats=160, chat_systems=8, chat_system_words=(400, 2000), chat_words=(40, 250), chat_concurrency=8,
     fresh=200, fresh_words=(800, 2400), fresh_concurrency=8,
-    cache_blocks=6144, prefill_us_per_token=20, itl_ms=2, ttft_ms=2, output_tokens=16, rounds=3,
+    cache_blocks=3072, prefill_us_per_token=100, itl_ms=2, ttft_ms=2, output_tokens=16, rounds=3,
     index_blocks=1_000_000, index_scale=1,
 )
 QUICK = Size(
@@ -907,11 +911,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small workloads, one round")
     parser.add_argument("--rounds", type=int, default=None, help="rounds of every workload through every mode")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cache-blocks", type=int, default=None, help="each engine's prefix cache, in blocks")
+    parser.add_argument("--prefill-us", type=float, default=None, help="prefill time per uncached prompt token")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args(argv)
     size = QUICK if args.quick else FULL
-    if args.rounds is not None:
-        size = Size(**(asdict(size) | {"rounds": args.rounds}))
+    changed = {"rounds": args.rounds, "cache_blocks": args.cache_blocks, "prefill_us_per_token": args.prefill_us}
+    size = Size(**(asdict(size) | {name: value for name, value in changed.items() if value is not None}))
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
         results = runner.run(measure(size, args.seed))
     print(report(results))
