@@ -190,11 +190,14 @@ class VLLMBackend:
         params = vllm_sampling_params(request, self.info.eos_token_ids)
         prompt = await _render_prompt(llm, request.prompt_token_ids)
         top = _top_count(request.sampling.logprobs)
+        # Cached tokens reach the answer's usage only when prefix caching was asked for: stock
+        # vLLM writes `prompt_tokens_details` only when told to, and answers match it otherwise.
+        cached = bool(self._config.enable_prefix_caching)
         self._running.add(rid)
         stream = llm.generate(prompt, params, rid)
         try:
             async for output in stream:
-                batch = _outputs(output, top)
+                batch = _outputs(output, top, cached)
                 if batch:
                     yield batch
         except (asyncio.CancelledError, GeneratorExit):
@@ -330,9 +333,9 @@ def _translate(exc: Exception) -> Exception:
 # ------------------------------------------------------------ outputs (per step: hot path)
 
 
-def _outputs(output: Any, top: int | None) -> list[BackendOutput]:
+def _outputs(output: Any, top: int | None, report_cached: bool) -> list[BackendOutput]:
     """One `RequestOutput` (DELTA) → the choices that advanced or finished."""
-    cached = output.num_cached_tokens
+    cached = output.num_cached_tokens if report_cached else None
     batch: list[BackendOutput] = []
     for completion in output.outputs:
         ids = list(completion.token_ids)
