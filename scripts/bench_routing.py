@@ -1,6 +1,6 @@
 """The gateway's balancing modes side by side in front of four sim engines with prefix caches.
 
-Four `onehop engine --backend sim` processes, each with prefix caching on (blocks of 16
+Four `onehop engine --backend sim` processes (two with `--quick`), each with prefix caching on (blocks of 16
 tokens, `cache_blocks` too few for any workload's blocks to fit in one engine: the full run's
 3,072 a engine, 12,288 in all, just hold the agentic workload's ~11,000 distinct blocks when
 each engine keeps its own share of the sessions, as routing by cache does and spreading
@@ -130,6 +130,8 @@ class Size:
     fresh: int
     fresh_words: tuple[int, int]
     fresh_concurrency: int
+    engines: int
+    """Sim engines in front of which the modes run (four; two in the quick run, to bound its memory)."""
     cache_blocks: int
     """Per engine."""
     prefill_us_per_token: float
@@ -147,14 +149,14 @@ FULL = Size(
     sessions=24, turns=(10, 40), system_words=2000, tool_words=900, append_words=(120, 360), agentic_concurrency=6,
     chats=160, chat_systems=8, chat_system_words=(400, 2000), chat_words=(40, 250), chat_concurrency=8,
     fresh=200, fresh_words=(800, 2400), fresh_concurrency=8,
-    cache_blocks=3072, prefill_us_per_token=100, itl_ms=2, ttft_ms=2, output_tokens=16, rounds=3,
+    engines=4, cache_blocks=3072, prefill_us_per_token=100, itl_ms=2, ttft_ms=2, output_tokens=16, rounds=3,
     index_blocks=1_000_000, index_scale=1,
 )
 QUICK = Size(
     sessions=8, turns=(3, 7), system_words=600, tool_words=300, append_words=(60, 160), agentic_concurrency=4,
     chats=24, chat_systems=4, chat_system_words=(200, 600), chat_words=(20, 100), chat_concurrency=4,
     fresh=12, fresh_words=(300, 800), fresh_concurrency=4,
-    cache_blocks=320, prefill_us_per_token=20, itl_ms=2, ttft_ms=2, output_tokens=8, rounds=1,
+    engines=2, cache_blocks=320, prefill_us_per_token=20, itl_ms=2, ttft_ms=2, output_tokens=8, rounds=1,
     index_blocks=100_000, index_scale=10,
 )
 
@@ -617,7 +619,7 @@ async def measure(size: Size, seed: int) -> dict[str, Any]:
     recorded: list[list[tuple[int, bytes]]] = []
     with tempfile.TemporaryDirectory(prefix="bench_routing_") as tmp:
         folder = Path(tmp)
-        engines = [start_engine(tokenizer_dir, size, folder, i) for i in range(ENGINES)]
+        engines = [start_engine(tokenizer_dir, size, folder, i) for i in range(size.engines)]
         gateways: dict[str, tuple[str, subprocess.Popen[bytes]]] = {}
         recorder: Recorder | None = None
         try:
@@ -855,7 +857,7 @@ def report(results: dict[str, Any]) -> str:
     size = results["size"]
     machine = results["machine"]
     lines = [
-        f"commit {results['commit']}, {machine['cpu']} ({machine['cores']} cores); {ENGINES} sim engines, "
+        f"commit {results['commit']}, {machine['cpu']} ({machine['cores']} cores); {size['engines']} sim engines, "
         f"{size['cache_blocks']} blocks of {BLOCK} tokens each, prefill {size['prefill_us_per_token']:g} µs per "
         f"uncached token, {size['output_tokens']} tokens at {size['itl_ms']:g} ms; {size['rounds']} round(s)",
     ]
