@@ -223,8 +223,10 @@ async def test_prefill_time_grows_with_uncached_tokens(
         began = time.monotonic()
         assert cached_of(await generate(session, base, prompt)) == 1984
         warm = time.monotonic() - began
-    assert cold >= 0.3
-    assert warm < cold - 0.15, (cold, warm)
+    assert cold >= 0.3  # a floor: the sim waits at least its planned prefill, however idle the machine
+    # The one comparison of wall times here: the warm repeat skips ~0.3 s of planned prefill,
+    # so only a machine stalled for that long could make it the slower.
+    assert warm < cold, (cold, warm)
 
 
 # -- KV cache events -------------------------------------------------------------------
