@@ -39,6 +39,8 @@ KV_INDEX_MAX_BLOCKS = 1_000_000
 KV_BLOCK_SIZE = 16
 KV_REPLAY_TIMEOUT_S = 2.0
 KV_LOAD_TOKENS = 512.0
+KV_WAITING_TOKENS = 512.0
+KV_USAGE_TOKENS = 2048.0
 KV_SESSIONS = 65_536
 
 
@@ -197,12 +199,20 @@ class Balancing(Struct, forbid_unknown_fields=True, kw_only=True):
     first `prefix_tokens` rendered tokens go to the same engine (its prefix cache is warm),
     unless it has more than `load_factor` times the pool's mean outstanding requests.
     kv_cache: the engine whose cached prefix of the prompt (from its `kv_events`) saves the
-    most prefill, weighed against its load (`gateway.routing.kv_score`); engines without
-    `kv_events`, or a stale index, fall back to prefix_affinity."""
+    most prefill, weighed against its load (the formula in `gateway.routing.picker`);
+    engines without `kv_events`, or a stale index, fall back to prefix_affinity. With
+    prefill/decode disaggregation, kv_cache scores the prefill pool so and the decode pool
+    by load alone."""
     prefix_tokens: Annotated[int, Meta(ge=1)] = 256
     load_factor: Annotated[float, Meta(ge=1)] = 1.25
     kv_load_tokens: Annotated[float, Meta(ge=0)] = KV_LOAD_TOKENS
     """kv_cache: what one outstanding request costs an engine, in prompt tokens to prefill."""
+    kv_waiting_tokens: Annotated[float, Meta(ge=0)] = KV_WAITING_TOKENS
+    """kv_cache: what one request queued in the engine (its `vllm:num_requests_waiting`,
+    every gateway's requests) costs, in prompt tokens to prefill."""
+    kv_usage_tokens: Annotated[float, Meta(ge=0)] = KV_USAGE_TOKENS
+    """kv_cache: what a KV cache full of running requests (`vllm:kv_cache_usage_perc` at 1)
+    costs, in prompt tokens to prefill; in proportion below."""
     kv_sessions: Annotated[int, Meta(ge=0)] = KV_SESSIONS
     """kv_cache: sessions whose last engine is remembered (to break ties), least recent forgotten first."""
     kv_index: KVIndexConfig = msgspec.field(default_factory=KVIndexConfig)

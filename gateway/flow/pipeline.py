@@ -27,6 +27,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from contextlib import aclosing, asynccontextmanager
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import msgspec
@@ -312,12 +313,13 @@ class Exchange:
     @asynccontextmanager
     async def _open(self, leg: Leg) -> AsyncIterator[EngineAnswer]:
         async with self.target.engines.open(
-            self.target.endpoint,
+            self.target.choice,
             self._engine_body(leg),
             stream=self.stream,
             request_id=leg.request_id,
             parent=self.ctx.span,
             session=self.ctx.session,
+            facts=self.target.facts,
         ) as (url, response):
             leg.sent_to = url
             yield response
@@ -327,9 +329,14 @@ class Exchange:
         pool = self.ctx.model.prefill
         if pool is None:
             return
-        tracer, server = self.state.tracing.tracer, self.ctx.span
+        tracer, server, facts = self.state.tracing.tracer, self.ctx.span, self.target.facts
         handovers = await all_of(
-            [prefill(pool, tracer, leg.prompt, leg.request_id, server, leg.prefilled_on.append) for leg in self.legs]
+            [
+                prefill(
+                    pool, tracer, replace(facts, prompt=leg.prompt), leg.request_id, server, leg.prefilled_on.append
+                )
+                for leg in self.legs
+            ]
         )
         for leg, kv in zip(self.legs, handovers, strict=True):
             leg.kv = kv

@@ -18,6 +18,8 @@ from gateway.edge.context import RequestContext
 from gateway.upstream.engine_client import EngineClient, Target
 from gateway.edge.errors import EngineUnavailable, InvalidRequest
 from gateway.observe.spans import measured
+from gateway.routing.datastore import Endpoint
+from gateway.routing.picker import RequestFacts
 from gateway.routing.policy import EngineState, NoRoute, RequestFeatures, decide
 from gateway.serving.state import GatewayState
 
@@ -45,16 +47,17 @@ async def choose_route(
     """`ctx` with the route and engine for it, decided in a `policy` span (the decision goes on
     the server span too)."""
     model = ctx.model
+    facts = RequestFacts(prompt=prompt, session=ctx.session, tenant=ctx.tenant, constraint=features.constraint)
     with measured(state, "policy", ctx.span) as span:
         engines = model.engines
-        constraint, session = features.constraint, ctx.session
-        endpoint, available, why = await engines.pick_serving(prompt, constraint=constraint, session=session)
-        decision = decide_route(state, ctx, engines, endpoint.url, available, features)
+        choice, available = await engines.pick_serving(facts)
+        decision = decide_route(state, ctx, engines, choice.endpoint, available, features)
         pool = decision.pool
         if pool is not None:
             engines = model.pools[pool]  # `decide_route` names only pools this model has
-            endpoint, available, why = await engines.pick_serving(prompt, constraint=constraint, session=session)
-            decision = decide_route(state, ctx, engines, endpoint.url, available, features)
+            choice, available = await engines.pick_serving(facts)
+            decision = decide_route(state, ctx, engines, choice.endpoint, available, features)
+        endpoint, why = choice.endpoint, choice.why
         if span.is_recording():
             described = {
                 "onehop.route": decision.route, "onehop.policy.rule": decision.basis,
@@ -68,23 +71,23 @@ async def choose_route(
             ctx.span.set_attributes({**described, "onehop.engine.endpoint": endpoint.url})
     state.metrics.policy_decisions.labels(decision.route, decision.basis).inc()
     reason = decision.reason if why is None else f"{decision.reason}; engine by {why}"
-    return ctx.with_target(Target(decision.route, engines, endpoint), reason)
+    return ctx.with_target(Target(decision.route, engines, choice, facts), reason)
 
 
 def decide_route(
     state: GatewayState,
     ctx: RequestContext,
     engines: EngineClient,
-    url: str,
+    endpoint: Endpoint,
     available: frozenset[str],
     features: RequestFeatures,
 ) -> Decision:
-    """The override header if allowed, else the policy's decision against what the engine at
-    `url` serves and its live load."""
+    """The override header if allowed, else the policy's decision against what `endpoint`
+    serves and its live load."""
     model = ctx.model
     if features.endpoint == "chat" and not model.parses_locally:
         available = available - GATEWAY_PARSED  # a capability fallback: the engine must parse
-    if "derender" in available and engines.derender_form(url) == "vllm" and not vllm_derender.serves(features):
+    if "derender" in available and endpoint.vllm_derender and not vllm_derender.serves(features):
         available = available - {"derender"}  # stock vLLM's derender: non-streaming chat only
     wanted = ctx.headers.get(ROUTE_HEADER)
     if wanted and state.config.route_header:
@@ -93,7 +96,7 @@ def decide_route(
         if wanted not in available:
             raise InvalidRequest(f"route {wanted!r} is not available on this engine", param=ROUTE_HEADER)
         return Decision(ROUTES[ROUTES.index(wanted)], "header", f"{ROUTE_HEADER} header", None)
-    load = state.feedback.load(url)
+    load = endpoint.load
     engine = EngineState(routes=available, output_cpu_cores=load.output_cpu_cores, in_flight=load.in_flight)
     policy = state.policy(model)
     try:

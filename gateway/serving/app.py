@@ -54,7 +54,8 @@ from gateway.serving.runtime import ModelRuntime
 from gateway.observe.metrics import GatewayMetrics
 from gateway.routing.policy import Policy, policy_for
 from gateway.upstream.kv_events import KVSubscriber
-from gateway.upstream.pool import Pool
+from gateway.routing.datastore import EndpointStore
+from gateway.routing.picker import Mode, Picker
 from gateway.routing.kv_index import KVIndex
 from gateway.serving.reload import WatchedFile
 from gateway.render.local import LocalRenderer
@@ -145,7 +146,7 @@ async def _start(state: GatewayState, plans: list[_ModelPlan], loops: Supervisor
     config = state.config
     try:
         for engines in state.clients:
-            await engines.pool.resolve()
+            await engines.store.resolve()
             await engines.check_engines(strict=True)
     except EngineMismatch as exc:
         raise ConfigError(f"refusing to start: {exc.message}") from exc
@@ -326,10 +327,13 @@ def create_app(config: GatewayConfig) -> web.Application:
     tracing = Tracing(config.tracing, "onehop-gateway")
     metrics = GatewayMetrics()
 
-    def client(model: ModelConfig, members: list[EngineEndpoint], *, prefill: bool = False) -> EngineClient:
+    def client(
+        model: ModelConfig, members: list[EngineEndpoint], *, prefill: bool = False, mode: Mode | None = None
+    ) -> EngineClient:
         # A pool whose engines publish KV events keeps an index of their blocks; each
         # worker process subscribes itself (ZMQ's PUB fans out to every subscriber).
-        kv = config.balancing.kv_index
+        balancing = config.balancing
+        kv = balancing.kv_index
         published = [member for member in members if member.kv_events is not None]
         index = KVIndex(kv.block_size, kv.max_blocks, on_ignored=metrics.kv_ignored) if published else None
         subscribers = [
@@ -337,8 +341,12 @@ def create_app(config: GatewayConfig) -> web.Application:
             for member in published
             if index is not None
         ]
+        store = EndpointStore(
+            members, config.health, on_circuit=metrics.circuit, index=index, max_sessions=balancing.kv_sessions
+        )
         return EngineClient(
-            Pool(members, config.health, config.balancing, on_circuit=metrics.circuit, index=index),
+            store,
+            Picker(balancing, mode),
             config.timeouts,
             config.health,
             remote=model.remote_url is not None,
@@ -357,21 +365,21 @@ def create_app(config: GatewayConfig) -> web.Application:
     plans = []
     for served in config.served_models():
         model, parses_locally = resolve_parsers(served)
+        # With P/D the KV cache that matters is the prefill pool's: the decode engine gets
+        # the prompt's KV handed over, so kv_cache balancing weighs only its load.
+        decode: Mode | None = "load" if model.prefill_engines and config.balancing.mode == "kv_cache" else None
         plans.append(
             _ModelPlan(
                 config=model,
                 parses_locally=parses_locally,
-                engines=client(model, model.engines),
+                engines=client(model, model.engines, mode=decode),
                 pools={name: client(model, members) for name, members in model.pools.items()},
                 prefill=client(model, model.prefill_engines, prefill=True) if model.prefill_engines else None,
             )
         )
     gate = Gate(config.admission, metrics.admission_rejections.inc, metrics.admission_waiting.set)
     clients = [engines for plan in plans for engines in plan.clients()]
-    decoding = [engines for plan in plans for engines in plan.clients() if engines is not plan.prefill]
-    feedback = EngineFeedback(
-        lambda: [url for engines in decoding for url in engines.pool.urls()], config.feedback_interval_s
-    )
+    feedback = EngineFeedback(lambda: [engines.store for engines in clients], config.feedback_interval_s)
     stored = config.response_store if config.auth.enabled else config.response_store.one_tenant()
     state = GatewayState(
         config=config, gate=gate, clients=clients, feedback=feedback, tracing=tracing, metrics=metrics,

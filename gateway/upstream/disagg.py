@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 from opentelemetry.trace import Span
 
+from gateway.routing.picker import RequestFacts
 from gateway.upstream.engine_client import EngineClient
 from gateway.upstream.engine_request import generate_body
 from gateway.edge.errors import EngineFailed
@@ -39,24 +40,29 @@ _ANSWER = msgspec.json.Decoder(_PrefillAnswer)
 
 
 async def prefill(
-    engines: EngineClient, tracer: Any, prompt_ids: list[int], request_id: str, parent: Span, on_engine: Any
+    engines: EngineClient, tracer: Any, facts: RequestFacts, request_id: str, parent: Span, on_engine: Any
 ) -> dict[str, Any]:
-    """Run the prefill; the decode request's `kv_transfer_params`.
+    """Run the prefill of `facts.prompt` on the prefill pool's engine for it (with kv_cache
+    balancing, the one whose cache saves the most); the decode request's `kv_transfer_params`.
 
     `on_engine(url)` learns the prefill engine as soon as it answers, so an abort
     can reach it."""
     body = generate_body(
         request_id=request_id,
         model=None,
-        prompt_ids=prompt_ids,
+        prompt_ids=list(facts.prompt or ()),
         sampling={"n": 1, "max_tokens": 1},
         route="tokens",
         stream=False,
         kv_transfer_params=PREFILL_KV,
     )
     with stage(tracer, "prefill", parent) as span:
-        endpoint = engines.pick()
-        async with engines.open(endpoint, body, stream=False, request_id=request_id, parent=span) as (url, response):
+        choice = engines.pick(facts)
+        if choice.why is not None:
+            span.set_attribute("onehop.engine.choice", choice.why)
+        async with engines.open(
+            choice, body, stream=False, request_id=request_id, parent=span, facts=facts
+        ) as (url, response):
             on_engine(url)
             raw = await response.read()
         try:

@@ -12,6 +12,10 @@ serves text and tokens, plus its own non-streaming derender form from 0.33 on
 (its `/version` tells). A stock vLLM without `--enable-scale-out` answers 403
 on the generate API: it is healthy (its circuit stays as it is) but serves no
 route, so it is not picked again until `ROUTES_OFF_RECHECK_S` have passed.
+
+What it learns (capabilities, health, its own outstanding requests) it writes to the
+pool's datastore (`gateway.routing.datastore`); which engine serves a request is the
+picker's (`gateway.routing.picker`).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import aiohttp
 import msgspec
@@ -51,7 +55,8 @@ from gateway.edge.errors import (
     Unprocessable,
     with_context_code,
 )
-from gateway.upstream.pool import Endpoint, Pool
+from gateway.routing.datastore import ROUTES_OFF_RECHECK_S, Breaker, Endpoint, EndpointStore
+from gateway.routing.picker import NO_FACTS, Choice, Picker, RequestFacts
 from gateway.upstream.vllm_derender import serves_derender
 
 log = logging.getLogger(__name__)
@@ -59,10 +64,6 @@ log = logging.getLogger(__name__)
 GENERATE_PATH = "/inference/v1/generate"
 CAPABILITIES_PATH = "/inference/v1/capabilities"
 VERSION_PATH = "/version"
-ROUTES_OFF_RECHECK_S = 60.0
-"""How long an engine that refused the generate API (403) is left out before it is tried again
-(it may have been restarted with scale-out on); the next request it gets is retried elsewhere
-if it refuses again, so a recheck costs one extra hop."""
 PROBE_TIMEOUT_S = 5.0
 ABORT_PATH = "/inference/v1/abort_requests"
 ABORT_TIMEOUT_S = 5.0
@@ -187,7 +188,8 @@ class Expected:
 class EngineClient:
     def __init__(
         self,
-        pool: Pool,
+        store: EndpointStore,
+        picker: Picker,
         timeouts: Timeouts,
         health: Health,
         *,
@@ -197,19 +199,13 @@ class EngineClient:
         on_retry: Callable[[str], None] = lambda url: None,
         subscribers: Sequence[KVSubscriber] = (),
     ) -> None:
-        self.pool = pool
+        self.store = store
+        self.picker = picker
         self.kv_subscribers = list(subscribers)
         """Keep the pool's KV index current with its engines' KV events (`kv_cache` balancing)."""
         self.expected = expected
         self._max_model_len: int | None = None
         self._tracer = tracing.tracer if tracing is not None else trace.NoOpTracer()
-        self._routes: dict[str, frozenset[str]] = {}
-        self._constraints: dict[str, frozenset[str]] = {}
-        """Per engine, the structured-output kinds it enforces (stock vLLM: all of them)."""
-        self._vllm_derender: set[str] = set()
-        """Engines whose derender route is stock vLLM's own form (0.33 on), not onehop's."""
-        self._off: dict[str, float] = {}
-        """Engines that refused the generate API (403), and when."""
         self._remote = remote
         self._timeouts = timeouts
         self._health = health
@@ -245,72 +241,71 @@ class EngineClient:
         assert self._session is not None, "EngineClient.start() was not awaited"
         return self._session
 
-    def pick(self, prompt: Sequence[int] | None = None) -> Endpoint:
-        """The engine for the next request (see `Pool.pick`; `prompt` for prefix affinity)."""
-        return self.pool.pick(prompt=prompt)
+    def pick(self, facts: RequestFacts = NO_FACTS) -> Choice:
+        """The engine for a request, by the picker, over the datastore as it is now."""
+        return self.picker.pick(self.store, facts, time.monotonic())
 
-    async def pick_serving(
-        self, prompt: Sequence[int] | None = None, *, constraint: str | None = None, session: str | None = None
-    ) -> tuple[Endpoint, frozenset[str], str | None]:
-        """An engine, the routes it serves, and why it was picked when the balancing mode weighed
-        the prompt's cache (`Pool.choose`). One whose capabilities cannot be read (it
+    async def pick_serving(self, facts: RequestFacts) -> tuple[Choice, frozenset[str]]:
+        """An engine, and the routes it serves. One whose capabilities cannot be read (it
         never answered since the gateway started) counts as a failure, and another is
         picked, as a request that fails before its answer is retried elsewhere. With a
-        `constraint` (a structured-output kind), only an engine that enforces it is picked:
-        another one is tried (not counted as a failure), and with none a 400 says so."""
-        tried: set[str] = set()
-        endpoint, why = self.pool.choose(prompt=prompt, session=session)
+        constraint (a structured-output kind), an engine found not to enforce it when first
+        probed is passed over (not a failure), and with none left a 400 says so."""
+        choice = self.pick(facts)
+        failures = 0
         while True:
+            endpoint = choice.endpoint
             try:
                 routes = await self.routes(endpoint.url)
             except EngineUnavailable as exc:
-                self.pool.failed(endpoint)
-                tried.add(endpoint.url)
-                if len(tried) > self._health.retries:
+                self.store.failed(endpoint, time.monotonic())
+                failures += 1
+                facts = replace(facts, tried=facts.tried | {endpoint.url})
+                if failures > self._health.retries:
                     raise
-                other = self._another(tried, prompt)
+                other = self._another(facts)
                 if other is None:
                     raise
-                log.warning("engine %s cannot be probed (%s); picking %s", endpoint.url, exc, other.url)
+                log.warning("engine %s cannot be probed (%s); picking %s", endpoint.url, exc, other.endpoint.url)
                 self._on_retry(endpoint.url)
-                endpoint, why = other, None
+                choice = other
                 continue
-            if routes and (constraint is None or constraint in self._constraints[endpoint.url]):
-                return endpoint, routes, why
-            # Its generate API is off (a 403), or it lacks the constraint: not a failure, just not this one.
-            tried.add(endpoint.url)
-            other = self._another(tried, prompt)
-            if other is not None:
-                endpoint, why = other, None
-                continue
-            if not routes:
-                raise EngineUnavailable(
-                    f"no engine serves the generate API (refused with 403: {', '.join(sorted(self._off))})"
-                )
-            raise InvalidRequest(
-                f"no engine of this model enforces structured_outputs.{constraint}"
-                f" ({'engines: ' + ', '.join(sorted(tried))})",
-                param="structured_outputs",
-            )
+            if routes and (facts.constraint is None or facts.constraint in endpoint.constraints):
+                return choice, routes
+            # Its generate API is off (a 403), or it lacks the constraint: not a failure, just
+            # not this one; the picker's filters now know it, and say why when none is left.
+            facts = replace(facts, tried=facts.tried | {endpoint.url})
+            choice = self._next(facts, endpoint)
 
-    def _another(self, tried: set[str], prompt: Sequence[int] | None = None) -> Endpoint | None:
+    def _next(self, facts: RequestFacts, refused: Endpoint) -> Choice:
+        """The next engine after one that serves no route or lacks the constraint; when none
+        is left, the picker's reason, asked with that engine back in (its filters drop it
+        for what it is: routes off, or the constraint)."""
+        try:
+            return self.pick(facts)
+        except (EngineUnavailable, InvalidRequest):
+            self.pick(replace(facts, tried=facts.tried - {refused.url}))  # raises, naming why
+            raise
+
+    def _another(self, facts: RequestFacts) -> Choice | None:
         """An engine not tried yet, if any (with none left the last failure is the answer,
         naming its cause, rather than "every circuit is open")."""
         try:
-            return self.pool.pick(tried | self._routes_off(), prompt=prompt)
-        except EngineUnavailable:
+            return self.pick(facts)
+        except (EngineUnavailable, InvalidRequest):
             return None
 
     @asynccontextmanager
     async def open(
         self,
-        first: Endpoint,
+        first: Choice,
         body: bytes,
         *,
         stream: bool,
         request_id: str,
         parent: Span | None = None,
         session: str | None = None,
+        facts: RequestFacts = NO_FACTS,
     ) -> AsyncIterator[tuple[str, EngineAnswer]]:
         """`generate` on `first`, or on other engines of the pool if it fails before answering.
 
@@ -319,21 +314,24 @@ class EngineClient:
         elsewhere (up to `health.retries` times); each failure counts against
         that engine's circuit. A 429 (the engine is busy) is tried elsewhere too but is
         not a failure: with no other engine, the client gets the 429. Any other 4xx is
-        the client's and is not retried.
+        the client's and is not retried. Another engine is picked for `facts`, less the
+        engines tried.
         Yields the URL that answered (aborts go there) and its response.
         """
         tried: set[str] = set()
-        endpoint = first
+        choice = first
         while True:
             answered = False
-            current = endpoint
+            current = choice.endpoint
+            prefill = choice.prefill_tokens
             current.outstanding += 1
+            current.prefill_tokens += prefill
             current.breaker.started()
             try:
                 async with self.generate(
                     current.url, body, stream=stream, request_id=request_id, parent=parent, session=session
                 ) as response:
-                    self.pool.succeeded(current)
+                    self.store.succeeded(current)
                     answered = True
                     yield current.url, response
                 return
@@ -341,27 +339,29 @@ class EngineClient:
                 if answered:
                     raise
                 # It answered: healthy, so its circuit is left closed; it serves nothing of ours.
-                self.pool.succeeded(current)
-                self._turned_off(current.url, exc)
+                self.store.succeeded(current)
+                self._turned_off(current, exc)
                 tried.add(current.url)
-                other = self._another(tried)
+                other = self._another(replace(facts, tried=frozenset(tried)))
                 if other is None:
                     raise
-                endpoint = other
+                choice = other
                 self._on_retry(current.url)
             except RateLimited:
                 if answered:
                     raise
-                self.pool.succeeded(current)  # it answered: busy, not broken
+                self.store.succeeded(current)  # it answered: busy, not broken
                 tried.add(current.url)
-                other = self._another(tried) if len(tried) <= self._health.retries else None
+                other = None
+                if len(tried) <= self._health.retries:
+                    other = self._another(replace(facts, tried=frozenset(tried)))
                 if other is None:
                     raise
-                endpoint = other
+                choice = other
                 self._on_retry(current.url)
             except EngineDied as exc:
                 # The request may be what killed it: it is not replayed on another engine.
-                self.pool.failed(current)
+                self.store.failed(current, time.monotonic())
                 log.warning(
                     "engine %s failed while serving request %s (%s); not retried",
                     current.url,
@@ -372,18 +372,21 @@ class EngineClient:
             except (EngineUnavailable, EngineFailed) as exc:
                 if answered:
                     raise  # it failed after answering: not a reason to try another engine
-                self.pool.failed(current)
+                self.store.failed(current, time.monotonic())
                 tried.add(current.url)
                 if len(tried) > self._health.retries:
                     raise
-                other = self._another(tried)
+                other = self._another(replace(facts, tried=frozenset(tried)))
                 if other is None:
                     raise
-                endpoint = other
-                log.warning("engine %s failed before answering (%s); retrying on %s", current.url, exc, endpoint.url)
+                choice = other
+                log.warning(
+                    "engine %s failed before answering (%s); retrying on %s", current.url, exc, other.endpoint.url
+                )
                 self._on_retry(current.url)
             finally:
                 current.outstanding -= 1
+                current.prefill_tokens -= prefill
 
     @asynccontextmanager
     async def generate(
@@ -467,51 +470,58 @@ class EngineClient:
         """Routes this engine can serve, probed once: a onehop engine lists its output modes;
         a stock vLLM server (no capabilities endpoint) serves text and tokens, and from 0.33 on
         derender in its own form (`derender_form`). None while its generate API is off."""
-        off = self._off.get(url)
-        if off is not None:
-            if time.monotonic() - off < ROUTES_OFF_RECHECK_S:
+        endpoint = self._endpoint(url)
+        if endpoint.off_at is not None:
+            if endpoint.off(time.monotonic()):
                 return frozenset()
-            del self._off[url]
-            self._routes.pop(url, None)  # probed again: it may have been restarted
-        known = self._routes.get(url)
-        if known is not None:
-            return known
-        modes, constraints = await self._probe(url)
-        self._constraints[url] = constraints
+            endpoint.off_at = None
+            endpoint.routes = None  # probed again: it may have been restarted
+        if endpoint.routes is not None:
+            return endpoint.routes
+        modes, constraints, vllm_form = await self._probe(url)
         routes = (
             {"tokens"} | ({"text"} if "text" in modes else set()) | ({"derender"} if "derender" in modes else set())
         )
         if self._remote:
             routes.add("tokens-remote")
-        self._routes[url] = frozenset(routes)
-        return self._routes[url]
+        endpoint.constraints, endpoint.vllm_derender = constraints, vllm_form
+        endpoint.routes = frozenset(routes)
+        return endpoint.routes
+
+    def _endpoint(self, url: str) -> Endpoint:
+        """The datastore's record of `url`; an engine outside the pool (probed directly) gets
+        a record of its own, not kept."""
+        known = self.store.endpoints.get(url)
+        if known is not None:
+            return known
+        return Endpoint(url, Breaker(self._health.failure_threshold, self._health.open_s))
 
     def enforces(self, constraint: str) -> bool:
         """Whether an engine read so far (at start, or when first picked) enforces this
         structured-output kind; no probe is made, so an engine not read yet counts as not."""
-        return any(constraint in kinds for url, kinds in self._constraints.items() if self._routes.get(url))
+        return any(e.routes and constraint in e.constraints for e in self.store.endpoints.values())
 
     def derender_form(self, url: str) -> str:
         """How the engine at `url` takes the derender route: `vllm` (stock vLLM ≥ 0.33's
         non-streaming `parse_context` form) or `onehop` (the client's request, streamed or not)."""
-        return "vllm" if url in self._vllm_derender else "onehop"
+        known = self.store.endpoints.get(url)
+        return "vllm" if known is not None and known.vllm_derender else "onehop"
 
-    def _routes_off(self) -> set[str]:
+    def _turned_off(self, endpoint: Endpoint, exc: EngineRoutesOff) -> None:
         now = time.monotonic()
-        return {url for url, at in self._off.items() if now - at < ROUTES_OFF_RECHECK_S}
+        if not endpoint.off(now):
+            log.warning("engine %s is left out for %g s: %s", endpoint.url, ROUTES_OFF_RECHECK_S, exc.message)
+        endpoint.off_at = now
 
-    def _turned_off(self, url: str, exc: EngineRoutesOff) -> None:
-        if url not in self._routes_off():
-            log.warning("engine %s is left out for %g s: %s", url, ROUTES_OFF_RECHECK_S, exc.message)
-        self._off[url] = time.monotonic()
-
-    async def _probe(self, url: str) -> tuple[set[str], frozenset[str]]:
-        """The engine's output modes and the structured-output kinds it enforces."""
+    async def _probe(self, url: str) -> tuple[set[str], frozenset[str], bool]:
+        """The engine's output modes, the structured-output kinds it enforces, and whether its
+        derender is stock vLLM's form."""
         try:
             async with asyncio.timeout(PROBE_TIMEOUT_S):
                 async with self.session.get(url + CAPABILITIES_PATH) as response:
                     if response.status == 404:  # stock vLLM: its grammar backends enforce every kind
-                        return await self._stock_modes(url), frozenset(CONSTRAINT_KINDS)
+                        modes, vllm_form = await self._stock_modes(url)
+                        return modes, frozenset(CONSTRAINT_KINDS), vllm_form
                     body = await response.read()
                     if response.status != 200:
                         raise EngineUnavailable(f"the engine's capabilities answer was {response.status}")
@@ -529,10 +539,10 @@ class EngineClient:
             raise EngineMismatch(why)
         if caps.max_model_len is not None:
             self._max_model_len = caps.max_model_len
-        return set(caps.output_modes), frozenset(caps.structured_outputs)
+        return set(caps.output_modes), frozenset(caps.structured_outputs), False
 
-    async def _stock_modes(self, url: str) -> set[str]:
-        """A stock vLLM's output modes: text and tokens, and derender from 0.33 on."""
+    async def _stock_modes(self, url: str) -> tuple[set[str], bool]:
+        """A stock vLLM's output modes: text and tokens, and derender (its own form) from 0.33 on."""
         async with self.session.get(url + VERSION_PATH) as response:
             body = await response.read() if response.status == 200 else b"{}"
         try:
@@ -540,11 +550,9 @@ class EngineClient:
         except msgspec.DecodeError:
             version = ""
         if not serves_derender(version):
-            self._vllm_derender.discard(url)
-            return {"tokens", "text"}
+            return {"tokens", "text"}, False
         log.info("engine %s is vLLM %s: its own derender form serves non-streaming chat", url, version)
-        self._vllm_derender.add(url)
-        return {"tokens", "text", "derender"}
+        return {"tokens", "text", "derender"}, True
 
     def max_model_len(self) -> int | None:
         """The context length the pool's engines reported (None until one did, or from stock vLLM)."""
@@ -555,7 +563,7 @@ class EngineClient:
         raises `EngineMismatch`, and the gateway does not start; otherwise (new addresses
         after a DNS change) it is logged, and the engine is never used. An engine that does
         not answer yet is checked when it is first picked."""
-        for url in self.pool.urls():
+        for url in self.store.urls():
             try:
                 await self.routes(url)
             except EngineMismatch:
@@ -566,11 +574,11 @@ class EngineClient:
 
     async def watch_dns(self, interval: float) -> None:
         """Look `resolve: true` host names up again every `interval`, and check new engines."""
-        if not self.pool.resolves():
+        if not self.store.resolves():
             return
         while True:
             await asyncio.sleep(interval)
-            await self.pool.resolve()
+            await self.store.resolve()
             await self.check_engines(strict=False)
 
     async def abort(self, url: str, request_id: str) -> None:
@@ -586,7 +594,7 @@ class EngineClient:
         """Active checks: a failing /health counts against the circuit, a passing one closes it."""
         while True:
             await asyncio.sleep(self._health.interval_s)
-            await asyncio.gather(*(self._check(e) for e in list(self.pool.endpoints.values())))
+            await asyncio.gather(*(self._check(e) for e in list(self.store.endpoints.values())))
 
     async def _check(self, endpoint: Endpoint) -> None:
         try:
@@ -596,15 +604,21 @@ class EngineClient:
         except (TimeoutError, aiohttp.ClientError):
             healthy = False
         if healthy:
-            self.pool.succeeded(endpoint)
+            self.store.succeeded(endpoint)
         else:
-            self.pool.failed(endpoint)
+            self.store.failed(endpoint, time.monotonic())
 
 
 @dataclass(frozen=True)
 class Target:
-    """Where a request goes: its route, its pool's client, and the engine picked in it."""
+    """Where a request goes: its route, its pool's client, the engine picked in it (and the
+    prompt tokens it is expected to prefill), and the request's facts (for a retry's pick)."""
 
     route: Route
     engines: EngineClient
-    endpoint: Endpoint
+    choice: Choice
+    facts: RequestFacts = NO_FACTS
+
+    @property
+    def endpoint(self) -> Endpoint:
+        return self.choice.endpoint

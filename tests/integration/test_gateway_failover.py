@@ -112,7 +112,7 @@ async def test_engine_killed_mid_run_then_restarted(qwen3_tokenizer_dir: Path) -
                 streams = [asyncio.ensure_future(stream_one()) for _ in range(9)]
                 for _ in streams:
                     await asyncio.wait_for(started.acquire(), timeout=30)
-                on_victim = state.model("sim").engines.pool.endpoints[victim_url].outstanding
+                on_victim = state.model("sim").engines.store.endpoints[victim_url].outstanding
                 assert on_victim > 0
                 _kill(victim)
                 # Requests that start now: the victim refuses connections until its circuit

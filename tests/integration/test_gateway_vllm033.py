@@ -21,7 +21,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from gateway.upstream.pool import Circuit
+from gateway.routing.datastore import Circuit
 from tests.integration.test_engine_server import MESSAGES, TOOLS
 from tests.support import vllm033
 from tests.support.engine import AppServer, engine_server
@@ -210,8 +210,8 @@ async def test_scale_out_off_leaves_the_engine_out_with_its_circuit_closed(qwen3
             await _chat(client)
         engines = state.model("sim").engines
         assert await engines.routes(off_url) == frozenset()
-        assert engines.pool.endpoints[off_url].breaker.state is Circuit.CLOSED
-        assert engines.pool.endpoints[off_url].breaker.failures == 0
+        assert engines.store.endpoints[off_url].breaker.state is Circuit.CLOSED
+        assert engines.store.endpoints[off_url].breaker.failures == 0
     assert off.refused == 1 and len(on.generated) == sent + 4
 
 
@@ -227,7 +227,7 @@ async def test_the_only_engine_with_scale_out_off_is_a_503(qwen3_tokenizer_dir: 
                 async with _client(base) as client:
                     await _chat(client)
             assert caught.value.status_code == 503 and "generate API" in caught.value.message
-        assert state.model("sim").engines.pool.endpoints[off_url].breaker.state is Circuit.CLOSED
+        assert state.model("sim").engines.store.endpoints[off_url].breaker.state is Circuit.CLOSED
 
 
 async def test_responses_api_takes_vllms_derender_too(qwen3_tokenizer_dir: Path) -> None:

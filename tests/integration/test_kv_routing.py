@@ -95,7 +95,7 @@ def conversation(tokenizer: Any, theme: str, turns: int) -> list[dict[str, Any]]
 
 
 def held(state: GatewayState) -> dict[str, int]:
-    index = state.clients[0].pool.index
+    index = state.clients[0].store.index
     assert index is not None
     return index.counts()
 
@@ -172,7 +172,7 @@ async def test_an_engine_whose_events_cannot_be_read_makes_the_pool_hash(qwen3_t
         async with engine_server(qwen3_tokenizer_dir) as (fourth, _):
             broken = EngineEndpoint(url=fourth, kv_events=f"tcp://127.0.0.1:{port}")
             async with three_engines_and_a_gateway(qwen3_tokenizer_dir, extra_engines=[broken]) as (client, state, _):
-                index = state.clients[0].pool.index
+                index = state.clients[0].store.index
                 assert index is not None
                 subscriber = next(s for s in state.clients[0].kv_subscribers if s.engine == fourth)
                 for seq in range(200):  # until the subscription takes: then the garbage is read

@@ -651,12 +651,13 @@ async def test_gateway_takes_stock_vllm_032_as_032(vllm_url: str, model: str, ti
     import aiohttp as http_client
 
     from gateway.upstream.engine_client import EngineClient
-    from gateway.config import Health, Timeouts
-    from gateway.upstream.pool import Pool
+    from gateway.config import Balancing, Health, Timeouts
+    from gateway.routing.datastore import EndpointStore
+    from gateway.routing.picker import Picker
 
     async with http_client.ClientSession() as session, session.get(vllm_url + "/version") as response:
         assert (await response.json())["version"].startswith("0.32")
-    engines = EngineClient(Pool([], Health()), Timeouts(), Health())
+    engines = EngineClient(EndpointStore([], Health()), Picker(Balancing()), Timeouts(), Health())
     await engines.start()
     try:
         assert await engines.routes(vllm_url) == {"tokens", "text"}

@@ -104,7 +104,7 @@ async def test_a_live_vllm_publishes_what_the_gateway_indexes_and_routes_by(
             balancing=Balancing(mode="kv_cache", kv_index=KVIndexConfig(block_size=BLOCK)),
         )
         async with configured_gateway(config) as (base, state), aiohttp.ClientSession() as http:
-            index = state.clients[0].pool.index
+            index = state.clients[0].store.index
             assert index is not None
             subscriber = state.clients[0].kv_subscribers[0]
             # The prompt straight to vLLM, until an event of it reaches the gateway (a PUB drops

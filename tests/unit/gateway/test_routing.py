@@ -34,7 +34,7 @@ from opentelemetry import trace
 from gateway.serving.app import create_app
 from gateway.config import EngineEndpoint, GatewayConfig, ModelConfig
 from gateway.upstream.engine_client import CAPABILITIES_PATH, VERSION_PATH
-from gateway.routing.feedback import Load
+from gateway.routing.datastore import Load
 from gateway.edge.context import Edge, RequestContext
 from gateway.observe.outcome import Tally
 from gateway.routing.policy import RequestFeatures
@@ -181,13 +181,14 @@ def decisions(state: GatewayState, route: str, basis: str) -> float:
 @contextmanager
 def loaded(state: GatewayState, urls: list[str], cores: float) -> Iterator[None]:
     """The engines' live load, as the feedback loop would have measured it."""
-    for url in urls:
-        state.feedback.loads[url] = Load(output_cpu_cores=cores)
+    endpoints = [e for engines in state.clients for e in engines.store.endpoints.values() if e.url in urls]
+    for endpoint in endpoints:
+        endpoint.load = Load(output_cpu_cores=cores)
     try:
         yield
     finally:
-        for url in urls:
-            state.feedback.loads.pop(url, None)
+        for endpoint in endpoints:
+            endpoint.load = Load()
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from gateway.routing.feedback import CPU_METRIC, EngineFeedback
+from gateway.config import EngineEndpoint, Health
+from gateway.routing.datastore import EndpointStore, Load
+from gateway.routing.feedback import CPU_METRIC, KV_USAGE_METRIC, WAITING_METRIC, EngineFeedback
 from gateway.serving.reload import WatchedFile
 from gateway.serving.supervisor import Supervisor
 from tests.support.waiting import wait_until
@@ -44,7 +46,9 @@ async def test_one_engine_answering_html_does_not_stop_the_others_feedback() -> 
     async def good(request: web.Request) -> web.Response:
         nonlocal cpu
         cpu += 0.5
-        return web.Response(text=f'{CPU_METRIC}{{mode="derender"}} {cpu}\n')
+        return web.Response(
+            text=f'{CPU_METRIC}{{mode="derender"}} {cpu}\n{WAITING_METRIC} 3\n{KV_USAGE_METRIC}{{engine="0"}} 0.25\n'
+        )
 
     html_polls = 0
 
@@ -61,7 +65,8 @@ async def test_one_engine_answering_html_does_not_stop_the_others_feedback() -> 
     for server in servers:
         await server.start_server()
     urls = [str(server.make_url("")).rstrip("/") for server in servers]
-    feedback = EngineFeedback(lambda: urls, 0.01)
+    store = EndpointStore([EngineEndpoint(url=url) for url in urls], Health())
+    feedback = EngineFeedback(lambda: [store], 0.01)
     try:
         async with aiohttp.ClientSession() as session:
             run = asyncio.ensure_future(feedback.run(session))
@@ -73,8 +78,9 @@ async def test_one_engine_answering_html_does_not_stop_the_others_feedback() -> 
     finally:
         for server in servers:
             await server.close()
-    assert feedback.load(urls[1]).output_cpu_cores > 0
-    assert urls[0] not in feedback.loads
+    good_load = store.endpoints[urls[1]].load
+    assert good_load.output_cpu_cores > 0 and good_load.waiting == 3 and good_load.kv_usage == 0.25
+    assert store.endpoints[urls[0]].load == Load()
 
 
 def test_a_watched_file_keeps_its_last_good_value_whatever_breaks(tmp_path: Path) -> None:
