@@ -334,13 +334,16 @@ def create_app(config: GatewayConfig) -> web.Application:
         # worker process subscribes itself (ZMQ's PUB fans out to every subscriber).
         balancing = config.balancing
         kv = balancing.kv_index
-        published = [member for member in members if member.kv_events is not None]
-        index = KVIndex(kv.block_size, kv.max_blocks, on_ignored=metrics.kv_ignored) if published else None
-        subscribers = [
-            KVSubscriber.of(member, index, metrics=metrics, replay_timeout_s=kv.replay_timeout_s)
-            for member in published
-            if index is not None
-        ]
+        # kv_cache keeps an index of the pool's blocks, fed by the events of the engines
+        # configured with `kv_events` and of onehop engines whose capabilities name theirs.
+        indexed = balancing.mode == "kv_cache" or any(member.kv_events is not None for member in members)
+        index = KVIndex(kv.block_size, kv.max_blocks, on_ignored=metrics.kv_ignored) if indexed else None
+
+        def subscribe(member: EngineEndpoint) -> KVSubscriber:
+            assert index is not None
+            return KVSubscriber.of(member, index, metrics=metrics, replay_timeout_s=kv.replay_timeout_s)
+
+        subscribers = [subscribe(member) for member in members if member.kv_events is not None]
         store = EndpointStore(
             members, config.health, on_circuit=metrics.circuit, index=index, max_sessions=balancing.kv_sessions
         )
@@ -360,6 +363,7 @@ def create_app(config: GatewayConfig) -> web.Application:
             tracing=tracing,
             on_retry=lambda url: metrics.engine_retries.labels(url).inc(),
             subscribers=subscribers,
+            subscribe=subscribe if balancing.mode == "kv_cache" else None,
         )
 
     plans = []

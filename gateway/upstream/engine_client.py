@@ -38,7 +38,7 @@ from wire.protocol import CONSTRAINT_KINDS, public_request_id
 from plumbing.telemetry import Tracing, inject, record_error
 from gateway.flow.session import SESSION_HEADER
 from gateway.upstream.kv_events import KVSubscriber
-from gateway.config import Health, Route, Timeouts
+from gateway.config import ConfigError, EngineEndpoint, Health, Route, Timeouts
 from gateway.upstream.engine_stream import EngineAnswer, StreamPool
 from gateway.edge.errors import (
     ClientGone,
@@ -130,6 +130,13 @@ def _first_line(message: str) -> str:
     return f"{first} (engine detail {tag}: {len(text)} characters cut)"
 
 
+class _KVEvents(msgspec.Struct):
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+    block_size: int = 0
+
+
 class _Capabilities(msgspec.Struct):
     output_modes: list[str] = []
     structured_outputs: list[str] = []
@@ -138,6 +145,8 @@ class _Capabilities(msgspec.Struct):
     tokenizer: bool = False
     reasoning_parser: str | None = None
     tool_parser: str | None = None
+    kv_events: _KVEvents | None = None
+    """Where a onehop engine publishes its KV cache events (its `--kv-events-config`)."""
 
 
 _CAPABILITIES = msgspec.json.Decoder(_Capabilities)
@@ -198,11 +207,14 @@ class EngineClient:
         tracing: Tracing | None = None,
         on_retry: Callable[[str], None] = lambda url: None,
         subscribers: Sequence[KVSubscriber] = (),
+        subscribe: Callable[[EngineEndpoint], KVSubscriber] | None = None,
     ) -> None:
         self.store = store
         self.picker = picker
-        self.kv_subscribers = list(subscribers)
-        """Keep the pool's KV index current with its engines' KV events (`kv_cache` balancing)."""
+        self.kv_subscribers = {subscriber.engine: subscriber for subscriber in subscribers}
+        """Keep the pool's KV index current with its engines' KV events (`kv_cache` balancing):
+        those configured, and those a onehop engine's capabilities name (with `subscribe`)."""
+        self._subscribe = subscribe
         self.expected = expected
         self._max_model_len: int | None = None
         self._tracer = tracing.tracer if tracing is not None else trace.NoOpTracer()
@@ -226,12 +238,13 @@ class EngineClient:
         default = aiohttp.ClientTimeout(total=None, connect=timeouts.connect_s, sock_read=timeouts.idle_s)
         self._session = aiohttp.ClientSession(timeout=default, connector=connector)
         self._streams = StreamPool(timeouts.connect_s, KEEPALIVE_S)
-        for subscriber in self.kv_subscribers:
+        for subscriber in self.kv_subscribers.values():
             subscriber.start()
 
     async def close(self) -> None:
-        for subscriber in self.kv_subscribers:
+        for subscriber in self.kv_subscribers.values():
             await subscriber.close()
+        self.kv_subscribers.clear()
         if self._session is not None:
             await self._session.close()
             self._streams.close()
@@ -539,7 +552,41 @@ class EngineClient:
             raise EngineMismatch(why)
         if caps.max_model_len is not None:
             self._max_model_len = caps.max_model_len
+        if caps.kv_events is not None:
+            self._subscribe_to(url, caps.kv_events)
         return set(caps.output_modes), frozenset(caps.structured_outputs), False
+
+    def _subscribe_to(self, url: str, published: _KVEvents) -> None:
+        """Subscribe to the KV events a onehop engine's capabilities name, unless its config
+        names them (that wins) or the pool keeps no index (not `kv_cache` balancing)."""
+        if self._subscribe is None or url in self.kv_subscribers:
+            return
+        index = self.store.index
+        if index is not None and published.block_size not in (0, index.block_size):
+            log.warning(
+                "engine %s publishes KV events in blocks of %d tokens, the index keeps %d: not subscribed"
+                " (set balancing.kv_index.block_size to the engines' --block-size)",
+                url, published.block_size, index.block_size,
+            )
+            return
+        try:
+            member = EngineEndpoint(
+                url=url, kv_events=published.endpoint, kv_replay=published.replay_endpoint, kv_topic=published.topic
+            )
+        except ConfigError as exc:  # the engine's document, not ours: it is routed without its events
+            log.warning("engine %s names KV event sockets the gateway cannot use: %s", url, exc)
+            return
+        subscriber = self._subscribe(member)
+        self.kv_subscribers[url] = subscriber
+        subscriber.start()
+        log.info("engine %s: subscribed to its KV events at %s", url, published.endpoint)
+
+    async def _unsubscribe_gone(self) -> None:
+        """Engines that left the pool (DNS): their subscription ends and the index forgets them."""
+        for url in [url for url in self.kv_subscribers if url not in self.store.endpoints]:
+            await self.kv_subscribers.pop(url).close()
+            if self.store.index is not None:
+                self.store.index.forget(url)
 
     async def _stock_modes(self, url: str) -> tuple[set[str], bool]:
         """A stock vLLM's output modes: text and tokens, and derender (its own form) from 0.33 on."""
@@ -579,6 +626,7 @@ class EngineClient:
         while True:
             await asyncio.sleep(interval)
             await self.store.resolve()
+            await self._unsubscribe_gone()
             await self.check_engines(strict=False)
 
     async def abort(self, url: str, request_id: str) -> None:

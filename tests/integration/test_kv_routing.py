@@ -34,18 +34,27 @@ SYSTEM_TOKENS = 800
 
 @asynccontextmanager
 async def three_engines_and_a_gateway(
-    tokenizer_dir: Path, *, load_tokens: float = 512, extra_engines: Sequence[EngineEndpoint] = (), **options: Any
+    tokenizer_dir: Path,
+    *,
+    load_tokens: float = 512,
+    extra_engines: Sequence[EngineEndpoint] = (),
+    discover: bool = False,
+    **options: Any,
 ) -> AsyncIterator[tuple[openai.AsyncOpenAI, GatewayState, list[str]]]:
     """Three cached engines (agent mode: quick, deterministic answers) and a kv_cache gateway
-    subscribed to each; yields an SDK client, the gateway's state and the engines' URLs."""
+    subscribed to each (to the event sockets its config names, or with `discover` those the
+    engines' capabilities name); yields an SDK client, the gateway's state and the engines' URLs."""
     async with AsyncExitStack() as stack, aiohttp.ClientSession() as session:
         urls, members = [], []
         for _ in range(3):
             base, _state = await stack.enter_async_context(cached_engine(tokenizer_dir, **options))
             events = (await capabilities(session, base))["kv_events"]
             urls.append(base)
-            members.append(EngineEndpoint(url=base, kv_events=events["endpoint"], kv_replay=events["replay_endpoint"],
-                                          kv_topic=events["topic"]))
+            if discover:
+                members.append(EngineEndpoint(url=base))
+            else:
+                members.append(EngineEndpoint(url=base, kv_events=events["endpoint"],
+                                              kv_replay=events["replay_endpoint"], kv_topic=events["topic"]))
         config = GatewayConfig(
             model="sim", tokenizer=str(tokenizer_dir), engines=[*members, *extra_engines], route_header=True,
             policy_header=True, balancing=Balancing(mode="kv_cache", kv_load_tokens=load_tokens),
@@ -60,7 +69,7 @@ async def joined(session: aiohttp.ClientSession, state: GatewayState, urls: list
     """Until each subscriber has seen one of its engine's events (a PUB drops what it sends
     before a subscription reaches it): reset each (empty) cache until its `AllBlocksCleared`
     arrives."""
-    subscribers = {subscriber.engine: subscriber for subscriber in state.clients[0].kv_subscribers}
+    subscribers = state.clients[0].kv_subscribers
     for url in urls:
         subscriber = subscribers[url]
         for _ in range(200):
@@ -100,10 +109,12 @@ def held(state: GatewayState) -> dict[str, int]:
     return index.counts()
 
 
+@pytest.mark.parametrize("discover", [False, True], ids=["configured", "from-capabilities"])
 async def test_a_conversations_turns_stay_on_the_engine_that_holds_its_blocks(
-    qwen3_tokenizer: Any, qwen3_tokenizer_dir: Path
+    qwen3_tokenizer: Any, qwen3_tokenizer_dir: Path, discover: bool
 ) -> None:
-    async with three_engines_and_a_gateway(qwen3_tokenizer_dir) as (client, state, urls):
+    async with three_engines_and_a_gateway(qwen3_tokenizer_dir, discover=discover) as (client, state, urls):
+        assert set(state.clients[0].kv_subscribers) == set(urls)
         first, policy, cached = await turn(client, conversation(qwen3_tokenizer, "river", 1))
         assert cached == 0 and "engine by hash: 0 tokens cached" in policy, policy
         await wait_until(lambda: held(state).get(first, 0) >= SYSTEM_TOKENS // 16, what="the first turn's blocks indexed")
@@ -174,7 +185,7 @@ async def test_an_engine_whose_events_cannot_be_read_makes_the_pool_hash(qwen3_t
             async with three_engines_and_a_gateway(qwen3_tokenizer_dir, extra_engines=[broken]) as (client, state, _):
                 index = state.clients[0].store.index
                 assert index is not None
-                subscriber = next(s for s in state.clients[0].kv_subscribers if s.engine == fourth)
+                subscriber = state.clients[0].kv_subscribers[fourth]
                 for seq in range(200):  # until the subscription takes: then the garbage is read
                     await garbage.send_multipart([b"", seq.to_bytes(8, "big"), b"\xc1 not msgpack"])
                     if await _counted(subscriber):

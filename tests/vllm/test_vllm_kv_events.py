@@ -106,7 +106,7 @@ async def test_a_live_vllm_publishes_what_the_gateway_indexes_and_routes_by(
         async with configured_gateway(config) as (base, state), aiohttp.ClientSession() as http:
             index = state.clients[0].store.index
             assert index is not None
-            subscriber = state.clients[0].kv_subscribers[0]
+            subscriber = state.clients[0].kv_subscribers[vllm]
             # The prompt straight to vLLM, until an event of it reaches the gateway (a PUB drops
             # what it sends before the subscription reaches it; vLLM re-publishes a cached prompt).
             for attempt in range(60):
