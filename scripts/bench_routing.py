@@ -5,7 +5,8 @@ tokens, `cache_blocks` too few for any workload's blocks to fit in one engine: t
 3,072 a engine, 12,288 in all, just hold the agentic workload's ~11,000 distinct blocks when
 each engine keeps its own share of the sessions, as routing by cache does and spreading
 does not), prefill time per uncached prompt token (`prefill_us_per_token`, 100 µs: about
-10,000 tokens a second, a GPU's order for a mid-size model), a fixed answer length and inter-token
+10,000 tokens a second, a GPU's order for a mid-size model; an engine prefills one prompt at a time,
+so a queue behind it shows in TTFT), a fixed answer length and inter-token
 delay, and vLLM's KV cache events on ZMQ ports of their own. One gateway process per mode,
 all four started at once and kept for the run:
 

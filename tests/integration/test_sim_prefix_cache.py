@@ -1,9 +1,11 @@
 """The sim engine's prefix cache on loopback: cached tokens in every mode's usage, vLLM's KV cache
 events on real ZMQ sockets (stores, evictions, resets, replay, both encodings), prefill time,
-the metrics and the capabilities document."""
+the prefill lane (one prompt at a time, its waiting count, aborts leaving it, lookups as a
+prefill starts), the metrics and the capabilities document."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
@@ -22,12 +24,16 @@ from engine.backends.sim.prefix_cache import prompt_hashes
 from engine.config import KVEventsConfig
 from engine.state import EngineState
 from tests.support.engine import engine_server, post_json, stream_events
+from tests.support.waiting import wait_until
 from wire.kv_events import END_SEQ, AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, EventBatch, decode_batch, seq_bytes, seq_of
 
 GENERATE = "/inference/v1/generate"
 BLOCK = 16
 TOPIC = "kv"
 POLL_MS = 5000
+ABORT = "/inference/v1/abort_requests"
+TIMER_SLACK_S = 0.002
+"""Loop timers may fire up to a clock tick early: the floors below allow for it."""
 
 
 @pytest.fixture
@@ -227,6 +233,99 @@ async def test_prefill_time_grows_with_uncached_tokens(
     # The one comparison of wall times here: the warm repeat skips ~0.3 s of planned prefill,
     # so only a machine stalled for that long could make it the slower.
     assert warm < cold, (cold, warm)
+
+
+# -- the prefill lane ------------------------------------------------------------------
+
+
+def waiting_now(state: EngineState) -> int:
+    """The backend's count of prompts queued in the lane (what `/metrics` exports)."""
+    assert isinstance(state.backend, PrefixCaching)
+    stats = state.backend.prefix_cache_stats()
+    assert stats is not None
+    return stats.waiting
+
+
+async def waiting_metric(session: aiohttp.ClientSession, base: str) -> float:
+    async with session.get(base + "/metrics") as resp:
+        text = await resp.text()
+    [value] = [
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "vllm:num_requests_waiting"
+    ]
+    return value
+
+
+async def abort(session: aiohttp.ClientSession, base: str, request_id: str) -> None:
+    async with session.post(base + ABORT, json={"request_ids": [request_id]}) as resp:
+        assert resp.status == 200
+
+
+async def test_concurrent_cold_prompts_prefill_one_after_another(
+    qwen3_tokenizer: Any, qwen3_tokenizer_dir: Path, session: aiohttp.ClientSession
+) -> None:
+    first, second = prose(qwen3_tokenizer, 2000, "river"), prose(qwen3_tokenizer, 2000, "hill")
+    # 2,000 cold tokens at 150 µs: 0.3 s of prefill each, one after the other on one engine.
+    async with cached_engine(qwen3_tokenizer_dir, prefill_us_per_token=150) as (base, _):
+        began = time.monotonic()
+
+        async def finished_after(ids: list[int]) -> float:
+            assert cached_of(await generate(session, base, ids)) == 0
+            return time.monotonic() - began
+
+        done = sorted(await asyncio.gather(finished_after(first), finished_after(second)))
+    # Floors the lane guarantees however the machine runs; prefilling side by side, both
+    # would end at about 0.3 s and the later one fail the second.
+    assert done[0] >= 0.3 - TIMER_SLACK_S
+    assert done[1] >= 0.6 - TIMER_SLACK_S, done
+
+
+async def test_queued_prompts_are_waiting_and_aborted_ones_leave_the_lane(
+    qwen3_tokenizer: Any, qwen3_tokenizer_dir: Path, session: aiohttp.ClientSession
+) -> None:
+    long_a, long_b = prose(qwen3_tokenizer, 2000, "river"), prose(qwen3_tokenizer, 2000, "hill")
+    short = prose(qwen3_tokenizer, 10, "sea")
+    # At 50 ms a token the long prompts take 100 s each, the short one 0.5 s: the short one
+    # ends within the test's timeout only if neither aborted prompt is charged to it.
+    async with cached_engine(qwen3_tokenizer_dir, prefill_us_per_token=50_000) as (base, state):
+        a = asyncio.create_task(generate(session, base, long_a, request_id="lane-a"))
+        await wait_until(lambda: state.backend.running() == {"lane-a"}, what="a prefilling")
+        assert waiting_now(state) == 0 and await waiting_metric(session, base) == 0
+        b = asyncio.create_task(generate(session, base, long_b, request_id="lane-b"))
+        await wait_until(lambda: waiting_now(state) == 1, what="b queued")
+        assert await waiting_metric(session, base) == 1
+        c = asyncio.create_task(generate(session, base, short, request_id="lane-c"))
+        await wait_until(lambda: waiting_now(state) == 2, what="c queued")
+        assert await waiting_metric(session, base) == 2
+
+        await abort(session, base, "lane-b")  # queued: it leaves before starting
+        assert await waiting_metric(session, base) == 1
+        assert (await b)["choices"][0]["finish_reason"] == "abort"
+        a.cancel()  # the client leaves mid-prefill: the lane is free from then on
+        await wait_until(lambda: "lane-a" not in state.backend.running(), what="a gone")
+        assert waiting_now(state) == 0 and await waiting_metric(session, base) == 0
+        answer = await asyncio.wait_for(c, timeout=30)
+    assert answer["choices"][0]["finish_reason"] == "length"
+    assert cached_of(answer) == 0
+
+
+async def test_a_prompt_queued_behind_its_prefix_finds_the_blocks_stored_before_it(
+    qwen3_tokenizer: Any, qwen3_tokenizer_dir: Path, session: aiohttp.ClientSession
+) -> None:
+    prompt = prose(qwen3_tokenizer, 2000)  # 125 full blocks
+    longer = prompt + prose(qwen3_tokenizer, 40, "hill")
+    # 2 s of prefill for the first: the second arrives while it runs and waits behind it.
+    async with cached_engine(qwen3_tokenizer_dir, prefill_us_per_token=1000) as (base, state):
+        first = asyncio.create_task(generate(session, base, prompt, request_id="prefix-1"))
+        await wait_until(lambda: state.backend.running() == {"prefix-1"}, what="the first prefilling")
+        second = asyncio.create_task(generate(session, base, longer, request_id="prefix-2"))
+        await wait_until(lambda: waiting_now(state) == 1, what="the second queued")
+        assert await waiting_metric(session, base) == 1
+        answers = await asyncio.gather(first, second)
+    # Looked up as its prefill starts, after the first's blocks were stored, as vLLM schedules it.
+    assert [cached_of(answer) for answer in answers] == [0, 2000]
 
 
 # -- KV cache events -------------------------------------------------------------------

@@ -27,7 +27,8 @@ Configuration (`SimBackendConfig`, decoded strictly: unknown keys are errors)::
                         engine's --enable-prefix-caching)
     block_size          tokens per KV block (16; the engine's --block-size)
     cache_blocks        the cache's capacity in blocks (4096)
-    prefill_us_per_token  prefill time per prompt token not cached (0)
+    prefill_us_per_token  prefill time per prompt token not cached (0); above 0, the
+                        engine's prompts prefill one at a time (see Timing)
     kv_events           the engine's --kv-events-config (set by the engine)
     kv_events_encoding  "map" (vLLM's events since mid-2026) or "array" (before)
 
@@ -114,13 +115,24 @@ sampled id with rank 1 and a logprob in [-0.55, -0.05], and
 2..k+1 and logprobs falling by 1.5 per rank. They depend only on the token
 and its position.
 
-Timing: the first step comes ``ttft_ms`` (plus ``prefill_us_per_token`` for
-each prompt token the prefix cache did not hold) after ``generate`` starts
-iterating, then one step every ``itl_ms``, on a fixed schedule (a late
-consumer gets the next steps back to back, not a slower pace). Each step
-yields one ``list[BackendOutput]`` with one entry per choice still running,
-``tokens_per_step`` tokens each (fewer on the final one). Waits are timers
-on the event loop, never busy loops.
+Timing: with ``prefill_us_per_token`` 0, the first step comes ``ttft_ms``
+after ``generate`` starts iterating. Above 0, prefill is one lane per engine
+(`prefill`), as a GPU's compute bound prefill is: prompts prefill one at a
+time in arrival order, each for ``prefill_us_per_token`` per prompt token the
+prefix cache did not hold, starting when the one before it ends (at its
+planned end, so a late timer does not delay the rest), and the first step
+comes ``ttft_ms`` after the request's own prefill ends (a fixed latency per
+request, not queued). Requests queued whose prefill has not started are
+``vllm:num_requests_waiting`` and, on their first output, the wait is
+``queued_s``. A request aborted while queued leaves the lane at once, and one
+aborted mid-prefill frees it at that moment: no work of theirs is charged to
+the requests behind. A decode request of disaggregated serving
+(``do_remote_prefill``: its KV cache arrives from the prefill engine) skips
+the lane and the ``ttft_ms`` wait. Then one step every ``itl_ms``, on a fixed
+schedule (a late consumer gets the next steps back to back, not a slower
+pace). Each step yields one ``list[BackendOutput]`` with one entry per choice
+still running, ``tokens_per_step`` tokens each (fewer on the final one). Waits
+are timers on the event loop, never busy loops.
 
 Requests are refused with `BackendRequestError` before any output for an
 empty prompt, a prompt of ``max_model_len`` tokens or more, an id outside
@@ -133,11 +145,14 @@ unfinished choice. ``close()`` aborts everything; ``generate`` then raises
 the constructor, so ``start()`` has nothing else to do but open the KV event
 sockets.
 
-Prefix cache (``prefix_caching``; `prefix_cache`): on arrival a request's
-prompt is looked up, its longest run of leading full blocks held counting as
-cached (one block short of the whole prompt at most: vLLM always computes the
-last prompt token); with the first step its full blocks are stored, the held
-ones touched, the least recently used evicted past ``cache_blocks``. A
+Prefix cache (``prefix_caching``; `prefix_cache`): a request's prompt is
+looked up when its prefill starts (in the lane, as vLLM's scheduler looks up a
+waiting request when it schedules it, so a prompt queued behind one with the
+same prefix finds its blocks; on arrival without the lane), its longest run of
+leading full blocks held counting as cached (one block short of the whole
+prompt at most: vLLM always computes the last prompt token); when its prefill
+ends (with the first step without the lane) its full blocks are stored, the
+held ones touched, the least recently used evicted past ``cache_blocks``. A
 request's ``cache_salt`` goes into its first block, so only requests with the
 same salt share blocks. Each choice's first output reports the hit as
 ``num_cached_tokens`` (None with prefix caching off). With the engine's
@@ -155,6 +170,7 @@ Modules, one step each:
 - `plans`: each mode's plan, the ids before the token rules;
 - `stream`: one choice's token stream under the stop rules, and synthetic logprobs;
 - `prefix_cache`: the chained block hashes, lookup, store and LRU eviction;
+- `prefill`: the prefill lane, one prompt's prefill at a time, in arrival order;
 - `kv_publisher`: vLLM's KV cache events on ZMQ PUB, with the replay ROUTER;
 - `backend`: `SimBackend`, its request checks, disaggregated handshake and pace.
 """

@@ -1,8 +1,9 @@
 """`SimBackend`: the simulator's lifecycle, request checks, disaggregated handshake and pace.
 
-Each request is checked, read (`prompt`), planned per choice (`plans`) and then stepped
-through its choices' token streams (`stream`) on a fixed schedule of loop timers:
-``ttft_ms`` to the first step, then one step every ``itl_ms``.
+Each request is checked, read (`prompt`), planned per choice (`plans`), prefilled (in the
+engine's `prefill` lane when prompt tokens cost time) and then stepped through its choices'
+token streams (`stream`) on a fixed schedule of loop timers: ``ttft_ms`` after the prefill
+to the first step, then one step every ``itl_ms``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from engine.backends.checks import ALL_LOGPROBS, check_prompt
 from engine.backends.sim.config import SimBackendConfig
 from engine.backends.sim.kv_publisher import KVEventPublisher
 from engine.backends.sim.plans import Planner
+from engine.backends.sim.prefill import Prefill, PrefillLane
 from engine.backends.sim.prefix_cache import Lookup, PrefixCache
 from engine.backends.sim.prompt import Prompt
 from engine.backends.sim.schema import SIM_CONSTRAINTS
@@ -44,14 +46,16 @@ KV_BLOCK_TOKENS = 16
 
 
 class Live:
-    """A running request: the abort flag and the timer future it may be waiting on."""
+    """A running request: the abort flag, the timer future it may be waiting on, and its place
+    in the prefill lane while it has one."""
 
-    __slots__ = ("aborted", "request_id", "waiter")
+    __slots__ = ("aborted", "prefill", "request_id", "waiter")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self.aborted = False
         self.waiter: asyncio.Future[None] | None = None
+        self.prefill: Prefill | None = None
 
     def abort(self) -> None:
         self.aborted = True
@@ -96,6 +100,9 @@ class SimBackend:
                 log.warning("KV cache events are on but prefix caching is off: nothing will be published")
             else:
                 self._publisher = KVEventPublisher(events, config.kv_events_encoding)
+        self._lane: PrefillLane | None = None
+        if config.prefill_us_per_token > 0:
+            self._lane = PrefillLane(self._prefill_starts, self._prefill_ends)
 
     @property
     def info(self) -> BackendInfo:
@@ -110,8 +117,10 @@ class SimBackend:
 
     async def close(self) -> None:
         self._closed = True
+        if self._lane is not None:
+            self._lane.clear()  # before the aborts, so none of them starts the next prefill
         for live in self._live.values():
-            live.abort()
+            self._stop(live)
         self._live.clear()
         if self._publisher is not None:
             await self._publisher.close()
@@ -122,8 +131,9 @@ class SimBackend:
         cache = self._cache
         if cache is None:
             return None
-        # No batch limit: every request starts at once, so none waits.
-        return PrefixCacheStats(queries=cache.queries, hits=cache.hits, usage=cache.usage, waiting=0)
+        # Only prefill waits (no batch limit): the prompts queued in the lane, not yet started.
+        waiting = self._lane.waiting if self._lane is not None else 0
+        return PrefixCacheStats(queries=cache.queries, hits=cache.hits, usage=cache.usage, waiting=waiting)
 
     def kv_events_address(self) -> KVEventsAddress | None:
         publisher = self._publisher
@@ -147,7 +157,7 @@ class SimBackend:
     async def abort(self, request_id: str) -> None:
         live = self._live.pop(request_id, None)
         if live is not None:
-            live.abort()
+            self._stop(live)
 
     def running(self) -> frozenset[str]:
         return frozenset(self._live)
@@ -163,11 +173,20 @@ class SimBackend:
         choices = self._choices(request, prompt)
         live = self._register(request.request_id)
         loop = asyncio.get_running_loop()
-        lookup = self._lookup(request)
-        # A decode whose prefill ran elsewhere starts with the KV cache in place.
-        deadline = loop.time() + (0 if role == "decode" else self._prefill_s(request, lookup))
         handover = self._handover(request) if role == "prefill" else None
         try:
+            # A decode whose prefill ran elsewhere starts with the KV cache in place: no lane.
+            laned = self._lane is not None and role != "decode"
+            if laned:
+                prefill = await self._prefill(request, live, loop)
+                lookup, queued_s = prefill.lookup, prefill.queued_s
+                ended = loop.time() if prefill.ends_at is None else prefill.ends_at  # None: aborted unstarted
+                deadline = ended + self._config.ttft_ms / 1000
+            else:
+                lookup, queued_s = self._lookup(request), None
+                # No lane: prompt tokens cost nothing (`prefill_us_per_token` 0), so `ttft_ms` alone.
+                deadline = loop.time() + (0 if role == "decode" else self._config.ttft_ms / 1000)
+            first = True
             while True:
                 await self._wait(live, loop, deadline)
                 if live.aborted:
@@ -175,9 +194,11 @@ class SimBackend:
                     return
                 width = self._config.tokens_per_step
                 step = [choice.take(width) for choice in choices if not choice.finished]
-                if lookup is not None:
-                    self._prefilled(lookup, step)
-                    lookup = None
+                if first:
+                    if lookup is not None and not laned:
+                        self._store(lookup)  # the lane stores as the prefill ends; here, with the first step
+                    self._first_step(step, lookup, queued_s)
+                    first = False
                 if handover is not None:
                     for output in step:
                         if output.finish_reason is not None:
@@ -188,6 +209,8 @@ class SimBackend:
                 deadline += self._config.itl_ms / 1000
         finally:
             # Cancellation and aclose() land here too; CancelledError propagates after.
+            if live.prefill is not None and self._lane is not None:
+                self._lane.leave(live.prefill)
             if self._live.get(live.request_id) is live:
                 del self._live[live.request_id]
 
@@ -198,22 +221,56 @@ class SimBackend:
             return None
         return self._cache.lookup(request.prompt_token_ids, request.cache_salt, request.session_id)
 
-    def _prefill_s(self, request: BackendRequest, lookup: Lookup | None) -> float:
-        """Time to the first step: `ttft_ms`, plus the prompt tokens not cached at
-        `prefill_us_per_token` each."""
-        cached = lookup.cached_tokens if lookup is not None else 0
-        uncached = len(request.prompt_token_ids) - cached
-        return self._config.ttft_ms / 1000 + uncached * self._config.prefill_us_per_token / 1e6
+    async def _prefill(self, request: BackendRequest, live: Live, loop: asyncio.AbstractEventLoop) -> Prefill:
+        """Queue the request's prefill in the lane and wait for it to end; an abort wakes it
+        early (the abort has taken it out of the lane)."""
+        assert self._lane is not None
+        prefill = Prefill(request, loop.create_future())
+        live.prefill = prefill
+        self._lane.join(prefill)
+        live.waiter = prefill.done
+        try:
+            await prefill.done
+        finally:
+            live.waiter = None
+        return prefill
 
-    def _prefilled(self, lookup: Lookup, step: list[BackendOutput]) -> None:
-        """The prompt's KV is computed: keep its blocks, publish what changed, and report the
-        hit on each choice's first output."""
+    def _prefill_starts(self, prefill: Prefill) -> float:
+        """The lane starts this prefill: look the prompt up now, as vLLM's scheduler does; its
+        length is the prompt tokens not cached, at `prefill_us_per_token` each."""
+        prefill.lookup = lookup = self._lookup(prefill.request)
+        cached = lookup.cached_tokens if lookup is not None else 0
+        uncached = len(prefill.request.prompt_token_ids) - cached
+        return uncached * self._config.prefill_us_per_token / 1e6
+
+    def _prefill_ends(self, prefill: Prefill) -> None:
+        """The lane ends this prefill: its blocks are computed, so keep them before the next
+        prefill is looked up."""
+        if prefill.lookup is not None:
+            self._store(prefill.lookup)
+
+    def _store(self, lookup: Lookup) -> None:
+        """The prompt's KV is computed: keep its blocks and publish what changed."""
         assert self._cache is not None
         events = self._cache.store(lookup)
         if self._publisher is not None:
             self._publisher.publish(events)
+
+    @staticmethod
+    def _first_step(step: list[BackendOutput], lookup: Lookup | None, queued_s: float | None) -> None:
+        """Report the cache hit, and the lane's wait, on each choice's first output."""
         for output in step:
-            output.num_cached_tokens = lookup.cached_tokens
+            if lookup is not None:
+                output.num_cached_tokens = lookup.cached_tokens
+            if queued_s is not None:
+                output.queued_s = queued_s
+
+    def _stop(self, live: Live) -> None:
+        """Abort a request: wake it, and take it out of the lane at once (its unstarted or
+        unfinished prefill is charged to nobody behind it)."""
+        live.abort()
+        if live.prefill is not None and self._lane is not None:
+            self._lane.leave(live.prefill)
 
     def _check(self, request: BackendRequest) -> Prompt:
         check_prompt(request, self._info, self._live)

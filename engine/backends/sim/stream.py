@@ -100,7 +100,7 @@ class Choice:
         if rules.logprobs is not None:
             output.logprobs = [self._logprobs.entry(t, start + i) for i, t in enumerate(ids)]
         if not self._started:
-            output.queued_s = 0.0  # and no batch limit: every request starts at once
+            output.queued_s = 0.0  # no batch limit; the backend puts the prefill lane's wait here
             self._started = True
         return output
 

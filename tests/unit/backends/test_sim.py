@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+from dataclasses import replace
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -538,6 +539,40 @@ async def test_ttft_and_itl_sleep(make: Make, render: Any) -> None:
     slack = 0.002  # loop timers may fire up to one clock tick early
     assert arrivals[0] >= 0.050 - slack
     assert arrivals[-1] >= 0.050 + 9 * 0.020 - slack
+
+
+async def test_a_remote_decode_skips_a_busy_prefill_lane(make: Make, render: Any) -> None:
+    """A decode's KV arrives from the prefill engine: it does not queue behind local prefills."""
+    prompt = render(HELLO)
+    prefiller = make()
+    prefill = replace(request(prompt, "p", max_tokens=1), kv_transfer_params={"do_remote_decode": True})
+    [handover] = [out.kv_transfer_params for batch in await collect(prefiller, prefill) for out in batch]
+    assert handover is not None
+    backend = make(prefill_us_per_token=1_000_000)  # a second a token: the lane stays busy
+    busy = backend.generate(request(prompt, "busy"))
+    first = asyncio.ensure_future(anext(busy))
+    async with asyncio.timeout(IDLE_TIMEOUT_S):
+        while "busy" not in backend.running():
+            await asyncio.sleep(0.005)
+        batches = await collect(backend, replace(request(prompt, "d", max_tokens=3), kv_transfer_params=handover))
+        assert len(ids_of(batches)) == 3 and backend.remote_decodes == 1
+        await backend.close()
+        assert [out.finish_reason for out in await first] == ["abort"]
+    await busy.aclose()
+
+
+async def test_close_aborts_prefills_queued_in_the_lane(make: Make, render: Any) -> None:
+    backend = make(prefill_us_per_token=1_000_000)
+    streams = [backend.generate(request(render(HELLO), f"q{i}")) for i in range(3)]
+    firsts = [asyncio.ensure_future(anext(stream)) for stream in streams]
+    async with asyncio.timeout(IDLE_TIMEOUT_S):
+        while len(backend.running()) < 3:
+            await asyncio.sleep(0.005)
+    await backend.close()
+    async with asyncio.timeout(IDLE_TIMEOUT_S):  # none may sleep out its prefill
+        assert [[out.finish_reason for out in await first] for first in firsts] == [["abort"]] * 3
+    for stream in streams:
+        await stream.aclose()
 
 
 async def test_tokens_per_step_groups_tokens(make: Make, render: Any) -> None:
