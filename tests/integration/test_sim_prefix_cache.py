@@ -481,20 +481,29 @@ async def test_metrics_use_vllms_names(
     qwen3_tokenizer: Any, qwen3_tokenizer_dir: Path, session: aiohttp.ClientSession
 ) -> None:
     prompt = prose(qwen3_tokenizer, 40)
-    async with cached_engine(qwen3_tokenizer_dir, cache_blocks=8) as (base, _):
-        await generate(session, base, prompt)
-        await generate(session, base, prompt)
+
+    async def scraped(base: str) -> dict[str, Any]:
         async with session.get(base + "/metrics") as resp:
             text = await resp.text()
-    samples = {
-        sample.name: sample
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name.startswith("vllm:")
-    }
+        return {
+            sample.name: sample
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name.startswith("vllm:")
+        }
+
+    async with cached_engine(qwen3_tokenizer_dir, cache_blocks=8, itl_ms=50, output_tokens=200) as (base, _):
+        await generate(session, base, prompt, sampling_params={"max_tokens": 1})
+        await generate(session, base, prompt, sampling_params={"max_tokens": 1})
+        samples = await scraped(base)
+        assert samples["vllm:kv_cache_usage_perc"].value == 0  # cached blocks no request holds are free
+        body = {"token_ids": prompt, "sampling_params": {"max_tokens": 200}, "stream": True}
+        async with session.post(base + "/inference/v1/generate", json=body) as running:
+            await running.content.readline()  # it runs: its prompt's 3 blocks (40 tokens) are held
+            during = await scraped(base)
     assert samples["vllm:prefix_cache_queries_total"].value == 80
     assert samples["vllm:prefix_cache_hits_total"].value == 32
-    assert samples["vllm:kv_cache_usage_perc"].value == pytest.approx(2 / 8)
+    assert during["vllm:kv_cache_usage_perc"].value == pytest.approx(3 / 8)
     assert samples["vllm:num_requests_waiting"].value == 0
     assert samples["vllm:prefix_cache_hits_total"].labels == {"model_name": "sim", "engine": "0"}
 

@@ -49,10 +49,12 @@ class Live:
     """A running request: the abort flag, the timer future it may be waiting on, and its place
     in the prefill lane while it has one."""
 
-    __slots__ = ("aborted", "prefill", "request_id", "waiter")
+    __slots__ = ("aborted", "blocks", "prefill", "request_id", "waiter")
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, blocks: int = 0) -> None:
         self.request_id = request_id
+        self.blocks = blocks
+        """KV blocks its prompt takes while it runs (vLLM's `kv_cache_usage_perc` counts these)."""
         self.aborted = False
         self.waiter: asyncio.Future[None] | None = None
         self.prefill: Prefill | None = None
@@ -133,7 +135,11 @@ class SimBackend:
             return None
         # Only prefill waits (no batch limit): the prompts queued in the lane, not yet started.
         waiting = self._lane.waiting if self._lane is not None else 0
-        return PrefixCacheStats(queries=cache.queries, hits=cache.hits, usage=cache.usage, waiting=waiting)
+        # As vLLM's: the share of blocks that running requests use (cached blocks no request
+        # holds are free to evict, so not in use); a request queued for prefill holds none yet.
+        running = sum(live.blocks for live in self._live.values() if live.prefill is None or live.prefill.ends_at)
+        usage = min(running / cache.capacity, 1.0)
+        return PrefixCacheStats(queries=cache.queries, hits=cache.hits, usage=usage, waiting=waiting)
 
     def kv_events_address(self) -> KVEventsAddress | None:
         publisher = self._publisher
@@ -171,7 +177,7 @@ class SimBackend:
         prompt = self._check(request)
         role = self._kv_role(request)
         choices = self._choices(request, prompt)
-        live = self._register(request.request_id)
+        live = self._register(request.request_id, -(-len(request.prompt_token_ids) // self._config.block_size))
         loop = asyncio.get_running_loop()
         handover = self._handover(request) if role == "prefill" else None
         try:
@@ -317,8 +323,8 @@ class SimBackend:
             "tp_size": 1,
         }
 
-    def _register(self, request_id: str) -> Live:
-        live = Live(request_id)
+    def _register(self, request_id: str, blocks: int) -> Live:
+        live = Live(request_id, blocks)
         self._live[request_id] = live
         return live
 

@@ -75,11 +75,6 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    @property
-    def usage(self) -> float:
-        """The share of the capacity in use, 0 to 1."""
-        return len(self._blocks) / self.capacity
-
     def lookup(self, ids: Sequence[int], salt: str | None = None, session_id: str | None = None) -> Lookup:
         """The run of leading full blocks held. As vLLM, the last prompt token is always
         computed (its logits are needed), so a prompt of whole blocks hits one block less."""
