@@ -336,14 +336,15 @@ def create_app(config: GatewayConfig) -> web.Application:
         kv = balancing.kv_index
         # kv_cache keeps an index of the pool's blocks, fed by the events of the engines
         # configured with `kv_events` and of onehop engines whose capabilities name theirs.
-        indexed = balancing.mode == "kv_cache" or any(member.kv_events is not None for member in members)
+        by_cache = (mode or balancing.mode) == "kv_cache"
+        indexed = by_cache or (mode is None and any(member.kv_events is not None for member in members))
         index = KVIndex(kv.block_size, kv.max_blocks, on_ignored=metrics.kv_ignored) if indexed else None
 
         def subscribe(member: EngineEndpoint) -> KVSubscriber:
             assert index is not None
             return KVSubscriber.of(member, index, metrics=metrics, replay_timeout_s=kv.replay_timeout_s)
 
-        subscribers = [subscribe(member) for member in members if member.kv_events is not None]
+        subscribers = [subscribe(member) for member in members if member.kv_events is not None and index is not None]
         store = EndpointStore(
             members, config.health, on_circuit=metrics.circuit, index=index, max_sessions=balancing.kv_sessions
         )
@@ -363,7 +364,7 @@ def create_app(config: GatewayConfig) -> web.Application:
             tracing=tracing,
             on_retry=lambda url: metrics.engine_retries.labels(url).inc(),
             subscribers=subscribers,
-            subscribe=subscribe if balancing.mode == "kv_cache" else None,
+            subscribe=subscribe if by_cache else None,
         )
 
     plans = []

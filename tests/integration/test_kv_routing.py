@@ -24,6 +24,7 @@ import zmq.asyncio
 
 from gateway.config import Balancing, EngineEndpoint, GatewayConfig
 from gateway.serving.state import GatewayState
+from gateway.upstream.engine_client import EngineClient
 from tests.integration.test_sim_prefix_cache import cached_engine, capabilities, prose
 from tests.support.engine import engine_server
 from tests.support.gateway import configured_gateway
@@ -65,11 +66,13 @@ async def three_engines_and_a_gateway(
         yield client, state, urls
 
 
-async def joined(session: aiohttp.ClientSession, state: GatewayState, urls: list[str]) -> None:
-    """Until each subscriber has seen one of its engine's events (a PUB drops what it sends
-    before a subscription reaches it): reset each (empty) cache until its `AllBlocksCleared`
-    arrives."""
-    subscribers = state.clients[0].kv_subscribers
+async def joined(
+    session: aiohttp.ClientSession, state: GatewayState, urls: list[str], engines: EngineClient | None = None
+) -> None:
+    """Until each subscriber (of the main pool, or of `engines`) has seen one of its engine's
+    events (a PUB drops what it sends before a subscription reaches it): reset each (empty)
+    cache until its `AllBlocksCleared` arrives."""
+    subscribers = (engines or state.clients[0]).kv_subscribers
     for url in urls:
         subscriber = subscribers[url]
         for _ in range(200):
@@ -173,6 +176,44 @@ async def test_a_busy_holder_is_passed_over_where_the_formula_says(qwen3_tokeniz
         finally:
             for stream in streams:
                 await stream.parse().close()  # type: ignore[union-attr]
+
+
+async def test_with_p_d_the_prefill_pool_is_picked_by_cache_and_the_decode_pool_by_load(
+    qwen3_tokenizer: Any, qwen3_tokenizer_dir: Path
+) -> None:
+    async with AsyncExitStack() as stack, aiohttp.ClientSession() as session:
+        prefills = [await stack.enter_async_context(cached_engine(qwen3_tokenizer_dir)) for _ in range(3)]
+        decodes = [await stack.enter_async_context(engine_server(qwen3_tokenizer_dir)) for _ in range(2)]
+        config = GatewayConfig(
+            model="sim", tokenizer=str(qwen3_tokenizer_dir), policy_header=True,
+            engines=[EngineEndpoint(url=url) for url, _ in decodes],
+            prefill_engines=[EngineEndpoint(url=url) for url, _ in prefills],  # events from their capabilities
+            balancing=Balancing(mode="kv_cache"),
+        )
+        base, state = await stack.enter_async_context(configured_gateway(config))
+        pool = state.model("sim").prefill
+        assert pool is not None and state.model("sim").engines.store.index is None  # the decode side keeps none
+        urls = [url for url, _ in prefills]
+        await joined(session, state, urls, pool)
+        client = await stack.enter_async_context(openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0))
+
+        def hits() -> dict[str, int]:
+            counted = {url: engine.backend.prefix_cache_stats() for url, engine in prefills}  # type: ignore[attr-defined]
+            return {url: stats.hits for url, stats in counted.items()}
+
+        engine, policy, _ = await turn(client, conversation(qwen3_tokenizer, "river", 1))
+        assert engine in {url for url, _ in decodes} and "engine by hash: cost 0" in policy, policy
+        index = pool.store.index
+        assert index is not None
+        await wait_until(lambda: max(index.counts().values(), default=0) >= SYSTEM_TOKENS // 16, what="prefill indexed")
+        holder = max(index.counts(), key=lambda url: index.counts()[url])
+        before = hits()
+        for turns in (2, 3):
+            _, policy, _ = await turn(client, conversation(qwen3_tokenizer, "river", turns))
+            assert "engine by cache" not in policy, policy  # the decode engine: by its load
+        after = hits()
+        assert after[holder] - before[holder] >= 2 * (SYSTEM_TOKENS - 16), (before, after)  # both turns prefilled there
+        assert all(after[url] == before[url] for url in urls if url != holder)
 
 
 async def test_an_engine_whose_events_cannot_be_read_makes_the_pool_hash(qwen3_tokenizer: Any, qwen3_tokenizer_dir: Path) -> None:
