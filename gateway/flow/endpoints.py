@@ -254,6 +254,7 @@ class Chat:
             headers=_headers(ctx),
             tenant=ctx.tenant,
             constraint=constraint_kind(sampling),
+            cache_salt=request.cache_salt,
         )
 
     def sampling(self, request: ChatCompletionRequest) -> dict[str, Any]:
@@ -353,6 +354,7 @@ class Completions:
             headers=_headers(ctx),
             tenant=ctx.tenant,
             constraint=constraint_kind(sampling),
+            cache_salt=request.cache_salt,
         )
 
     def sampling(self, request: CompletionRequest) -> dict[str, Any]:

@@ -297,6 +297,7 @@ class Exchange:
             continuous_usage=self.answer.continuous_usage,
             derender_fields=self._derender_fields(leg),
             kv_transfer_params=leg.kv,
+            cache_salt=self.target.facts.cache_salt,
         )
 
     def _derender_fields(self, leg: Leg) -> dict[str, Any]:

@@ -47,7 +47,13 @@ async def choose_route(
     """`ctx` with the route and engine for it, decided in a `policy` span (the decision goes on
     the server span too)."""
     model = ctx.model
-    facts = RequestFacts(prompt=prompt, session=ctx.session, tenant=ctx.tenant, constraint=features.constraint)
+    facts = RequestFacts(
+        prompt=prompt,
+        session=ctx.session,
+        tenant=ctx.tenant,
+        constraint=features.constraint,
+        cache_salt=features.cache_salt,
+    )
     with measured(state, "policy", ctx.span) as span:
         engines = model.engines
         choice, available = await engines.pick_serving(facts)

@@ -48,6 +48,7 @@ from typing import Literal
 from gateway.config import Balancing
 from gateway.edge.errors import EngineUnavailable, InvalidRequest
 from gateway.routing.datastore import Endpoint, EndpointStore
+from gateway.routing.kv_index import request_extra_keys
 
 Mode = Literal["least_outstanding", "prefix_affinity", "kv_cache", "load"]
 
@@ -64,6 +65,8 @@ class RequestFacts:
     """Whose session it is: one tenant's session key never steers another's."""
     constraint: str | None = None
     """The structured-output kind the engine must enforce."""
+    cache_salt: str | None = None
+    """The request's `cache_salt`: engines key its first block with it (vLLM's extra keys)."""
     tried: frozenset[str] = frozenset()
     """Engines this request already failed on."""
 
@@ -197,8 +200,9 @@ class Picker:
         if any(index.is_stale(e.url) for e in found):
             return Choice(self._by_prefix(found, prompt), "hash: an engine's KV index is stale", len(prompt))
         size = index.block_size
-        matched = index.match(prompt)
         blocks = len(prompt) // size
+        salt = facts.cache_salt
+        matched = index.match(prompt, request_extra_keys(blocks, cache_salt=salt) if salt else None)
         costs = {
             e.url: Cost(
                 matched.get(e.url, 0),

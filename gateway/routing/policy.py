@@ -186,6 +186,9 @@ class RequestFeatures:
     enforce it are picked."""
     forced_tool: bool = False
     """`tool_choice` is `required` or a named function (onehop forces the call in the prompt)."""
+    cache_salt: str | None = None
+    """The request's `cache_salt` (vLLM's): its prompt's blocks are its own in the engines'
+    caches, so routing by the cache looks them up salted."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "headers", {k.lower(): v for k, v in self.headers.items()})

@@ -55,6 +55,7 @@ async def prefill(
         route="tokens",
         stream=False,
         kv_transfer_params=PREFILL_KV,
+        cache_salt=facts.cache_salt,
     )
     with stage(tracer, "prefill", parent) as span:
         choice = engines.pick(facts)

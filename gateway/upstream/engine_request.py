@@ -143,8 +143,11 @@ def generate_body(
     continuous_usage: bool = False,
     derender_fields: Mapping[str, Any] | None = None,
     kv_transfer_params: dict[str, Any] | None = None,
+    cache_salt: str | None = None,
 ) -> bytes:
-    """`derender_fields`: what the derender route's engine also needs (the client's request)."""
+    """`derender_fields`: what the derender route's engine also needs (the client's request).
+    `cache_salt`: the client's (vLLM's field), on the generate request itself, where engines
+    read it: the prompt's cached blocks are shared only with requests of the same salt."""
     mode = ENGINE_MODE[route]
     body: dict[str, Any] = {
         "request_id": request_id,
@@ -157,6 +160,8 @@ def generate_body(
         body["model"] = model
     if kv_transfer_params is not None:
         body["kv_transfer_params"] = kv_transfer_params
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
     if mode == "derender" and derender_fields:
         body.update(derender_fields)
     if stream and include_usage and route in ("derender", "tokens-remote"):

@@ -87,9 +87,14 @@ async def joined(
             raise AssertionError(f"the gateway never heard {url}'s KV events")
 
 
-async def turn(client: openai.AsyncOpenAI, messages: list[dict[str, Any]]) -> tuple[str, str, int]:
-    """One chat turn: (the engine's URL it went to, the policy header, cached prompt tokens)."""
-    raw = await client.chat.completions.with_raw_response.create(model="sim", messages=messages, max_tokens=8)  # type: ignore[arg-type]
+async def turn(
+    client: openai.AsyncOpenAI, messages: list[dict[str, Any]], salt: str | None = None
+) -> tuple[str, str, int]:
+    """One chat turn (with vLLM's `cache_salt`, if given): (the engine's URL it went to, the
+    policy header, cached prompt tokens)."""
+    raw = await client.chat.completions.with_raw_response.create(
+        model="sim", messages=messages, max_tokens=8, extra_body={"cache_salt": salt} if salt else None,  # type: ignore[arg-type]
+    )
     answer = raw.parse()
     details = answer.usage.prompt_tokens_details if answer.usage is not None else None
     cached = details.cached_tokens if details is not None and details.cached_tokens is not None else 0
@@ -133,6 +138,16 @@ async def test_a_conversations_turns_stay_on_the_engine_that_holds_its_blocks(
         await wait_until(lambda: held(state).get(other, 0) >= SYSTEM_TOKENS // 16, what="the other conversation indexed")
         assert (await turn(client, conversation(qwen3_tokenizer, "forest", 2)))[0] == other
         assert set(held(state)) <= set(urls)
+
+
+async def test_a_salted_conversation_follows_its_salted_blocks_only(qwen3_tokenizer: Any, qwen3_tokenizer_dir: Path) -> None:
+    async with three_engines_and_a_gateway(qwen3_tokenizer_dir) as (client, state, _urls):
+        first, _, _ = await turn(client, conversation(qwen3_tokenizer, "river", 1), salt="tenant-a")
+        await wait_until(lambda: held(state).get(first, 0) >= SYSTEM_TOKENS // 16, what="the salted blocks indexed")
+        engine, policy, cached = await turn(client, conversation(qwen3_tokenizer, "river", 2), salt="tenant-a")
+        assert engine == first and "engine by cache:" in policy and cached >= SYSTEM_TOKENS - 16, (policy, cached)
+        _, policy, cached = await turn(client, conversation(qwen3_tokenizer, "river", 2), salt="tenant-b")
+        assert "engine by hash: 0 tokens cached" in policy and cached == 0, (policy, cached)
 
 
 async def test_an_engine_that_drops_its_cache_loses_the_preference(qwen3_tokenizer: Any, qwen3_tokenizer_dir: Path) -> None:

@@ -198,3 +198,18 @@ def test_the_decode_pool_of_p_d_is_picked_by_load_alone() -> None:
     store.endpoints[B].load = Load(waiting=2)
     choice = Picker(Balancing(mode="kv_cache"), "load").pick(store, facts(PROMPT), NOW)
     assert choice.endpoint.url == C and choice.why == "load: cost 0"
+
+
+def test_a_salted_prompt_matches_only_blocks_stored_with_its_salt() -> None:
+    store, index = kv_store()
+    salted = BlockStored(
+        block_hashes=list[BlockHash](range(40)), parent_block_hash=None, token_ids=PROMPT[: 16 * 40], block_size=16,
+        extra_keys=[["tenant-a"], *([None] * 39)],  # vLLM's: the salt in the first block's extra keys
+    )
+    index.apply(B, [salted])
+    index.apply(C, [stored(PROMPT, list(range(100, 110)))])  # unsalted
+    picker = Picker(Balancing(mode="kv_cache"))
+    assert picker.pick(store, facts(PROMPT, cache_salt="tenant-a"), NOW).endpoint.url == B
+    assert picker.pick(store, facts(PROMPT), NOW).endpoint.url == C  # the same tokens unsalted
+    other = picker.pick(store, facts(PROMPT, cache_salt="tenant-b"), NOW)
+    assert other.why is not None and other.why.startswith("hash: 0 tokens cached")
