@@ -142,6 +142,17 @@ class Auth(Struct, forbid_unknown_fields=True, kw_only=True):
         return self.api_keys_file is not None or self.api_keys_env is not None
 
 
+class Tenant(Struct, forbid_unknown_fields=True, kw_only=True):
+    """What the gateway does for one tenant (an API key's tenant name), or for every tenant
+    without an entry of its own (`"*"`)."""
+
+    share_cache: bool = False
+    """Let its prompts share engines' prefix-cache blocks with other tenants' (the client's own
+    `cache_salt`, if any, passes through). Off: the gateway sets the request's `cache_salt`
+    from the tenant, replacing the client's, so no other tenant's prompt ever hits its blocks
+    (prefix-cache timing is a side channel between tenants)."""
+
+
 class ResponseStoreConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     """Bounds of the Responses store (`store: true` answers kept for `previous_response_id` and
     `GET /v1/responses/{id}`); past one, the least recently used are evicted. Each tenant (an
@@ -368,6 +379,16 @@ class GatewayConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     auth: Auth = msgspec.field(default_factory=Auth)
     response_store: ResponseStoreConfig = msgspec.field(default_factory=ResponseStoreConfig)
     agents: Agents = msgspec.field(default_factory=Agents)
+    tenants: dict[str, Tenant] = msgspec.field(default_factory=dict)
+    """Per tenant name (the API key lines' `TENANT KEY`), and `"*"` for the others."""
+    cache_salt_secret_env: str = "ONEHOP_CACHE_SALT_SECRET"
+    """An environment variable whose value keys the tenants' cache salts (replicas must share
+    it to share cache); unset, a fixed key is used, which is enough while clients reach
+    engines only through the gateway (it replaces their salts)."""
+
+    def tenant(self, name: str) -> Tenant:
+        """The settings for tenant `name`: its own entry, else `"*"`'s, else the defaults."""
+        return self.tenants.get(name) or self.tenants.get("*") or Tenant()
 
     def __post_init__(self) -> None:
         shorthand = [name for name in ("model", "tokenizer") if getattr(self, name) is not None]

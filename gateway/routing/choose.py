@@ -52,7 +52,7 @@ async def choose_route(
         session=ctx.session,
         tenant=ctx.tenant,
         constraint=features.constraint,
-        cache_salt=features.cache_salt,
+        cache_salt=state.salts.salt(ctx.tenant, features.cache_salt),
     )
     with measured(state, "policy", ctx.span) as span:
         engines = model.engines

@@ -25,6 +25,7 @@ from gateway.routing.policy import Policy
 from gateway.serving.reload import WatchedFile
 from gateway.apis.response_store import ResponseStorage
 from gateway.apis.shared_responses import response_store
+from gateway.edge.tenancy import CacheSalts
 from gateway.edge.unknown_fields import IgnoredFields
 from gateway.serving.runtime import ModelRuntime
 
@@ -57,6 +58,11 @@ class GatewayState:
     """Unknown request fields ignored so far (`gateway.edge.unknown_fields`): each logged once."""
     ignored_edits: IgnoredEdits = field(default_factory=IgnoredEdits)
     """Context edit types ignored so far, for their bounded metric labels."""
+    salts: CacheSalts = field(init=False)
+    """The `cache_salt` each tenant's requests get (`gateway.edge.tenancy`)."""
+
+    def __post_init__(self) -> None:
+        self.salts = CacheSalts(self.config)
 
     def policy(self, model: ModelRuntime) -> Policy:
         """The policy file's, as last loaded; without one, the model's fixed route."""
