@@ -177,6 +177,32 @@ class ResponseStoreConfig(Struct, forbid_unknown_fields=True, kw_only=True):
         return msgspec.structs.replace(self, max_tenant_entries=self.max_entries, max_tenant_bytes=self.max_bytes)
 
 
+class StateConfig(Struct, forbid_unknown_fields=True, kw_only=True):
+    """Where the state that outlives a request is kept (the Responses store): `memory`, this
+    process's (the workers of `--workers N` share an SQLite file in the run's folder), or
+    `redis`, one server that every replica and worker shares."""
+
+    backend: Literal["memory", "redis"] = "memory"
+    url: str | None = None
+    """The Redis server, `redis://[user:password@]host:port/db` (`rediss://` for TLS)."""
+    timeout_s: Annotated[float, Meta(gt=0)] = 0.5
+    """The longest one store operation may take; past it (or with the server down) a request
+    that needs the store is answered 503 `state_unavailable`."""
+    key_prefix: str = "onehop:"
+    """Every key this gateway writes starts with it: several deployments can share a server."""
+    ttl_s: Annotated[int, Meta(ge=1)] | None = None
+    """Stored Responses expire this long after their last use (Redis only); unset, only the
+    bounds evict them."""
+
+    def __post_init__(self) -> None:
+        if self.backend == "redis" and not self.url:
+            raise ConfigError("state.url is required for state.backend: redis")
+        if self.url is not None and not self.url.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(f"state.url must be a redis://, rediss:// or unix:// URL, not {self.url!r}")
+        if self.backend == "memory" and self.ttl_s is not None:
+            raise ConfigError("state.ttl_s applies to state.backend: redis only")
+
+
 class Health(Struct, forbid_unknown_fields=True, kw_only=True):
     interval_s: Annotated[float, Meta(gt=0)] = 2.0
     """Active checks: GET /health on every engine this often."""
@@ -378,6 +404,7 @@ class GatewayConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     limits: Limits = msgspec.field(default_factory=Limits)
     auth: Auth = msgspec.field(default_factory=Auth)
     response_store: ResponseStoreConfig = msgspec.field(default_factory=ResponseStoreConfig)
+    state: StateConfig = msgspec.field(default_factory=StateConfig)
     agents: Agents = msgspec.field(default_factory=Agents)
     tenants: dict[str, Tenant] = msgspec.field(default_factory=dict)
     """Per tenant name (the API key lines' `TENANT KEY`), and `"*"` for the others."""

@@ -606,7 +606,7 @@ class MessagesPresenter:
             context_management=self._context,
         )
 
-    def whole(self, turn: Turn[MessagesRequest], meta: Presented, completion: ChatCompletion) -> Message:
+    async def whole(self, turn: Turn[MessagesRequest], meta: Presented, completion: ChatCompletion) -> Message:
         return MessagesAssembler(self.present(turn, meta), meta.prompt_tokens).whole(completion)
 
     async def stream(
@@ -619,7 +619,7 @@ class MessagesPresenter:
                     yield out
         yield assembler.end()
 
-    def relayed(self, turn: Turn[MessagesRequest], meta: Presented, final: bytes) -> None:
+    async def relayed(self, turn: Turn[MessagesRequest], meta: Presented, final: bytes) -> None:
         """Nothing is kept of a Message."""
 
     def error_frame(self, error: GatewayError, sequence: int | None = None) -> bytes:

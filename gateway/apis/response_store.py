@@ -11,19 +11,28 @@ Past an owner's share (`max_tenant_*`) that owner's least recently used go first
 whole store's bound (`max_*`), the least recently used of anyone's.
 
 `ResponseStore` is one process's; `gateway.apis.shared_responses` keeps the same over an SQLite
-file that `--workers N` share.
+file that `--workers N` share, `gateway.apis.redis_responses` in a Redis server that replicas
+share (`state: {backend: redis}`). Requests reach each through the async `ResponseStorage`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import sqlite3
 from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from functools import partial
+from typing import Protocol, TypeVar
 
 import msgspec
 
 from wire.openai_schema import ChatMessageParam
 from gateway.config import ResponseStoreConfig
+from gateway.edge.errors import StateUnavailable
+
+T = TypeVar("T")
 
 ENTRY_OVERHEAD = 400
 """Bytes an entry takes besides its JSON, in CPython 3.11: its id, two bytes objects' headers,
@@ -56,9 +65,11 @@ class StoredResponse:
 
 
 class ResponseStorage(Protocol):
-    """Where finished responses are kept: `ResponseStore`, or the one workers share."""
+    """Where finished responses are kept, as requests reach it: `InProcess` (over `ResponseStore`,
+    or the SQLite file workers share) or `RedisResponseStore`. A store that cannot answer in
+    `state.timeout_s` raises `gateway.edge.errors.StateUnavailable`."""
 
-    def put(
+    async def put(
         self,
         owner: str,
         response_id: str,
@@ -70,11 +81,78 @@ class ResponseStorage(Protocol):
         share: it is not kept."""
         ...
 
-    def get(self, owner: str, response_id: str) -> StoredResponse | None:
+    async def get(self, owner: str, response_id: str) -> StoredResponse | None:
         """None when there is none by that id, or it is another owner's."""
         ...
 
+    async def delete(self, owner: str, response_id: str) -> bool: ...
+
+    async def close(self) -> None: ...
+
+
+class SyncStorage(Protocol):
+    """A store whose operations return at once (`ResponseStore`) or block (the SQLite file)."""
+
+    def put(
+        self,
+        owner: str,
+        response_id: str,
+        response: bytes,
+        conversation: list[ChatMessageParam],
+        session: str | None = None,
+    ) -> bool: ...
+
+    def get(self, owner: str, response_id: str) -> StoredResponse | None: ...
+
     def delete(self, owner: str, response_id: str) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+class InProcess:
+    """A synchronous store as `ResponseStorage`: called in place when it never blocks (this
+    process's memory), else on a thread of its own, one call at a time, bounded by `timeout_s`
+    (the SQLite file: its lock may be held by another worker)."""
+
+    def __init__(self, store: SyncStorage, timeout_s: float | None = None) -> None:
+        self.store = store
+        self._timeout_s = timeout_s
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="response-store") if timeout_s is not None else None
+
+    async def put(
+        self,
+        owner: str,
+        response_id: str,
+        response: bytes,
+        conversation: list[ChatMessageParam],
+        session: str | None = None,
+    ) -> bool:
+        return await self._call(partial(self.store.put, owner, response_id, response, conversation, session))
+
+    async def get(self, owner: str, response_id: str) -> StoredResponse | None:
+        return await self._call(partial(self.store.get, owner, response_id))
+
+    async def delete(self, owner: str, response_id: str) -> bool:
+        return await self._call(partial(self.store.delete, owner, response_id))
+
+    async def close(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+        self.store.close()
+
+    async def _call(self, operation: Callable[[], T]) -> T:
+        if self._thread is None:
+            return operation()
+        done = asyncio.get_running_loop().run_in_executor(self._thread, operation)
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                return await done
+        except TimeoutError:
+            raise StateUnavailable(
+                f"the Responses store did not answer in state.timeout_s={self._timeout_s}s; retry later"
+            ) from None
+        except sqlite3.Error as exc:
+            raise StateUnavailable(f"the Responses store failed: {exc}; retry later") from exc
 
 
 @dataclass(slots=True)
@@ -152,6 +230,9 @@ class ResponseStore:
             return False
         self._drop(response_id)
         return True
+
+    def close(self) -> None:
+        """Nothing to release: what it holds goes with the process."""
 
     def _drop(self, response_id: str) -> None:
         entry = self._entries.pop(response_id, None)

@@ -422,9 +422,9 @@ class ResponsesPresenter:
         started = msgspec.to_builtins(_started(turn.original, meta))
         return ResponsesPresent(response=started, callees=tools.callees, text_call=_text_call(turn))
 
-    def whole(self, turn: Turn[ResponsesRequest], meta: Presented, completion: ChatCompletion) -> dict[str, Any]:
+    async def whole(self, turn: Turn[ResponsesRequest], meta: Presented, completion: ChatCompletion) -> dict[str, Any]:
         response = ResponsesAssembler(self.present(turn, meta)).whole(completion)
-        self._keep(turn, meta.response_id, _encode(response), response["output"])
+        await self._keep(turn, meta.response_id, _encode(response), response["output"])
         return response
 
     async def stream(
@@ -438,10 +438,10 @@ class ResponsesPresenter:
         out = assembler.end()
         response = assembler.response
         assert response is not None  # `end` made it
-        self._keep(turn, meta.response_id, _encode(response), response["output"])
+        await self._keep(turn, meta.response_id, _encode(response), response["output"])
         yield out
 
-    def relayed(self, turn: Turn[ResponsesRequest], meta: Presented, final: bytes) -> None:
+    async def relayed(self, turn: Turn[ResponsesRequest], meta: Presented, final: bytes) -> None:
         """The engine assembled the answer (the `derender` route): `final` is its Response, or
         the data of its last event, which holds it."""
         if self._store is None or turn.original.store is False:
@@ -449,7 +449,7 @@ class ResponsesPresenter:
         if final.startswith(b'{"type":"response.'):
             final = bytes(_FINAL_EVENT.decode(final).response)
         kept = _KEPT.decode(final)
-        self._keep(turn, meta.response_id, final, kept.output)
+        await self._keep(turn, meta.response_id, final, kept.output)
 
     def error_frame(self, error: GatewayError, sequence: int | None = None) -> bytes:
         """`sequence`: the error event's number, when the events before it were not numbered here."""
@@ -459,11 +459,15 @@ class ResponsesPresenter:
         event.sequence_number = sequence
         return b"event: error\ndata: " + _encode(event) + b"\n\n"
 
-    def _keep(self, turn: Turn[ResponsesRequest], response_id: str, response: bytes, output: list[OutputItem]) -> None:
+    async def _keep(
+        self, turn: Turn[ResponsesRequest], response_id: str, response: bytes, output: list[OutputItem]
+    ) -> None:
+        """Stored before the client sees the end of the answer, so that it may continue it at
+        once; a store that cannot take it raises `StateUnavailable` (a 503, or a stream's error event)."""
         if self._store is None or turn.original.store is False:
             return
         carried = without_instructions(turn.original.instructions, turn.chat.messages)  # not carried
-        self._store.put(self._owner, response_id, response, [*carried, _assistant(output)])
+        await self._store.put(self._owner, response_id, response, [*carried, _assistant(output)])
 
 
 class _FinalEvent(Struct):

@@ -6,7 +6,12 @@ stored answers live in one SQLite file in the run's folder (WAL: readers do
 not wait for a writer), scoped and bounded as the single-process store is
 (`gateway.apis.response_store`: each owner's share, then the whole store's bound, the
 least recently used evicted first; sizes counted alike). A single-process
-gateway keeps its in-memory `ResponseStore`.
+gateway keeps its in-memory `ResponseStore`; with `state: {backend: redis}` every worker
+and replica uses the Redis server instead (`gateway.apis.redis_responses`).
+
+Its calls block (on the file, on another worker's write lock), so requests reach it through
+`InProcess` on a thread of its own, each call bounded by `state.timeout_s`. A read takes no
+write lock: it reads, then marks the entry used in a statement of its own.
 """
 
 from __future__ import annotations
@@ -17,8 +22,9 @@ from pathlib import Path
 import msgspec
 
 from wire.openai_schema import ChatMessageParam
-from gateway.config import ResponseStoreConfig
-from gateway.apis.response_store import ResponseStore, StoredResponse, entry_size
+from gateway.config import ResponseStoreConfig, StateConfig
+from gateway.apis.redis_responses import RedisResponseStore
+from gateway.apis.response_store import InProcess, ResponseStorage, ResponseStore, StoredResponse, entry_size
 from gateway.serving.worker_env import run_dir
 
 _encode = msgspec.json.Encoder().encode
@@ -42,11 +48,13 @@ BUSY_TIMEOUT_S = 5.0
 class SharedResponseStore:
     """`ResponseStore`'s interface over an SQLite file several processes open."""
 
-    def __init__(self, path: Path, bounds: ResponseStoreConfig | None = None) -> None:
+    def __init__(
+        self, path: Path, bounds: ResponseStoreConfig | None = None, busy_timeout_s: float = BUSY_TIMEOUT_S
+    ) -> None:
         self.bounds = bounds or ResponseStoreConfig()
-        # One connection per worker, used on its event loop only; autocommit, with
-        # explicit transactions where a change spans statements.
-        self._db = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
+        # One connection per worker, used by one thread at a time (`InProcess`'s); autocommit,
+        # with explicit transactions where a change spans statements.
+        self._db = sqlite3.connect(path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.executescript(_SCHEMA)
 
@@ -75,15 +83,16 @@ class SharedResponseStore:
         return True
 
     def get(self, owner: str, response_id: str) -> StoredResponse | None:
-        with self._transaction():
-            row = self._db.execute(
-                "SELECT body, conversation, session FROM responses WHERE id = ? AND owner = ?", (response_id, owner)
-            ).fetchone()
-            if row is None:
-                return None
-            self._db.execute(
-                "UPDATE responses SET used = (SELECT MAX(used) + 1 FROM responses) WHERE id = ?", (response_id,)
-            )
+        row = self._db.execute(  # WAL: a read waits for no writer
+            "SELECT body, conversation, session FROM responses WHERE id = ? AND owner = ?", (response_id, owner)
+        ).fetchone()
+        if row is None:
+            return None
+        # One statement, its own transaction: gone meanwhile, it changes nothing.
+        self._db.execute(
+            "UPDATE responses SET used = (SELECT MAX(used) + 1 FROM responses) WHERE id = ? AND owner = ?",
+            (response_id, owner),
+        )
         body, history, session = row
         return StoredResponse(msgspec.Raw(body), _CONVERSATION.decode(history), session)
 
@@ -127,7 +136,13 @@ class _Transaction:
         self._db.execute("COMMIT" if kind is None else "ROLLBACK")
 
 
-def response_store(bounds: ResponseStoreConfig | None = None) -> ResponseStore | SharedResponseStore:
-    """The run's shared store under `--workers N`, else this process's own."""
+def response_storage(state: StateConfig, bounds: ResponseStoreConfig | None = None) -> ResponseStorage:
+    """The Redis server's store with `state.backend: redis`; else the run's SQLite file under
+    `--workers N`, or this process's own memory."""
+    if state.backend == "redis":
+        return RedisResponseStore(state, bounds)
     folder = run_dir()
-    return SharedResponseStore(folder / "responses.sqlite", bounds) if folder is not None else ResponseStore(bounds)
+    if folder is None:
+        return InProcess(ResponseStore(bounds))
+    shared = SharedResponseStore(folder / "responses.sqlite", bounds, busy_timeout_s=state.timeout_s)
+    return InProcess(shared, timeout_s=state.timeout_s)

@@ -77,7 +77,7 @@ class Presenter(Protocol[F]):
         """What the API's assembler needs of the request, sent to a derender engine."""
         ...
 
-    def relayed(self, turn: Turn[F], meta: Presented, final: bytes) -> None:
+    async def relayed(self, turn: Turn[F], meta: Presented, final: bytes) -> None:
         """The engine assembled the answer: `final` is its whole answer, or the data of its
         final event (one of `final_events`); the API keeps what it stores of it."""
         ...
@@ -89,7 +89,7 @@ class Presenter(Protocol[F]):
         its closing event included (no `[DONE]` unless the API sends one)."""
         ...
 
-    def whole(self, turn: Turn[F], meta: Presented, completion: ChatCompletion) -> Any:
+    async def whole(self, turn: Turn[F], meta: Presented, completion: ChatCompletion) -> Any:
         """A whole chat completion as this API's answer object (JSON-encodable)."""
         ...
 

@@ -21,6 +21,7 @@ and as client libraries match on (`context_length_exceeded`, `model_not_found`,
     ├── EngineUnavailable   503   server_error / engine_unavailable (no engine answered)
     │   ├── EngineTimeout   504   server_error / engine_timeout (too slow, or went silent)
     │   └── EngineRoutesOff 503   server_error / engine_unavailable (a 403: its generate API is off)
+    ├── StateUnavailable    503   server_error / state_unavailable (the shared store did not answer)
     ├── StreamDeadline      504   server_error / stream_deadline_exceeded (not retried)
     └── EngineFailed        502   server_error / engine_failed (an answer we cannot pass on)
         └── EngineDied      502   server_error / engine_failed (the connection closed while the
@@ -142,6 +143,16 @@ class EngineTimeout(EngineUnavailable):
 class EngineRoutesOff(EngineUnavailable):
     """The engine answered 403 to the generate API (stock vLLM without `--enable-scale-out`):
     it is healthy, it just serves none of the gateway's routes; another engine is tried."""
+
+
+class StateUnavailable(GatewayError):
+    """The shared state (`state:`, the Responses store) did not answer in `state.timeout_s`, or
+    refused: only the requests that need it fail, and they may be retried once it is back. Not
+    an engine's failure: never retried on another engine, never held against one's circuit."""
+
+    status = 503
+    type = "server_error"
+    code: str | None = "state_unavailable"
 
 
 class StreamDeadline(GatewayError):

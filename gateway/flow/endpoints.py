@@ -106,7 +106,7 @@ class Endpoint(Protocol[R]):
     chunk_decoder: msgspec.json.Decoder[Any]
     answer_decoder: msgspec.json.Decoder[Any]
 
-    def decode(self, body: bytes, edge: Edge, state: GatewayState) -> R: ...
+    async def decode(self, body: bytes, edge: Edge, state: GatewayState) -> R: ...
 
     def forwarded(self, request: R, body: bytes) -> bytes:
         """The body engines and vLLM's services see: the client's, or the chat request it runs as."""
@@ -197,7 +197,7 @@ class Chat:
     chunk_decoder = CHAT_COMPLETION_CHUNK_DECODER
     answer_decoder = CHAT_COMPLETION_DECODER
 
-    def decode(self, body: bytes, edge: Edge, state: GatewayState) -> ChatCompletionRequest:
+    async def decode(self, body: bytes, edge: Edge, state: GatewayState) -> ChatCompletionRequest:
         request: ChatCompletionRequest = decode(CHAT_COMPLETION_REQUEST_DECODER, body, "chat completion")
         return request
 
@@ -304,7 +304,7 @@ class Completions:
     chunk_decoder = COMPLETION_CHUNK_DECODER
     answer_decoder = COMPLETION_DECODER
 
-    def decode(self, body: bytes, edge: Edge, state: GatewayState) -> CompletionRequest:
+    async def decode(self, body: bytes, edge: Edge, state: GatewayState) -> CompletionRequest:
         request: CompletionRequest = decode(COMPLETION_REQUEST_DECODER, body, "completion")
         return request
 
@@ -454,11 +454,11 @@ class Responses(TranslatedChat[ResponsesRequest]):
     name = "responses"
     id_prefix = "resp_"
 
-    def decode(self, body: bytes, edge: Edge, state: GatewayState) -> Turn[ResponsesRequest]:
+    async def decode(self, body: bytes, edge: Edge, state: GatewayState) -> Turn[ResponsesRequest]:
         request = tolerated(decode_responses_request, self.name, body, state)
         history: list[Any] = []
         if request.previous_response_id is not None:
-            stored = state.responses.get(edge.owner, request.previous_response_id)
+            stored = await state.responses.get(edge.owner, request.previous_response_id)
             if stored is None:
                 raise InvalidRequest(  # OpenAI's answer, a 400; another tenant's id gets it too
                     f"Previous response with id '{request.previous_response_id}' not found.",
@@ -482,7 +482,7 @@ class Messages(TranslatedChat[MessagesRequest]):
     name = "messages"
     id_prefix = "msg_"
 
-    def decode(self, body: bytes, edge: Edge, state: GatewayState) -> Turn[MessagesRequest]:
+    async def decode(self, body: bytes, edge: Edge, state: GatewayState) -> Turn[MessagesRequest]:
         request = tolerated(decode_messages_request, self.name, body, state)
         translated = translate_messages(request, state.config.agents)
         count_left_out(state, self.name, translated.dropped_tools, translated.ignored_edits)

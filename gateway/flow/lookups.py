@@ -1,5 +1,5 @@
 """Endpoints answered without an engine: stored responses (`GET`/`DELETE /v1/responses/{id}`,
-from this replica's store; the caller's own only, another's is answered as an unknown id),
+from the Responses store (`state:`); the caller's own only, another's is answered as an unknown id),
 OpenAI's `POST /v1/responses/input_tokens` and Anthropic's `POST /v1/messages/count_tokens`
 (the prompt the model would see, rendered as a chat request is)."""
 
@@ -46,7 +46,7 @@ def _missing(response_id: str) -> NotFound:
 
 async def handle_get_response(http: web.Request) -> web.Response:
     response_id = http.match_info["response_id"]
-    stored = http.app[GATEWAY].responses.get(owner(http), response_id)
+    stored = await http.app[GATEWAY].responses.get(owner(http), response_id)
     if stored is None:
         raise _missing(response_id)
     return _json(stored.response)
@@ -54,7 +54,7 @@ async def handle_get_response(http: web.Request) -> web.Response:
 
 async def handle_delete_response(http: web.Request) -> web.Response:
     response_id = http.match_info["response_id"]
-    if not http.app[GATEWAY].responses.delete(owner(http), response_id):
+    if not await http.app[GATEWAY].responses.delete(owner(http), response_id):
         raise _missing(response_id)
     return _json(DeletedResponse(id=response_id))
 
@@ -71,7 +71,7 @@ async def handle_input_tokens(http: web.Request) -> web.Response:
     would render it; only the fields that shape the prompt matter."""
     state = http.app[GATEWAY]
     body = await read_body(http, state.config.timeouts.client_body_s)
-    chat = RESPONSES.decode(body, Edge.of(http, RESPONSES.name, request_id="", deadline_s=None), state).chat
+    chat = (await RESPONSES.decode(body, Edge.of(http, RESPONSES.name, request_id="", deadline_s=None), state)).chat
     return _json(InputTokens(input_tokens=await _prompt_tokens(http, chat)))
 
 

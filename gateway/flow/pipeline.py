@@ -88,7 +88,7 @@ async def serve(http: web.Request, endpoint: Endpoint[Any]) -> web.StreamRespons
     edge = Edge.of(http, endpoint.name, response_id, state.config.timeouts.stream_deadline_s)
     edge.tally.request_id = response_id
     body = await read_body(http, state.config.timeouts.client_body_s)
-    request = endpoint.decode(body, edge, state)
+    request = await endpoint.decode(body, edge, state)
     ctx, sampling = checked(state, edge, endpoint, request, body)
     async with state.admitted():
         prompts, ctx = await prepare(state, ctx, endpoint, request, body, sampling)
@@ -367,7 +367,7 @@ class Exchange:
             leg = self.legs[0]
             answer = await route.answer(leg)
             tally.record([choice.finish_reason for choice in answer.choices], Tokens.of_usage(answer.usage))
-            return Responder.json(_encode(self.presenter.whole(self.request, self._presented(leg), answer)))
+            return Responder.json(_encode(await self.presenter.whole(self.request, self._presented(leg), answer)))
         if len(self.legs) > 1:
             return self._merged_answer(await all_of([route.answer(leg) for leg in self.legs]))
         return Responder.json(await route.body(self.legs[0]))

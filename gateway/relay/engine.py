@@ -16,7 +16,7 @@ The routes (`gateway.relay.routes`) are made of these; the client side is `gatew
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, aclosing
 from typing import Any, Protocol
 
@@ -201,15 +201,30 @@ ENGINE_COMMENT = b": onehop-engine-"
 class Presenting:
     """The derender route answering in another API's events (`wire.protocol.Present`): the
     engine wrote them, the gateway counts them (an error event it adds is numbered after
-    them), hands the data of the final one to `keep`, and ends the stream without `[DONE]`."""
+    them), hands the data of the final one to `keep`, and ends the stream without `[DONE]`.
 
-    __slots__ = ("events", "final", "keep")
+    The final event is held back until `keep` returns: a client that saw it may at once ask for
+    what was kept (`previous_response_id`), and a store that failed ends the stream with an
+    error event instead."""
 
-    def __init__(self, final_events: tuple[str, ...], keep: Callable[[bytes], None]) -> None:
+    __slots__ = ("events", "final", "held", "keep")
+
+    def __init__(self, final_events: tuple[str, ...], keep: Callable[[bytes], Awaitable[None]]) -> None:
         self.final = tuple(b"event: " + name.encode() + b"\n" for name in final_events)
         self.keep = keep
         self.events = 0
         """How many events went to the client."""
+        self.held: bytes | None = None
+        """The final event, until what it holds is kept."""
+
+    async def release(self) -> bytes:
+        """The held final event, once its data is kept (raises what keeping it raised)."""
+        held, self.held = self.held, None
+        if held is None:
+            return b""
+        await self.keep(held[held.find(b"\ndata: {") + 7 :])
+        self.events += 1
+        return held + b"\n\n"
 
 
 class EngineEvents:
@@ -279,8 +294,7 @@ class EngineEvents:
         if self.done:
             return False
         if event.startswith(b"event: ") and self._presenting is not None:
-            self._named(event, self._presenting)
-            return True
+            return self._named(event, self._presenting)
         if event.startswith(b"data: "):
             self.done = event == DONE_EVENT
             if self.done and self._presenting is not None:
@@ -299,8 +313,9 @@ class EngineEvents:
             return True
         raise EngineFailed(f"the engine's stream is not SSE: {event[:120]!r}")
 
-    def _named(self, event: bytes, presenting: Presenting) -> None:
-        """Check an `event:`-named event (one line naming its type, one `data:` line)."""
+    def _named(self, event: bytes, presenting: Presenting) -> bool:
+        """Check an `event:`-named event (one line naming its type, one `data:` line); the
+        final one is held back (`Presenting.release`)."""
         start = event.find(b"\ndata: {")
         if start < 0:
             raise EngineFailed(f"the engine sent an event without data: {event[:120]!r}")
@@ -309,19 +324,22 @@ class EngineEvents:
             _JSON_OBJECT.decode(data)
         except msgspec.DecodeError as exc:
             raise _invalid_chunk(exc, event) from exc
-        presenting.events += 1
         if event.startswith(presenting.final):
-            presenting.keep(data)
+            presenting.held = event
+            return False
+        presenting.events += 1
+        return True
 
-    def tail(self) -> bytes:
-        """Nothing more to send (the engine's `[DONE]` went out); raises for a stream cut short."""
+    async def tail(self) -> bytes:
+        """Nothing more to send (the engine's `[DONE]` went out) but a held final event; raises
+        for a stream cut short."""
         if self._broken is not None:
             raise self._broken
         if not self.done:
             raise EngineFailed("the engine stream ended before [DONE]")
         if self.summary is not None:
             self._tally.record(self.summary.finish_reasons, Tokens.of_summary(self.summary))
-        return b""
+        return await self._presenting.release() if self._presenting is not None else b""
 
 
 DONE_EVENT = b"data: " + DONE
@@ -337,7 +355,7 @@ class Events(Protocol):
 
     def feed(self, data: bytes) -> bytes: ...
 
-    def tail(self) -> bytes: ...
+    async def tail(self) -> bytes: ...
 
 
 async def spliced(
@@ -359,7 +377,7 @@ async def spliced(
                         break
         if stream is not None and direct is not None:  # after [DONE] too: read to its end, the connection is reused
             await splice(direct, events, stream, timeouts.idle_s)
-    tail = events.tail()
+    tail = await events.tail()
     if tail:
         yield tail
 
@@ -560,7 +578,7 @@ class Derendered:
             last.append(usage)
         return last
 
-    def tail(self) -> bytes:
+    async def tail(self) -> bytes:
         return _frames(self.finish())
 
 

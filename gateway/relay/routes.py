@@ -148,7 +148,7 @@ class Relayed:
         if summary is not None:
             self._up.tally.record(summary.finish_reasons, Tokens.of_summary(summary))
         if self._presenting is not None:
-            self._presenting.keep(raw)
+            await self._presenting.keep(raw)
         return raw
 
     async def chunks(self, leg: Leg) -> AsyncGenerator[Any, None]:

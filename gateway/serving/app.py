@@ -49,7 +49,7 @@ from gateway.serving.memory import release_freed_memory
 from gateway.flow.lookups import handle_count_tokens, handle_delete_response, handle_get_response, handle_input_tokens
 from gateway.apis.messages import error_body as messages_error_body
 from gateway.flow.pipeline import handle_chat, handle_completion, handle_messages, handle_responses
-from gateway.apis.shared_responses import response_store
+from gateway.apis.shared_responses import response_storage
 from gateway.serving.runtime import ModelRuntime
 from gateway.observe.metrics import GatewayMetrics
 from gateway.routing.policy import Policy, policy_for
@@ -184,6 +184,7 @@ async def _lifecycle(app: web.Application, plans: list[_ModelPlan]) -> AsyncIter
             await engines.close()
         for model in state.served():
             model.renderer.close()
+        await state.responses.close()
         raise
     yield
     await loops.stop()
@@ -199,6 +200,7 @@ async def _lifecycle(app: web.Application, plans: list[_ModelPlan]) -> AsyncIter
         await engines.close()
     for model in state.served():
         model.renderer.close()
+    await state.responses.close()
     await state.tracing.shutdown()
 
 
@@ -388,7 +390,7 @@ def create_app(config: GatewayConfig) -> web.Application:
     stored = config.response_store if config.auth.enabled else config.response_store.one_tenant()
     state = GatewayState(
         config=config, gate=gate, clients=clients, feedback=feedback, tracing=tracing, metrics=metrics,
-        responses=response_store(stored),
+        responses=response_storage(config.state, stored),
     )
     app[GATEWAY] = state
     state.outcomes.subscribe(describe_outcome)

@@ -23,8 +23,7 @@ from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.outcome import Outcomes
 from gateway.routing.policy import Policy
 from gateway.serving.reload import WatchedFile
-from gateway.apis.response_store import ResponseStorage
-from gateway.apis.shared_responses import response_store
+from gateway.apis.response_store import InProcess, ResponseStorage, ResponseStore
 from gateway.edge.tenancy import CacheSalts
 from gateway.edge.unknown_fields import IgnoredFields
 from gateway.serving.runtime import ModelRuntime
@@ -51,9 +50,10 @@ class GatewayState:
     """Alias patterns (`claude-*`), in config order: tried when no exact name matches."""
     background: set[asyncio.Task[object]] = field(default_factory=set)
     """Aborts sent after a client left; kept referenced until done."""
-    responses: ResponseStorage = field(default_factory=response_store)
-    """Responses API answers kept for `previous_response_id` and `GET /v1/responses/{id}`:
-    this replica's (its workers share them), each caller's own, bounded, lost on restart."""
+    responses: ResponseStorage = field(default_factory=lambda: InProcess(ResponseStore()))
+    """Responses API answers kept for `previous_response_id` and `GET /v1/responses/{id}`,
+    each caller's own, bounded: this replica's (its workers share them), lost on restart, or
+    with `state.backend: redis` the Redis server's, which every replica shares."""
     ignored_fields: IgnoredFields = field(default_factory=IgnoredFields)
     """Unknown request fields ignored so far (`gateway.edge.unknown_fields`): each logged once."""
     ignored_edits: IgnoredEdits = field(default_factory=IgnoredEdits)

@@ -239,7 +239,7 @@ def turn_of(**body: Any) -> Turn[MessagesRequest]:
     return turn(request, to_chat(request))
 
 
-def test_whole_answer_with_reasoning_text_and_tool_calls() -> None:
+async def test_whole_answer_with_reasoning_text_and_tool_calls() -> None:
     message = ChatCompletionMessage(
         content="Checking.",
         reasoning="Need the weather.",
@@ -248,7 +248,7 @@ def test_whole_answer_with_reasoning_text_and_tool_calls() -> None:
             ToolCall(id="call_2", function=FunctionCall(name="get_weather", arguments="not json")),
         ],
     )
-    answer = MessagesPresenter().whole(turn_of(), META, completion(message, "tool_calls", cached=4))
+    answer = await MessagesPresenter().whole(turn_of(), META, completion(message, "tool_calls", cached=4))
     parsed = anthropic.types.Message.model_validate_json(_encode(answer))  # the SDK's own validation
     assert parsed.id == "msg_0123" and parsed.model == "client-name" and parsed.role == "assistant"
     assert [block.to_dict() for block in parsed.content] == [
@@ -272,8 +272,8 @@ def test_whole_answer_with_reasoning_text_and_tool_calls() -> None:
         (ChatCompletionMessage(content=None, tool_calls=[ToolCall(id="c", function=FunctionCall(name="f", arguments="{}"))]), "stop", None, ("tool_use", None)),
     ],
 )
-def test_stop_reasons(message: ChatCompletionMessage, finish: str, stop_reason: Any, expected: tuple[str, str | None]) -> None:
-    answer = MessagesPresenter().whole(turn_of(stop_sequences=["###"]), META, completion(message, finish, stop_reason))
+async def test_stop_reasons(message: ChatCompletionMessage, finish: str, stop_reason: Any, expected: tuple[str, str | None]) -> None:
+    answer = await MessagesPresenter().whole(turn_of(stop_sequences=["###"]), META, completion(message, finish, stop_reason))
     assert (answer.stop_reason, answer.stop_sequence) == expected
 
 

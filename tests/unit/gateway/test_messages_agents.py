@@ -169,7 +169,7 @@ def test_unknown_edit_types_are_ignored_and_malformed_ones_named() -> None:
     assert refused(messages=THREE_TURNS, context_management={"edit": []}).param == "context_management.edit"
 
 
-def test_applied_edits_reach_the_answer() -> None:
+async def test_applied_edits_reach_the_answer() -> None:
     request = decode_request(_encode({"model": "m", "max_tokens": 64, "messages": THREE_TURNS, "context_management": {"edits": [{"type": "clear_thinking_20251015"}]}})).request
     result = translate(request)
     meta = Presented(response_id="msg_1", model="m", created=0, prompt_tokens=3)
@@ -177,9 +177,9 @@ def test_applied_edits_reach_the_answer() -> None:
         model="m", choices=[ChatCompletionChoice(index=0, message=ChatCompletionMessage(content="ok"), finish_reason="stop")],
         usage=Usage(prompt_tokens=3, completion_tokens=1, total_tokens=4),
     )
-    message = msgspec.to_builtins(MessagesPresenter(result.applied).whole(turn(request, result.chat), meta, answer))
+    message = msgspec.to_builtins(await MessagesPresenter(result.applied).whole(turn(request, result.chat), meta, answer))
     assert message["context_management"]["applied_edits"][0]["cleared_thinking_turns"] == 2
-    assert "context_management" not in msgspec.to_builtins(MessagesPresenter(None).whole(turn(request, result.chat), meta, answer))
+    assert "context_management" not in msgspec.to_builtins(await MessagesPresenter(None).whole(turn(request, result.chat), meta, answer))
     assert isinstance(result.applied, ContextManagementResponse)
 
 

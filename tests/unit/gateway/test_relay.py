@@ -45,12 +45,12 @@ def fed(events: EngineEvents, pieces: list[bytes]) -> bytes:
 
 
 @pytest.mark.parametrize("cut", range(1, len(BODY)))
-def test_events_pass_whole_events_at_any_split(cut: int) -> None:
+async def test_events_pass_whole_events_at_any_split(cut: int) -> None:
     tally = Tally()
     events = EngineEvents(tally)
     assert fed(events, [BODY[:cut], BODY[cut:]]) == RELAYED
     assert events.done and events.summary == SUMMARY
-    assert events.tail() == b""
+    assert await events.tail() == b""
     assert tally.finish_reasons == ("stop",)
     assert tally.tokens == Tokens(prompt=7, cached=0, completion=3, reasoning=1)
 
@@ -84,14 +84,14 @@ def test_events_after_done_are_not_sent() -> None:
     assert events.feed(b"data: {}\n\n") == b""
 
 
-def test_events_bad_event_raised_after_the_good_ones_went_out() -> None:
+async def test_events_bad_event_raised_after_the_good_ones_went_out() -> None:
     events = EngineEvents()
     out = events.feed(DATA + b"<html>502 Bad Gateway</html>\n\n")
     assert out == DATA
     with pytest.raises(EngineFailed, match="not SSE"):
         events.feed(b"data: [DONE]\n\n")
     with pytest.raises(EngineFailed, match="not SSE"):
-        events.tail()
+        await events.tail()
 
 
 def test_events_invalid_json_chunk() -> None:
@@ -100,11 +100,11 @@ def test_events_invalid_json_chunk() -> None:
         events.feed(b'data: {"id": \n\n')
 
 
-def test_events_cut_before_done() -> None:
+async def test_events_cut_before_done() -> None:
     events = EngineEvents()
     assert events.feed(DATA + b"data: {") == DATA
     with pytest.raises(EngineFailed, match=r"ended before \[DONE\]"):
-        events.tail()
+        await events.tail()
 
 
 def test_events_oversized_partial_event() -> None:

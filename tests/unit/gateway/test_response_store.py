@@ -21,7 +21,7 @@ from wire.openai_schema import (
     Usage,
 )
 from gateway.config import ResponseStoreConfig
-from gateway.apis.response_store import ENTRY_OVERHEAD, ResponseStore, entry_size
+from gateway.apis.response_store import ENTRY_OVERHEAD, InProcess, ResponseStore, entry_size
 from gateway.apis.responses import ResponsesPresenter, ResponsesRequest, decode_request, to_chat
 from gateway.apis.translate import Presented, Turn, turn
 
@@ -127,21 +127,21 @@ def _answer(rng: random.Random) -> tuple[tuple[Turn[ResponsesRequest], ChatCompl
     return (turn(request, to_chat(request, [])), completion), meta
 
 
-def test_what_the_store_holds_stays_near_its_bound() -> None:
+async def test_what_the_store_holds_stays_near_its_bound() -> None:
     """Filled past its bound several times over with answers of varied size, the store's own
     allocations (tracemalloc) stay within a small factor of the bound: it counts what it holds."""
     bound = 4 << 20
     store = ResponseStore(bounds(max_bytes=bound, max_tenant_bytes=bound, max_entries=100_000, max_tenant_entries=100_000))
     rng = random.Random(7)
     answers = [_answer(rng) for _ in range(600)]  # made before measuring: only the store's part counts
-    presenter = ResponsesPresenter(store, A)
+    presenter = ResponsesPresenter(InProcess(store), A)
     gc.collect()
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
         offered = 0
         for (asked, completion), meta in answers:
-            response = presenter.whole(asked, meta, completion)
+            response = await presenter.whole(asked, meta, completion)
             offered += len(msgspec.json.encode(response))
             del response
         gc.collect()

@@ -47,7 +47,7 @@ from wire.openai_schema import (
 from gateway.edge.errors import EngineFailed, EngineUnavailable, InvalidRequest
 from derender.custom_input import CustomInputStream, custom_input
 from gateway.apis.agent_tools import FREE_TEXT, ToolPolicy, hosted_types
-from gateway.apis.response_store import ResponseStore
+from gateway.apis.response_store import InProcess, ResponseStore
 from gateway.apis.responses import ResponsesPresenter, ResponsesRequest, decode_request, to_chat
 from gateway.apis.translate import Presented, Turn, turn
 from tests.support.narrow import of
@@ -459,10 +459,10 @@ ASKED: dict[str, Any] = {
 }
 
 
-def test_whole_answer_is_a_valid_response_and_is_stored() -> None:
+async def test_whole_answer_is_a_valid_response_and_is_stored() -> None:
     store = ResponseStore()
     asked = turn_of(**ASKED)
-    response = sdk_response(ResponsesPresenter(store, OWNER).whole(asked, META, completion()))
+    response = sdk_response(await ResponsesPresenter(InProcess(store), OWNER).whole(asked, META, completion()))
     assert (response.id, response.object, response.status, response.model, response.created_at) == (
         "resp_0123", "response", "completed", "sim", META.created)
     assert [item.type for item in response.output] == ["reasoning", "message", "function_call"]
@@ -492,9 +492,9 @@ def test_whole_answer_is_a_valid_response_and_is_stored() -> None:
         tool_calls=[ToolCall(id="call_1", function=FunctionCall("get_weather", '{"city":"Paris"}'))])
 
 
-def test_a_stored_turn_continues_with_previous_response_id() -> None:
+async def test_a_stored_turn_continues_with_previous_response_id() -> None:
     store = ResponseStore()
-    ResponsesPresenter(store, OWNER).whole(turn_of(**ASKED), META, completion())
+    await ResponsesPresenter(InProcess(store), OWNER).whole(turn_of(**ASKED), META, completion())
     stored = store.get(OWNER, META.response_id)
     assert stored is not None
     following = request(
@@ -505,9 +505,9 @@ def test_a_stored_turn_continues_with_previous_response_id() -> None:
     assert chat.messages[1].tool_calls and chat.messages[2].tool_call_id == "call_1"
 
 
-def test_reasoning_content_spelling_and_an_answer_cut_by_the_limit() -> None:
+async def test_reasoning_content_spelling_and_an_answer_cut_by_the_limit() -> None:
     answer = completion("length", reasoning=UNSET, reasoning_content="Hmm.", tool_calls=UNSET)
-    response = sdk_response(ResponsesPresenter(None, OWNER).whole(turn_of(input="Hi"), META, answer))
+    response = sdk_response(await ResponsesPresenter(None, OWNER).whole(turn_of(input="Hi"), META, answer))
     assert [item.type for item in response.output] == ["reasoning", "message"]
     assert response.status == "incomplete" and response.incomplete_details is not None
     assert response.incomplete_details.reason == "max_output_tokens" and response.completed_at is None
@@ -515,9 +515,9 @@ def test_reasoning_content_spelling_and_an_answer_cut_by_the_limit() -> None:
     assert [reasoning.status, message.status] == ["completed", "incomplete"]
 
 
-def test_store_false_and_empty_answers() -> None:
+async def test_store_false_and_empty_answers() -> None:
     store = ResponseStore()
-    response = ResponsesPresenter(store, OWNER).whole(turn_of(input="Hi", store=False), META, completion("stop", content=None, reasoning=None, tool_calls=UNSET))
+    response = await ResponsesPresenter(InProcess(store), OWNER).whole(turn_of(input="Hi", store=False), META, completion("stop", content=None, reasoning=None, tool_calls=UNSET))
     assert sdk_response(response).output == [] and store.get(OWNER, META.response_id) is None
 
 
@@ -592,7 +592,7 @@ EXPECTED_KINDS = [
 async def test_stream_events_are_valid_and_agree_with_the_whole_answer() -> None:
     store = ResponseStore()
     asked = turn_of(stream=True, **ASKED)
-    events = await streamed(ResponsesPresenter(store, OWNER), asked, answer_chunks())
+    events = await streamed(ResponsesPresenter(InProcess(store), OWNER), asked, answer_chunks())
     assert [event.type for event in events] == EXPECTED_KINDS
     assert [event.sequence_number for event in events] == list(range(len(events)))
     assert events[0].response.status == "in_progress" and events[0].response.output == []
@@ -612,7 +612,7 @@ async def test_stream_events_are_valid_and_agree_with_the_whole_answer() -> None
     assert [(item.call_id, item.name) for item in final.output[2:]] == [("call_1", "get_weather"), ("call_2", "get_time")]
     assert final.usage is not None and (final.usage.input_tokens, final.usage.output_tokens, final.usage.total_tokens) == (12, 20, 32)
 
-    whole = sdk_response(ResponsesPresenter(None, OWNER).whole(turn_of(**ASKED), META, completion()))
+    whole = sdk_response(await ResponsesPresenter(None, OWNER).whole(turn_of(**ASKED), META, completion()))
     shape = [(item.type, item.model_dump(exclude={"id"})) for item in whole.output[:2]]
     assert [(item.type, item.model_dump(exclude={"id"})) for item in final.output[:2]] == shape
 
@@ -683,10 +683,10 @@ AGENT_CALLS = [
 ]
 
 
-def test_namespace_and_custom_calls_come_back_as_their_items() -> None:
+async def test_namespace_and_custom_calls_come_back_as_their_items() -> None:
     store = ResponseStore()
-    presenter = ResponsesPresenter(store, OWNER)
-    response = sdk_response(presenter.whole(turn_of(**AGENT_ASKED), META, completion(content=None, tool_calls=AGENT_CALLS)))
+    presenter = ResponsesPresenter(InProcess(store), OWNER)
+    response = sdk_response(await presenter.whole(turn_of(**AGENT_ASKED), META, completion(content=None, tool_calls=AGENT_CALLS)))
     spawn = of(ResponseFunctionToolCall, response.output[1])
     patch, note = of(ResponseCustomToolCall, response.output[2]), of(ResponseCustomToolCall, response.output[3])
     assert (spawn.type, spawn.call_id, spawn.name, spawn.namespace, spawn.arguments) == (
@@ -698,7 +698,7 @@ def test_namespace_and_custom_calls_come_back_as_their_items() -> None:
     assert [tool.type for tool in response.tools] == ["function", "namespace", "custom"]  # web_search was left out
     stored = store.get(OWNER, META.response_id)
     assert stored is not None and stored.conversation[-1].tool_calls == [*AGENT_CALLS[:2], ToolCall(id="call_3", function=FunctionCall("multi_agent_v1__note", json.dumps({"input": "not an object"})))]
-    plain = sdk_response(ResponsesPresenter(None, OWNER).whole(turn_of(**ASKED), META, completion()))
+    plain = sdk_response(await ResponsesPresenter(None, OWNER).whole(turn_of(**ASKED), META, completion()))
     assert "namespace" not in msgspec.json.decode(msgspec.json.encode(plain.output[2].model_dump(exclude_none=True)))
 
 
@@ -796,10 +796,10 @@ def forced_turn(**fields: Any) -> Turn[ResponsesRequest]:
     return turn(original, to_chat(original, [], GRAMMARS))
 
 
-def test_the_text_of_a_grammar_forced_turn_is_the_call() -> None:
+async def test_the_text_of_a_grammar_forced_turn_is_the_call() -> None:
     store = ResponseStore()
     answer = completion("stop", content=PATCH_TEXT, tool_calls=None)
-    response = sdk_response(ResponsesPresenter(store, OWNER).whole(forced_turn(), META, answer))
+    response = sdk_response(await ResponsesPresenter(InProcess(store), OWNER).whole(forced_turn(), META, answer))
     assert [item.type for item in response.output] == ["reasoning", "custom_tool_call"]
     call = of(ResponseCustomToolCall, response.output[1])
     assert (call.name, call.input, call.namespace) == ("apply_patch", PATCH_TEXT, None) and call.call_id.startswith("call_")

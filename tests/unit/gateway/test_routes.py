@@ -157,7 +157,10 @@ def wire_end() -> bytes:
 
 
 def presented(url: str, kept: list[bytes], tally: Tally | None = None) -> tuple[Relayed, Presenting]:
-    presenting = Presenting(FINAL_TYPES, kept.append)
+    async def keep(final: bytes) -> None:
+        kept.append(final)
+
+    presenting = Presenting(FINAL_TYPES, keep)
     endpoint = cast("Endpoint[Any]", FakeEndpoint())
     return Relayed(upstream(url, Tally() if tally is None else tally), endpoint, presenting), presenting
 

@@ -179,11 +179,11 @@ async def spliced(pace_s: float = 0.0) -> AsyncIterator[Spliced]:
         await server.wait_closed()
 
 
-def assert_relayed_whole(s: Spliced) -> None:
+async def assert_relayed_whole(s: Spliced) -> None:
     """The client got every event whole, the engine's comment left out; the check saw [DONE] and the summary."""
     assert s.client.body == RELAYED
     assert all(piece.endswith(b"\n\n") for piece in s.client.received)
-    assert s.events.events.tail() == b""
+    assert await s.events.events.tail() == b""
     assert s.tally.finish_reasons == ("stop",) and s.tally.tokens == Tokens(prompt=7, completion=3)
     assert s.answer.complete
 
@@ -198,7 +198,7 @@ async def test_the_client_gets_every_event_whole_whatever_the_engines_reads(seed
     async with spliced(pace_s=0.001) as s:
         s.engine.answer(*split_at(FRAMED, rng.sample(range(1, len(FRAMED)), rng.randint(1, 40))))
         await asyncio.wait_for(s.start(), WAIT_S)
-        assert_relayed_whole(s)
+        await assert_relayed_whole(s)
 
 
 async def test_each_event_goes_out_in_the_read_that_completes_it() -> None:
@@ -213,7 +213,7 @@ async def test_each_event_goes_out_in_the_read_that_completes_it() -> None:
         assert s.client.received[1] == EVENTS[0]
         s.engine.answer(b"".join(chunk(event) for event in BODY_EVENTS[2:]) + END)
         await asyncio.wait_for(task, WAIT_S)
-        assert_relayed_whole(s)
+        await assert_relayed_whole(s)
 
 
 async def test_nothing_after_done_goes_out_and_the_answer_is_read_to_its_end() -> None:
@@ -227,7 +227,7 @@ async def test_nothing_after_done_goes_out_and_the_answer_is_read_to_its_end() -
         await asyncio.wait_for(task, WAIT_S)
         assert s.client.body == RELAYED
         assert s.answer.complete
-        assert s.events.events.tail() == b""
+        assert await s.events.events.tail() == b""
 
 
 # ------------------------------------------------------------ a client that falls behind
@@ -250,7 +250,7 @@ async def test_a_client_that_falls_behind_holds_the_engine_until_its_write_is_ou
         s.client.drained.set()
         await asyncio.wait_for(task, WAIT_S)
         assert s.client.sent == [EVENTS[1]]
-        assert_relayed_whole(s)
+        await assert_relayed_whole(s)
 
 
 async def test_the_write_the_client_is_behind_on_goes_out_when_the_answer_ended_with_it() -> None:
@@ -266,7 +266,7 @@ async def test_the_write_the_client_is_behind_on_goes_out_when_the_answer_ended_
         s.client.drained.set()
         await asyncio.wait_for(task, WAIT_S)
         assert s.client.sent == [RELAYED]
-        assert_relayed_whole(s)
+        await assert_relayed_whole(s)
 
 
 async def test_the_time_the_client_holds_the_stream_up_is_not_the_engines_silence() -> None:
@@ -280,7 +280,7 @@ async def test_the_time_the_client_holds_the_stream_up_is_not_the_engines_silenc
         s.client.behind = False  # it catches up after this write
         s.engine.answer(b"".join(chunk(event) for event in BODY_EVENTS[2:]) + END)
         await asyncio.wait_for(task, WAIT_S)
-        assert_relayed_whole(s)
+        await assert_relayed_whole(s)
 
 
 # ------------------------------------------------------------ how a splice ends otherwise
@@ -311,7 +311,7 @@ async def test_an_engine_that_keeps_sending_is_not_idle_however_long_its_answer(
         task = s.start(idle_s)
         s.engine.answer(*pieces, END)  # in all about 2 × idle_s
         await asyncio.wait_for(task, WAIT_S)
-        assert_relayed_whole(s)
+        await assert_relayed_whole(s)
 
 
 async def test_a_broken_event_ends_the_splice_after_the_good_ones_went_out() -> None:
