@@ -190,17 +190,12 @@ class StateConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     that needs the store is answered 503 `state_unavailable`."""
     key_prefix: str = "onehop:"
     """Every key this gateway writes starts with it: several deployments can share a server."""
-    ttl_s: Annotated[int, Meta(ge=1)] | None = None
-    """Stored Responses expire this long after their last use (Redis only); unset, only the
-    bounds evict them."""
 
     def __post_init__(self) -> None:
         if self.backend == "redis" and not self.url:
             raise ConfigError("state.url is required for state.backend: redis")
         if self.url is not None and not self.url.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError(f"state.url must be a redis://, rediss:// or unix:// URL, not {self.url!r}")
-        if self.backend == "memory" and self.ttl_s is not None:
-            raise ConfigError("state.ttl_s applies to state.backend: redis only")
 
 
 class Health(Struct, forbid_unknown_fields=True, kw_only=True):

@@ -87,6 +87,25 @@ def test_response_store_bounds_decode_and_a_share_past_the_whole_is_refused(tmp_
         load_config(path)
 
 
+def test_state_defaults_to_memory_and_redis_needs_a_url(tmp_path: Path) -> None:
+    path = tmp_path / "state.yaml"
+    base = "model: m\ntokenizer: t\nengines: [{url: 'http://x'}]\n"
+    path.write_text(base)
+    assert load_config(path).state.backend == "memory"
+    path.write_text(base + "state: {backend: redis, url: 'redis://cache:6379/2', timeout_s: 0.25, key_prefix: 'a:'}\n")
+    state = load_config(path).state
+    assert (state.backend, state.url, state.timeout_s, state.key_prefix) == ("redis", "redis://cache:6379/2", 0.25, "a:")
+    for wrong, named in (
+        ("{backend: redis}", "state.url is required"),
+        ("{backend: redis, url: 'http://cache'}", "redis://"),
+        ("{backend: memcached}", "backend"),
+        ("{backend: redis, url: 'redis://x', timeout: 1}", "timeout"),
+    ):
+        path.write_text(base + f"state: {wrong}\n")
+        with pytest.raises(ConfigError, match=named):
+            load_config(path)
+
+
 KV_EVENTS = """
 model: m
 tokenizer: t
