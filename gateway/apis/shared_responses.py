@@ -10,8 +10,9 @@ gateway keeps its in-memory `ResponseStore`; with `state: {backend: redis}` ever
 and replica uses the Redis server instead (`gateway.apis.redis_responses`).
 
 Its calls block (on the file, on another worker's write lock), so requests reach it through
-`InProcess` on a thread of its own, each call bounded by `state.timeout_s`. A read takes no
-write lock: it reads, then marks the entry used in a statement of its own.
+`InProcess` on a thread of its own, each call bounded by `state.timeout_s`. A read waits for
+no write lock: it reads, then marks the entry used in a statement of its own, skipped while
+another worker writes.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class SharedResponseStore:
         self, path: Path, bounds: ResponseStoreConfig | None = None, busy_timeout_s: float = BUSY_TIMEOUT_S
     ) -> None:
         self.bounds = bounds or ResponseStoreConfig()
+        self._busy_timeout_s = busy_timeout_s
         # One connection per worker, used by one thread at a time (`InProcess`'s); autocommit,
         # with explicit transactions where a change spans statements.
         self._db = sqlite3.connect(path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False)
@@ -88,11 +90,7 @@ class SharedResponseStore:
         ).fetchone()
         if row is None:
             return None
-        # One statement, its own transaction: gone meanwhile, it changes nothing.
-        self._db.execute(
-            "UPDATE responses SET used = (SELECT MAX(used) + 1 FROM responses) WHERE id = ? AND owner = ?",
-            (response_id, owner),
-        )
+        self._touch(owner, response_id)
         body, history, session = row
         return StoredResponse(msgspec.Raw(body), _CONVERSATION.decode(history), session)
 
@@ -102,6 +100,22 @@ class SharedResponseStore:
 
     def close(self) -> None:
         self._db.close()
+
+    def _touch(self, owner: str, response_id: str) -> None:
+        """Mark the entry used, in a statement of its own (gone meanwhile, it changes nothing),
+        without waiting: while another worker holds the write lock the read is answered and
+        this use is not counted (the entry keeps its place in the order)."""
+        self._db.execute("PRAGMA busy_timeout = 0")
+        try:
+            self._db.execute(
+                "UPDATE responses SET used = (SELECT MAX(used) + 1 FROM responses) WHERE id = ? AND owner = ?",
+                (response_id, owner),
+            )
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc):
+                raise
+        finally:
+            self._db.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_s * 1000)}")
 
     def _evict(self, owner: str) -> None:
         """The owner's least recently used past its share, then anyone's past the whole bound."""

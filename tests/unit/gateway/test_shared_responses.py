@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import sqlite3
 from pathlib import Path
 
 import msgspec
+import pytest
 
 from wire.openai_schema import ChatMessageParam
 from gateway.config import ResponseStoreConfig
-from gateway.apis.response_store import entry_size
+from gateway.apis.response_store import InProcess, entry_size
 from gateway.apis.shared_responses import SharedResponseStore
+from gateway.edge.errors import StateUnavailable
 
 A, B = "tenant:a", "tenant:b"
 
@@ -81,3 +85,35 @@ def test_a_stored_session_is_read_back_in_every_worker(tmp_path: Path) -> None:
         writer.put(A, "resp_n", b"{}", [])
         source = reader or writer
         assert [source.get(A, r).session for r in ("resp_s", "resp_n")] == ["conv-1", None]  # type: ignore[union-attr]
+
+
+async def test_a_read_waits_for_no_writer_and_a_blocked_write_is_state_unavailable_in_its_time(tmp_path: Path) -> None:
+    """Another worker holds the write lock: a read is answered at once (its use not counted),
+    a write gives up within `state.timeout_s` as a 503, and neither blocks the event loop."""
+    path = tmp_path / "r.sqlite"
+    store = InProcess(SharedResponseStore(path, busy_timeout_s=0.2), timeout_s=0.3)
+    other = sqlite3.connect(path, isolation_level=None)
+    try:
+        assert await store.put(A, "a", b'{"id":"a"}', [])
+        other.execute("BEGIN IMMEDIATE")
+        ticks = 0
+
+        async def tick() -> None:  # the loop keeps turning while the store waits
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        ticking = asyncio.create_task(tick())
+        async with asyncio.timeout(2.0):
+            found = await store.get(A, "a")
+            assert found is not None and bytes(found.response) == b'{"id":"a"}'
+            with pytest.raises(StateUnavailable):
+                await store.put(A, "b", b'{"id":"b"}', [])
+        ticking.cancel()
+        assert ticks > 10
+        other.execute("ROLLBACK")
+        assert await store.put(A, "b", b'{"id":"b"}', []) and await store.get(A, "b") is not None
+    finally:
+        other.close()
+        await store.close()
