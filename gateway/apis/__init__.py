@@ -7,6 +7,7 @@
 - `agent_tools`: Responses tools as chat tools, and the model's calls back as their items
 - `anthropic_tools`: Anthropic's typed tools (client tools' schemas, server tools' labels)
 - `context_edits`: Anthropic's `context_management` edits, applied before render
-- `response_store`: stored Responses, scoped per caller and bounded
-- `shared_responses`: the Responses store that `--workers N` share
+- `response_store`: stored Responses, scoped per caller and bounded; the async interface requests use
+- `shared_responses`: the Responses store that `--workers N` share (SQLite), and the choice of store (`state:`)
+- `redis_responses`: the Responses store in a Redis server that replicas share (`state.backend: redis`)
 """
