@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import tracemalloc
 from collections.abc import Iterator
 from time import process_time
@@ -114,6 +115,63 @@ def test_the_budget_evicts_the_least_recently_stored() -> None:
     assert index.match(first) == {A: 1}
     index.apply(B, [BlockRemoved(block_hashes=[2])])  # already evicted: nothing to undo
     assert index.counts() == {A: 2, B: 1}
+
+
+def test_the_budget_evicts_the_oldest_held_after_removals_out_of_order() -> None:
+    index = KVIndex(block_size=BS, max_blocks=200)
+    first = tokens(150)
+    index.apply(A, [stored(list(range(1, 151)), first)])
+    # Removed out of store order, leaving block 1 and, past a long run of removed ones, block 100.
+    index.apply(A, [BlockRemoved(block_hashes=[h for h in range(150, 1, -1) if h != 100])])
+    assert index.size == 2
+    index.apply(A, [stored(list(range(1001, 1200)), tokens(199, start=10_000))])
+    assert index.size == 200 and index.evicted == 1
+    assert index.match(first) == {}  # block 1, the oldest, went first
+    index.apply(B, [stored([7], tokens(1, start=50_000))])
+    assert index.evicted == 2 and index.counts() == {A: 199, B: 1}  # then block 100, past the gap
+    index.apply(A, [BlockRemoved(block_hashes=[100, 1])])  # both evicted already: nothing to undo
+    index.apply(B, [stored([8], tokens(1, start=60_000))])
+    assert index.counts() == {A: 198, B: 2}  # and then the next oldest, the second chain's first
+    assert index.match(tokens(199, start=10_000)) == {}
+
+
+def test_a_block_held_under_another_engine_hash_is_counted_not_indexed_twice() -> None:
+    index = KVIndex(block_size=BS)
+    prompt = tokens(1)
+    index.apply(A, [stored([1], prompt)])
+    index.apply(A, [stored([2], prompt)])  # the same tokens under another hash
+    assert index.size == 1 and index.ignored["duplicate"] == 1
+    index.apply(A, [BlockRemoved(block_hashes=[2])])  # never indexed: nothing to undo
+    assert index.match(prompt) == {A: 1}
+
+
+def traversed(root: object) -> int:
+    """The references the cyclic GC follows among the objects `root` holds: those of each
+    tracked object reachable from it (classes and what they hold left out)."""
+    seen: set[int] = set()
+    stack = [root]
+    visits = 0
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, type) or not gc.is_tracked(obj):
+            continue
+        seen.add(id(obj))
+        referents = gc.get_referents(obj)
+        visits += len(referents)
+        stack.extend(referents)
+    return visits
+
+
+def test_the_cyclic_gc_does_not_walk_the_blocks() -> None:
+    """A collection of the oldest generation walks every tracked container: an index of a
+    million blocks in one would cost ~100 ms a collection, a pause of every stream."""
+    index = KVIndex(block_size=16)
+    empty = traversed(index)
+    for event in chain(20_000):
+        index.apply(A, [event])
+    index.apply(B, [BlockStored(block_hashes=[1], token_ids=list(range(16)), block_size=16)])  # a second source
+    assert index.size == 20_001
+    assert traversed(index) - empty < 100
 
 
 def test_stale_is_per_engine_until_its_cache_is_cleared() -> None:
