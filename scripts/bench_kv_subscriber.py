@@ -397,8 +397,11 @@ async def window(
 
 
 def _commit() -> str:
+    """HEAD's short hash, `+` when the tree has changes not committed."""
     done = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return done.stdout.strip() or "unknown"
+    changed = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                             capture_output=True, text=True)
+    return (done.stdout.strip() or "unknown") + ("+" if changed.stdout.strip() else "")
 
 
 def _machine() -> dict[str, Any]:

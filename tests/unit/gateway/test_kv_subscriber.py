@@ -117,6 +117,23 @@ async def test_events_reach_the_index(publisher: Publisher, encoding: Literal["m
         await subscriber.close()
 
 
+async def test_a_match_applies_what_the_subscriber_has_received_before_it_drains(publisher: Publisher) -> None:
+    """A busy rank is drained every `gather_s` (here longer than the test): a routing
+    decision sees each batch received all the same."""
+    index = KVIndex(block_size=BS)
+    metrics = GatewayMetrics()
+    subscriber = await subscribed(publisher, index, gather_s=3600.0, metrics=metrics)
+    try:
+        for i in range(3):
+            await publisher.send(1 + i, encode_batch(stored_batch(i)))
+        await wait_until(lambda: index.match(prompt(3)) == {ENGINE: 3}, what="three blocks matched")
+        assert subscriber.stats["messages"] == 3 and index.size == 3
+        assert metrics.kv_events.labels(ENGINE, "BlockStored")._value.get() == 3
+    finally:
+        await subscriber.close()
+    assert index.match(prompt(3)) == {ENGINE: 3}  # a closed subscription is no longer asked
+
+
 async def test_a_missed_message_is_replayed(publisher: Publisher) -> None:
     index = KVIndex(block_size=BS)
     subscriber = await subscribed(publisher, index)
