@@ -14,22 +14,25 @@ is all an index needs. ~0.15 µs a block of 16 tokens. A collision (1 in 2^64 a 
 a crafted prompt) costs one routing decision, never a wrong answer: the engine checks
 its own hash.
 
-Layout (tests/unit/gateway/test_kv_index.py prints the bytes a block held and the CPU a
-block stored; scripts/bench_kv_subscriber.py the CPU in a listening gateway):
+Layout (~360 bytes a block held; tests/unit/gateway/test_kv_index.py prints it and the CPU
+a block stored, scripts/bench_kv_subscriber.py the CPU in a listening gateway):
 - `_slots`: store sequence number -> (our key << 16 | source id), and `_hashes`: store
   sequence number -> engine hash, both in store order: the eviction order;
+- `_live`: sequence number >> 6 -> bitmask of the 64 numbers of that run still held, so
+  that the eviction steps past removed blocks without looking each up;
 - per source `by_hash`: engine hash -> store sequence number, for removals;
 - `_holders`: our key -> bitmask of the sources that hold it, for `match` (and whether a
   source holds a key already).
 
-Why so: a listening gateway applies every block every engine computes, each batch after
-the process slept, its caches cold, so a block costs what it touches at random in the
-index's few hundred MB, more than the interpreter's work. A store or a removal touches two
-maps at random (`by_hash`, `_holders`); the maps by sequence number take consecutive keys,
-so their stores append and their removals (engines evict their oldest first, as the index
-does) fall near their front. And every map holds only ints (or an engine's bytes hashes),
-so none is tracked by the cyclic GC: a generation-2 collection does not walk the index
-(an `OrderedDict` of a million blocks cost ~100 ms a collection).
+Every map holds only ints (or an engine's bytes hashes), so none is tracked by the cyclic
+GC: a collection of the oldest generation does not walk the index (an `OrderedDict` of a
+million blocks cost ~80 ms a collection, a pause of every stream in the process). What a
+block costs a listening gateway is mostly what it touches at random in the index's few
+hundred MB, caches cold (batches arrive while the process slept): a store looks up two maps
+at random (`_holders`, `by_hash`) and appends to those by sequence number, a removal looks
+up each. The budget is applied after each batch, not each store: an engine at capacity
+publishes its stores with the removals that made room for them.
+
 A source is one engine's data-parallel rank: each rank has a cache (and a hash space) of
 its own, while the gateway routes to the engine's URL, so `match` reports per URL the
 best of its ranks.
@@ -51,8 +54,10 @@ DEFAULT_MAX_BLOCKS = 1_000_000
 DEFAULT_BLOCK_SIZE = 16
 _SOURCE_BITS = 16
 _SOURCE_MASK = (1 << _SOURCE_BITS) - 1
-_CURSOR_STEPS = 64
-"""Sequence numbers the eviction steps over before it looks the lowest up (`KVIndex._first`)."""
+_RUN_BITS = 6
+_RUN_MASK = (1 << _RUN_BITS) - 1
+_RUN_STEPS = 64
+"""Runs of 64 sequence numbers the eviction steps over before it looks the lowest up (`KVIndex._first`)."""
 _ROOT = 0
 """The parent key of a prompt's first block (None is not used: its hash is per process
 before Python 3.12, and 0 keeps keys ints)."""
@@ -141,6 +146,10 @@ class KVIndex:
         self._hashes: dict[int, BlockHash] = {}
         self._next = 0
         """The next store sequence number."""
+        self._live: dict[int, int] = {}
+        """Sequence number >> 6 -> bitmask of those of the run of 64 held: the eviction finds
+        the oldest held past numbers gone without looking each up (an absent key's lookup
+        in a map this churned probes several slots at random); a small map, runs in order."""
         self._oldest = 0
         """No block held has a sequence number below it (the eviction's cursor)."""
         self._holders: dict[int, int] = {}
@@ -219,7 +228,10 @@ class KVIndex:
     # -- events -------------------------------------------------------------------------
 
     def apply(self, engine: str, events: Iterable[Event], rank: int = 0) -> None:
-        """One batch's events from rank `rank` of `engine`, in order."""
+        """One batch's events from rank `rank` of `engine`, in order; then, past the budget,
+        the least recently stored blocks are forgotten (after the batch, not each store: an
+        engine's batch removes what it evicted for its stores, most often keeping the index
+        within the budget without evicting what the engine still holds)."""
         source = self._source(engine, rank)
         for event in events:
             if isinstance(event, BlockStored):
@@ -230,6 +242,8 @@ class KVIndex:
             elif isinstance(event, AllBlocksCleared):
                 self._clear(source)
                 source.stale = None  # the engine's cache is empty, and so is our view of it: exact again
+        while len(self._slots) > self.max_blocks:
+            self._evict()
 
     def clear(self, engine: str, rank: int | None = None) -> None:
         """Forget what `engine` holds (every rank, or one): it restarted, or events were lost."""
@@ -285,8 +299,8 @@ class KVIndex:
         """Store a chain of blocks: `block_keys` and each block's store in one loop, the
         common case (a block this rank did not hold) inline. Hot path: once per block any
         engine computes."""
-        slots, hashes_at, holders, by_hash = self._slots, self._hashes, self._holders, source.by_hash
-        sid, bit, size, limit = source.sid, source.bit, self.block_size, self.max_blocks
+        slots, hashes_at, holders, by_hash, live = self._slots, self._hashes, self._holders, source.by_hash, self._live
+        sid, bit, size = source.sid, source.bit, self.block_size
         key = _ROOT if parent is None else parent
         seq = self._next
         start = 0
@@ -311,9 +325,9 @@ class KVIndex:
             slots[seq] = (key << _SOURCE_BITS) | sid
             hashes_at[seq] = block_hash
             holders[key] = holding | bit
+            run = seq >> _RUN_BITS
+            live[run] = live.get(run, 0) | (1 << (seq & _RUN_MASK))
             seq += 1
-            if len(slots) > limit:
-                self._evict()
         self._next = seq
 
     def _restored(self, source: _Source, block_hash: BlockHash, key: int) -> None:
@@ -327,15 +341,18 @@ class KVIndex:
             self._ignore(source, "duplicate")
             return
         del self._slots[seq], self._hashes[seq]
+        self._release(seq)
         young = self._next
         self._next = young + 1
         source.by_hash[block_hash] = young
         self._slots[young] = slot
         self._hashes[young] = block_hash
+        run = young >> _RUN_BITS
+        self._live[run] = self._live.get(run, 0) | (1 << (young & _RUN_MASK))
 
     def _removed(self, source: _Source, hashes: Sequence[BlockHash]) -> None:
         """`_drop` of each block, inline (as hot as `_chain` once the engines' caches are full)."""
-        slots, hashes_at, holders, by_hash = self._slots, self._hashes, self._holders, source.by_hash
+        slots, hashes_at, holders, by_hash, live = self._slots, self._hashes, self._holders, source.by_hash, self._live
         kept = ~source.bit
         for block_hash in hashes:
             seq = by_hash.pop(block_hash, None)
@@ -343,6 +360,12 @@ class KVIndex:
                 continue  # stored before we subscribed, skipped, or evicted: nothing to undo
             key = slots.pop(seq) >> _SOURCE_BITS
             del hashes_at[seq]
+            run = seq >> _RUN_BITS
+            mask = live[run] & ~(1 << (seq & _RUN_MASK))
+            if mask:
+                live[run] = mask
+            else:
+                del live[run]
             holding = holders[key] & kept
             if holding:
                 holders[key] = holding
@@ -368,22 +391,38 @@ class KVIndex:
         self._oldest = seq + 1
         slot = self._slots.pop(seq)
         block_hash = self._hashes.pop(seq)
+        self._release(seq)
         source = self._by_sid[slot & _SOURCE_MASK]
         del source.by_hash[block_hash]
         self._unhold(slot >> _SOURCE_BITS, source.bit)
         self.evicted += 1
 
     def _first(self) -> int:
-        """The lowest sequence number held: a step or a few past the cursor (removals follow
-        the engines' eviction order, close to ours), else, past a longer gap (a block held
-        for long, then removed), the first in the map's order (which is store order), found
-        in one scan of its table rather than a step per number gone."""
-        seq, slots = self._oldest, self._slots
-        for _ in range(_CURSOR_STEPS):
-            if seq in slots:
-                return seq
-            seq += 1
-        return next(iter(slots))
+        """The lowest sequence number held: in the cursor's run of 64 or one of the next
+        few (removals follow the engines' eviction order, close to ours), else, past a
+        longer gap (a block held long, then removed), the first run in `_live`'s order
+        (runs are added in order), found in one scan of that small map."""
+        seq, live = self._oldest, self._live
+        run = seq >> _RUN_BITS
+        mask = live.get(run, 0) >> (seq & _RUN_MASK) << (seq & _RUN_MASK)
+        for _ in range(_RUN_STEPS):
+            if mask:
+                break
+            run += 1
+            mask = live.get(run, 0)
+        else:
+            run = next(iter(live))
+            mask = live[run]
+        return (run << _RUN_BITS) + (mask & -mask).bit_length() - 1
+
+    def _release(self, seq: int) -> None:
+        """`seq` no longer held (`_live`)."""
+        run = seq >> _RUN_BITS
+        mask = self._live[run] & ~(1 << (seq & _RUN_MASK))
+        if mask:
+            self._live[run] = mask
+        else:
+            del self._live[run]
 
     def _drop(self, source: _Source, block_hash: BlockHash) -> None:
         seq = source.by_hash.pop(block_hash, None)
@@ -391,6 +430,7 @@ class KVIndex:
             return  # stored before we subscribed, skipped, or evicted: nothing to undo
         slot = self._slots.pop(seq)
         del self._hashes[seq]
+        self._release(seq)
         self._unhold(slot >> _SOURCE_BITS, source.bit)
 
     def _unhold(self, key: int, bit: int) -> None:
@@ -405,4 +445,5 @@ class KVIndex:
         for seq in source.by_hash.values():
             self._unhold(slots.pop(seq) >> _SOURCE_BITS, source.bit)
             del hashes_at[seq]
+            self._release(seq)
         source.by_hash.clear()

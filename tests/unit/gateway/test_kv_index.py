@@ -118,21 +118,35 @@ def test_the_budget_evicts_the_least_recently_stored() -> None:
 
 
 def test_the_budget_evicts_the_oldest_held_after_removals_out_of_order() -> None:
-    index = KVIndex(block_size=BS, max_blocks=200)
-    first = tokens(150)
-    index.apply(A, [stored(list(range(1, 151)), first)])
-    # Removed out of store order, leaving block 1 and, past a long run of removed ones, block 100.
-    index.apply(A, [BlockRemoved(block_hashes=[h for h in range(150, 1, -1) if h != 100])])
-    assert index.size == 2
-    index.apply(A, [stored(list(range(1001, 1200)), tokens(199, start=10_000))])
-    assert index.size == 200 and index.evicted == 1
-    assert index.match(first) == {}  # block 1, the oldest, went first
-    index.apply(B, [stored([7], tokens(1, start=50_000))])
-    assert index.evicted == 2 and index.counts() == {A: 199, B: 1}  # then block 100, past the gap
-    index.apply(A, [BlockRemoved(block_hashes=[100, 1])])  # both evicted already: nothing to undo
-    index.apply(B, [stored([8], tokens(1, start=60_000))])
-    assert index.counts() == {A: 198, B: 2}  # and then the next oldest, the second chain's first
-    assert index.match(tokens(199, start=10_000)) == {}
+    index = KVIndex(block_size=BS, max_blocks=6000)
+    first, second = tokens(6000), tokens(6000, start=100_000)
+    index.apply(A, [stored(list(range(1, 6001)), first)])
+    # Removed out of store order, leaving A's first block and, 5998 removed blocks later, its last.
+    index.apply(A, [BlockRemoved(block_hashes=[h for h in range(5999, 1, -1)])])
+    assert index.counts() == {A: 2}
+    index.apply(B, [stored(list(range(1, 5999)), second[: 5998 * BS])])
+    assert index.size == 6000 and index.evicted == 0
+    index.apply(B, [stored([5999], second[5998 * BS : 5999 * BS], parent=5998)])
+    assert index.evicted == 1 and index.match(first) == {}  # A's first block, the oldest, went first
+    assert index.counts() == {A: 1, B: 5999}
+    index.apply(B, [stored([6000], second[5999 * BS :], parent=5999)])
+    assert index.evicted == 2 and index.counts() == {A: 0, B: 6000}  # then A's last, past the gap
+    index.apply(A, [stored([1], first[:BS])])
+    assert index.counts() == {A: 1, B: 5999} and index.match(second) == {}  # then B's first
+    index.apply(A, [BlockRemoved(block_hashes=[6000, 2])])  # evicted or removed already: nothing to undo
+    assert index.size == 6000
+
+
+def test_the_budget_counts_after_the_batch_whose_removals_it_carries() -> None:
+    """An engine at capacity publishes its stores and, in the same batch, the removals that
+    made room: the index, at its budget too, then forgets nothing the engine still holds."""
+    index = KVIndex(block_size=BS, max_blocks=2)
+    first, second = tokens(1), tokens(1, start=100)
+    index.apply(A, [stored([1], first)])
+    index.apply(A, [stored([2], second)])
+    index.apply(A, [stored([3], tokens(1, start=200)), BlockRemoved(block_hashes=[2])])
+    assert index.evicted == 0 and index.counts() == {A: 2}
+    assert index.match(first) == {A: 1} and index.match(second) == {}
 
 
 def test_a_block_held_under_another_engine_hash_is_counted_not_indexed_twice() -> None:
