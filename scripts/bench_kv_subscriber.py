@@ -20,7 +20,9 @@ on the same publisher, so every batch reaches both trees' `events` gateways.
 
 Per index size (10,000, 100,000 and 1,000,000 blocks; `--quick`: 10,000 and 100,000) the
 publisher first fills its cache to that size as fast as it can (not measured; the index
-follows it), then sends `--batches` batches at `--rate` a second. Over that window each
+follows it), then sends `--batches` batches at `--rate` a second. The gateways' budget
+(`balancing.kv_index.max_blocks`) is the largest size: at that size the index is at its
+budget, each batch's stores past it and its removals back within. Over that window each
 gateway's CPU (utime + stime from /proc) is read; the window ends when every `events`
 gateway's metrics count every stored event sent. The subscriber's cost is the `events`
 gateway's CPU less its tree's `silent` gateway's, per stored block and per batch. The

@@ -27,7 +27,7 @@ and a reader registered and removed per message, and a batch applied after a sle
 the caches cold). The index calls `catch_up` before each match, which applies what is
 queued, so a routing decision sees every batch received, as if each were applied on
 arrival. A flood must not starve the loop: the task yields every `batch_limit` messages,
-and a catch-up applies at most `catch_up_limit` a rank. Metrics are per batch, not per
+and a catch-up applies at most `catch_up_limit` an engine. Metrics are per batch, not per
 event, through label children looked up once.
 """
 
@@ -60,10 +60,10 @@ each: a batch applied after the process slept costs about twice one applied righ
 another (caches cold), and a match applies what is queued first (`catch_up`), so routing
 never sees the index this much behind."""
 BATCH_LIMIT = 64
-CATCH_UP_LIMIT = 16
-"""Messages a rank a match applies at most (more are queued only in a flood, which the
-rank's task works through in bounded batches)."""
 """Messages handled between two yields to the event loop (~64 × a batch's apply)."""
+CATCH_UP_LIMIT = 16
+"""Messages of one engine a match applies at most (more are queued only in a flood, which
+the ranks' tasks work through in bounded batches)."""
 RECEIVE_HWM = 100_000
 """As vLLM's publisher's: a rank that falls behind queues this many batches before ZMQ drops."""
 LOG_EVERY_S = 60.0
@@ -153,10 +153,10 @@ class KVSubscriber:
     replay_timeout_s: float = REPLAY_TIMEOUT_S
     batch_limit: int = BATCH_LIMIT
     gather_s: float = GATHER_S
+    catch_up_limit: int = CATCH_UP_LIMIT
     stats: Counter[str] = field(default_factory=Counter)
     """Messages, events by type, errors by reason, replays: what the metrics see, for tests."""
     _context: zmq.asyncio.Context = field(default_factory=zmq.asyncio.Context.instance)
-    catch_up_limit: int = CATCH_UP_LIMIT
     _ranks: list[_Rank] = field(default_factory=list)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _logged: dict[str, float] = field(default_factory=dict)
@@ -204,18 +204,20 @@ class KVSubscriber:
         self._ranks.clear()
 
     def catch_up(self) -> None:
-        """Apply what each rank has queued, up to `catch_up_limit` messages a rank (the index
+        """Apply what the ranks have queued, up to `catch_up_limit` messages in all (the index
         calls it before a match, so that a routing decision sees every batch received while
-        the rank's task gathers). A rank in a replay is left to it, and a message that opens
+        the ranks' tasks gather). A rank in a replay is left to it, and a message that opens
         a gap is handed to the rank's task, which replays first."""
+        budget = self.catch_up_limit
         for state in self._ranks:
             if state.replaying or state.held is not None:
                 continue
-            for _ in range(self.catch_up_limit):
+            while budget > 0:
                 try:
                     frames = state.sub.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
+                budget -= 1
                 if not self._guarded(state, frames):
                     state.held = frames
                     state.readable.wake()
