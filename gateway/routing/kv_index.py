@@ -299,10 +299,10 @@ class KVIndex:
         """Store a chain of blocks: `block_keys` and each block's store in one loop, the
         common case (a block this rank did not hold) inline. Hot path: once per block any
         engine computes."""
-        slots, hashes_at, holders, by_hash, live = self._slots, self._hashes, self._holders, source.by_hash, self._live
+        slots, hashes_at, holders, by_hash = self._slots, self._hashes, self._holders, source.by_hash
         sid, bit, size = source.sid, source.bit, self.block_size
         key = _ROOT if parent is None else parent
-        seq = self._next
+        seq = first = self._next  # [first, seq): stored by this loop, not yet in `_live`
         start = 0
         for i, block_hash in enumerate(hashes):
             end = start + size
@@ -314,21 +314,32 @@ class KVIndex:
             start = end
             holding = holders.get(key, 0)
             if holding & bit:
+                self._mark_live(first, seq)
                 self._next = seq
                 self._restored(source, block_hash, key)
-                seq = self._next
+                seq = first = self._next
                 continue
             previous = by_hash.setdefault(block_hash, seq)
             if previous != seq:  # the engine's hash now names other tokens (by our key)
+                self._mark_live(first, seq)
+                first = seq
                 self._drop(source, block_hash)
                 by_hash[block_hash] = seq
             slots[seq] = (key << _SOURCE_BITS) | sid
             hashes_at[seq] = block_hash
             holders[key] = holding | bit
-            run = seq >> _RUN_BITS
-            live[run] = live.get(run, 0) | (1 << (seq & _RUN_MASK))
             seq += 1
+        self._mark_live(first, seq)
         self._next = seq
+
+    def _mark_live(self, low: int, high: int) -> None:
+        """Sequence numbers `low` to `high - 1` held (`_live`), a run of 64 at a time."""
+        live = self._live
+        while low < high:
+            run = low >> _RUN_BITS
+            end = min(high, (run + 1) << _RUN_BITS)
+            live[run] = live.get(run, 0) | (((1 << (end - low)) - 1) << (low & _RUN_MASK))
+            low = end
 
     def _restored(self, source: _Source, block_hash: BlockHash, key: int) -> None:
         """A block this rank holds already (vLLM reports some cache hits as stores too): the
@@ -347,8 +358,7 @@ class KVIndex:
         source.by_hash[block_hash] = young
         self._slots[young] = slot
         self._hashes[young] = block_hash
-        run = young >> _RUN_BITS
-        self._live[run] = self._live.get(run, 0) | (1 << (young & _RUN_MASK))
+        self._mark_live(young, young + 1)
 
     def _removed(self, source: _Source, hashes: Sequence[BlockHash]) -> None:
         """`_drop` of each block, inline (as hot as `_chain` once the engines' caches are full)."""
