@@ -20,11 +20,12 @@ the index has seen everything). Silence is not staleness: an idle engine publish
 and ZMQ reconnects a SUB socket by itself, so nothing here times out on quiet.
 
 Reading costs little per batch, since a listening gateway hears every engine's every
-prefill. Each SUB is a plain (blocking-API) socket read with non-blocking receives: an idle
-rank's task waits on the socket's file descriptor, and once a message comes it drains the
-queue every `gather_s` until a drain finds nothing (a `zmq.asyncio` receive costs a future
-and a reader registered and removed per message, and a batch applied after a sleep finds
-the caches cold). The index calls `catch_up` before each match, which applies what is
+prefill. Each SUB is a plain (blocking-API) socket read with non-blocking receives: a
+rank's task waits on the socket's file descriptor and drains the queue when woken; woken
+again within `gather_s` of its last drain, it drains every `gather_s` instead, until a
+drain finds nothing (a `zmq.asyncio` receive costs a future and a reader registered and
+removed per message, and a batch applied after a sleep finds the caches cold: a busy
+engine's batches are cheaper applied together). The index calls `catch_up` before each match, which applies what is
 queued, so a routing decision sees every batch received, as if each were applied on
 arrival. A flood must not starve the loop: the task yields every `batch_limit` messages,
 and a catch-up applies at most `catch_up_limit` an engine. Metrics are per batch, not per
@@ -55,10 +56,11 @@ from wire.kv_events import END_SEQ, AllBlocksCleared, Event, KVEventsError, deco
 log = logging.getLogger(__name__)
 
 GATHER_S = 0.1
-"""While an engine is busy, its messages are drained this often rather than one wake-up
-each: a batch applied after the process slept costs about twice one applied right after
-another (caches cold), and a match applies what is queued first (`catch_up`), so routing
-never sees the index this much behind."""
+"""While an engine is busy (a message within this long of the last drain), its messages
+are drained this often rather than one wake-up each: a batch applied after the process
+slept costs about twice one applied right after another (caches cold), and a match
+applies what is queued first (`catch_up`), so routing never sees the index this much
+behind."""
 BATCH_LIMIT = 64
 """Messages handled between two yields to the event loop (~64 × a batch's apply)."""
 CATCH_UP_LIMIT = 16
@@ -224,13 +226,18 @@ class KVSubscriber:
                     break
 
     async def _read(self, state: _Rank) -> None:
+        loop = asyncio.get_running_loop()
+        drained = -self.gather_s
         while True:
-            await state.readable.wait()  # idle: no wake-up until a message is queued
-            while True:
-                if self.gather_s > 0:
-                    await asyncio.sleep(self.gather_s)  # a busy engine's next batches queue behind the first
-                if not await self._drain(state):
-                    break  # none came meanwhile: idle again
+            await state.readable.wait()  # no wake-up until a message is queued
+            if loop.time() - drained >= self.gather_s:  # the engine was quiet: a wake-up a message
+                await self._drain(state)
+            else:  # busy: its next batches queue behind the first, drained together
+                while True:
+                    await asyncio.sleep(self.gather_s)
+                    if not await self._drain(state):
+                        break  # none came meanwhile: quiet again
+            drained = loop.time()
 
     async def _drain(self, state: _Rank) -> bool:
         """Handle every message queued, yielding every `batch_limit`; whether there was one."""
