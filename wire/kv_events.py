@@ -100,12 +100,18 @@ class KVEventsError(ValueError):
 
 _BATCH = msgspec.msgpack.Decoder(_Batch)
 _MAP = msgspec.msgpack.Decoder(Event)
+_MAPS = msgspec.msgpack.Decoder(EventBatch)
 _ARRAY = msgspec.msgpack.Decoder(_StoredArray | _RemovedArray | _ClearedArray)
 _ENCODER = msgspec.msgpack.Encoder()
 
 
 def decode_batch(payload: bytes) -> EventBatch:
-    """One published payload, each event in either encoding; raises `KVEventsError`."""
+    """One published payload, each event in either encoding; raises `KVEventsError`.
+    Today's encoding (maps) in one pass; a batch that is not, event by event."""
+    try:
+        return _MAPS.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        pass
     try:
         batch = _BATCH.decode(payload)
         return EventBatch(batch.ts, [_event(raw) for raw in batch.events], batch.data_parallel_rank)

@@ -14,12 +14,25 @@ is all an index needs. ~0.15 µs a block of 16 tokens. A collision (1 in 2^64 a 
 a crafted prompt) costs one routing decision, never a wrong answer: the engine checks
 its own hash.
 
-Layout (~320 bytes a block held, ~2.4 µs a block of 16 tokens stored, evictions included;
-tests/unit/gateway/test_kv_index.py prints both):
-- `_lru`: (our key << 16 | source id) -> engine hash, in store order: eviction order
-  across the index and each source's set of held keys at once;
-- per source `by_hash`: engine hash -> our key, for removals;
-- `_holders`: our key -> bitmask of the sources that hold it, for `match`.
+Layout (~360 bytes a block held; tests/unit/gateway/test_kv_index.py prints it and the CPU
+a block stored, scripts/bench_kv_subscriber.py the CPU in a listening gateway):
+- `_slots`: store sequence number -> (our key << 16 | source id), and `_hashes`: store
+  sequence number -> engine hash, both in store order: the eviction order;
+- `_live`: sequence number >> 6 -> bitmask of the 64 numbers of that run still held, so
+  that the eviction steps past removed blocks without looking each up;
+- per source `by_hash`: engine hash -> store sequence number, for removals;
+- `_holders`: our key -> bitmask of the sources that hold it, for `match` (and whether a
+  source holds a key already).
+
+Every map holds only ints (or an engine's bytes hashes), so none is tracked by the cyclic
+GC: a collection of the oldest generation does not walk the index (an `OrderedDict` of a
+million blocks cost ~80 ms a collection, a pause of every stream in the process). What a
+block costs a listening gateway is mostly what it touches at random in the index's few
+hundred MB, caches cold (batches arrive while the process slept): a store looks up two maps
+at random (`_holders`, `by_hash`) and appends to those by sequence number, a removal looks
+up each. The budget is applied after each batch, not each store: an engine at capacity
+publishes its stores with the removals that made room for them.
+
 A source is one engine's data-parallel rank: each rank has a cache (and a hash space) of
 its own, while the gateway routes to the engine's URL, so `match` reports per URL the
 best of its ranks.
@@ -28,7 +41,7 @@ best of its ranks.
 from __future__ import annotations
 
 import logging
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +54,10 @@ DEFAULT_MAX_BLOCKS = 1_000_000
 DEFAULT_BLOCK_SIZE = 16
 _SOURCE_BITS = 16
 _SOURCE_MASK = (1 << _SOURCE_BITS) - 1
+_RUN_BITS = 6
+_RUN_MASK = (1 << _RUN_BITS) - 1
+_RUN_STEPS = 64
+"""Runs of 64 sequence numbers the eviction steps over before it looks the lowest up (`KVIndex._first`)."""
 _ROOT = 0
 """The parent key of a prompt's first block (None is not used: its hash is per process
 before Python 3.12, and 0 keeps keys ints)."""
@@ -99,6 +116,7 @@ class _Source:
     rank: int
     sid: int
     by_hash: dict[BlockHash, int] = field(default_factory=dict)
+    """Engine hash -> the block's store sequence number."""
     stale: str | None = None
 
     @property
@@ -120,20 +138,31 @@ class KVIndex:
         self.max_blocks = max_blocks
         self.ignored: Counter[str] = Counter()
         """Events (or parts) not indexed, by reason: `block_size`, `medium`, `group`,
-        `shape`, `unknown_parent`."""
+        `shape`, `unknown_parent`, `duplicate` (a block the engine rank holds already
+        under another engine hash)."""
         self.evicted = 0
         self._on_ignored = on_ignored
-        self._lru: OrderedDict[int, BlockHash] = OrderedDict()
+        self._slots: dict[int, int] = {}
+        self._hashes: dict[int, BlockHash] = {}
+        self._next = 0
+        """The next store sequence number."""
+        self._live: dict[int, int] = {}
+        """Sequence number >> 6 -> bitmask of those of the run of 64 held: the eviction finds
+        the oldest held past numbers gone without looking each up (an absent key's lookup
+        in a map this churned probes several slots at random); a small map, runs in order."""
+        self._oldest = 0
+        """No block held has a sequence number below it (the eviction's cursor)."""
         self._holders: dict[int, int] = {}
         self._sources: dict[tuple[str, int], _Source] = {}
         self._by_sid: dict[int, _Source] = {}
+        self._catch_ups: list[Callable[[], None]] = []
 
     # -- reading ------------------------------------------------------------------------
 
     @property
     def size(self) -> int:
         """Blocks held, counted once per engine rank that holds them."""
-        return len(self._lru)
+        return len(self._slots)
 
     def counts(self) -> dict[str, int]:
         """Blocks held per engine (its ranks summed)."""
@@ -154,7 +183,10 @@ class KVIndex:
         """Per engine holding the prompt's first block: how many leading full blocks of the
         prompt it holds (the longest run from the start). The walk stops at the first block
         no engine holds, so a cold prompt costs one block's hash. Blocks are of the index's
-        `block_size`; `extra` as for `block_keys` (see `request_extra_keys`)."""
+        `block_size`; `extra` as for `block_keys` (see `request_extra_keys`). What the
+        subscriptions have received is applied first (`add_catch_up`)."""
+        for catch_up in self._catch_ups:
+            catch_up()
         runs: dict[int, int] = {}
         active = -1
         parent = _ROOT
@@ -176,6 +208,16 @@ class KVIndex:
             found[engine] = max(found.get(engine, 0), run)
         return found
 
+    def add_catch_up(self, catch_up: Callable[[], None]) -> None:
+        """Call `catch_up` before each match: a subscription that applies its events in
+        batches now and then (cheaper than a wake-up each) applies what it has received, so
+        that a routing decision sees it."""
+        self._catch_ups.append(catch_up)
+
+    def remove_catch_up(self, catch_up: Callable[[], None]) -> None:
+        if catch_up in self._catch_ups:
+            self._catch_ups.remove(catch_up)
+
     @staticmethod
     def _ended(mask: int, run: int, runs: dict[int, int]) -> None:
         while mask:
@@ -186,18 +228,22 @@ class KVIndex:
     # -- events -------------------------------------------------------------------------
 
     def apply(self, engine: str, events: Iterable[Event], rank: int = 0) -> None:
-        """One batch's events from rank `rank` of `engine`, in order."""
+        """One batch's events from rank `rank` of `engine`, in order; then, past the budget,
+        the least recently stored blocks are forgotten (after the batch, not each store: an
+        engine's batch removes what it evicted for its stores, most often keeping the index
+        within the budget without evicting what the engine still holds)."""
         source = self._source(engine, rank)
         for event in events:
             if isinstance(event, BlockStored):
                 self._stored(source, event)
             elif isinstance(event, BlockRemoved):
                 if event.medium in GPU_MEDIA:
-                    for block_hash in event.block_hashes:
-                        self._drop(source, block_hash)
+                    self._removed(source, event.block_hashes)
             elif isinstance(event, AllBlocksCleared):
                 self._clear(source)
                 source.stale = None  # the engine's cache is empty, and so is our view of it: exact again
+        while len(self._slots) > self.max_blocks:
+            self._evict()
 
     def clear(self, engine: str, rank: int | None = None) -> None:
         """Forget what `engine` holds (every rank, or one): it restarted, or events were lost."""
@@ -238,14 +284,103 @@ class KVIndex:
         reason = self._unindexable(event)
         parent = None
         if reason is None and event.parent_block_hash is not None:
-            parent = source.by_hash.get(event.parent_block_hash)
+            seq = source.by_hash.get(event.parent_block_hash)
+            parent = None if seq is None else self._slots[seq] >> _SOURCE_BITS
             reason = "unknown_parent" if parent is None else None  # a chain we cannot follow: never guessed
         if reason is not None:
             self._ignore(source, reason)
             return
-        keys = block_keys(event.token_ids, self.block_size, parent, event.extra_keys)
-        for block_hash, key in zip(event.block_hashes, keys, strict=True):
-            self._store(source, block_hash, key)
+        self._chain(source, event.block_hashes, event.token_ids, parent, event.extra_keys)
+
+    def _chain(
+        self, source: _Source, hashes: Sequence[BlockHash], token_ids: Sequence[int], parent: int | None,
+        extra: Sequence[ExtraKeys] | None,
+    ) -> None:
+        """Store a chain of blocks: `block_keys` and each block's store in one loop, the
+        common case (a block this rank did not hold) inline. Hot path: once per block any
+        engine computes."""
+        slots, hashes_at, holders, by_hash = self._slots, self._hashes, self._holders, source.by_hash
+        sid, bit, size = source.sid, source.bit, self.block_size
+        key = _ROOT if parent is None else parent
+        seq = first = self._next  # [first, seq): stored by this loop, not yet in `_live`
+        start = 0
+        for i, block_hash in enumerate(hashes):
+            end = start + size
+            extra_keys = None if extra is None else extra[i]
+            if extra_keys:
+                key = hash((key, _frozen(extra_keys), *token_ids[start:end]))
+            else:
+                key = hash((key, *token_ids[start:end]))
+            start = end
+            holding = holders.get(key, 0)
+            if holding & bit:
+                self._mark_live(first, seq)
+                self._next = seq
+                self._restored(source, block_hash, key)
+                seq = first = self._next
+                continue
+            previous = by_hash.setdefault(block_hash, seq)
+            if previous != seq:  # the engine's hash now names other tokens (by our key)
+                self._mark_live(first, seq)
+                first = seq
+                self._drop(source, block_hash)
+                by_hash[block_hash] = seq
+            slots[seq] = (key << _SOURCE_BITS) | sid
+            hashes_at[seq] = block_hash
+            holders[key] = holding | bit
+            seq += 1
+        self._mark_live(first, seq)
+        self._next = seq
+
+    def _mark_live(self, low: int, high: int) -> None:
+        """Sequence numbers `low` to `high - 1` held (`_live`), a run of 64 at a time."""
+        live = self._live
+        while low < high:
+            run = low >> _RUN_BITS
+            end = min(high, (run + 1) << _RUN_BITS)
+            live[run] = live.get(run, 0) | (((1 << (end - low)) - 1) << (low & _RUN_MASK))
+            low = end
+
+    def _restored(self, source: _Source, block_hash: BlockHash, key: int) -> None:
+        """A block this rank holds already (vLLM reports some cache hits as stores too): the
+        youngest now. Held under another engine hash (our keys collided, or the engine hashes
+        something its events do not carry), the new hash is not indexed: a removal by either
+        then costs at most a missed affinity."""
+        slot = (key << _SOURCE_BITS) | source.sid
+        seq = source.by_hash.get(block_hash)
+        if seq is None or self._slots.get(seq) != slot:
+            self._ignore(source, "duplicate")
+            return
+        del self._slots[seq], self._hashes[seq]
+        self._release(seq)
+        young = self._next
+        self._next = young + 1
+        source.by_hash[block_hash] = young
+        self._slots[young] = slot
+        self._hashes[young] = block_hash
+        self._mark_live(young, young + 1)
+
+    def _removed(self, source: _Source, hashes: Sequence[BlockHash]) -> None:
+        """`_drop` of each block, inline (as hot as `_chain` once the engines' caches are full)."""
+        slots, hashes_at, holders, by_hash, live = self._slots, self._hashes, self._holders, source.by_hash, self._live
+        kept = ~source.bit
+        for block_hash in hashes:
+            seq = by_hash.pop(block_hash, None)
+            if seq is None:
+                continue  # stored before we subscribed, skipped, or evicted: nothing to undo
+            key = slots.pop(seq) >> _SOURCE_BITS
+            del hashes_at[seq]
+            run = seq >> _RUN_BITS
+            mask = live[run] & ~(1 << (seq & _RUN_MASK))
+            if mask:
+                live[run] = mask
+            else:
+                del live[run]
+            holding = holders[key] & kept
+            if holding:
+                holders[key] = holding
+            else:
+                del holders[key]
 
     def _unindexable(self, event: BlockStored) -> str | None:
         if event.block_size != self.block_size:
@@ -260,40 +395,53 @@ class KVIndex:
             return "shape"  # masked-out blocks (sliding window): no run of tokens to key them by
         return None
 
-    def _store(self, source: _Source, block_hash: BlockHash, key: int) -> None:
-        # Hot path, once per stored block. A re-stored block (vLLM reports prefix
-        # cache hits as stores too) moves to the young end of the eviction order.
-        slot = (key << _SOURCE_BITS) | source.sid
-        held = self._lru.get(slot)
-        if held is not None:
-            self._lru.move_to_end(slot)
-            if held != block_hash:
-                del source.by_hash[held]
-                self._lru[slot] = block_hash
-                source.by_hash[block_hash] = key
-            return
-        previous = source.by_hash.get(block_hash)
-        if previous is not None:
-            self._drop(source, block_hash)  # the engine's hash now names other tokens (by our key)
-        self._lru[slot] = block_hash
-        source.by_hash[block_hash] = key
-        self._holders[key] = self._holders.get(key, 0) | source.bit
-        if len(self._lru) > self.max_blocks:
-            self._evict()
-
     def _evict(self) -> None:
-        slot, block_hash = self._lru.popitem(last=False)
+        """Forget the least recently stored block."""
+        seq = self._first()
+        self._oldest = seq + 1
+        slot = self._slots.pop(seq)
+        block_hash = self._hashes.pop(seq)
+        self._release(seq)
         source = self._by_sid[slot & _SOURCE_MASK]
         del source.by_hash[block_hash]
         self._unhold(slot >> _SOURCE_BITS, source.bit)
         self.evicted += 1
 
+    def _first(self) -> int:
+        """The lowest sequence number held: in the cursor's run of 64 or one of the next
+        few (removals follow the engines' eviction order, close to ours), else, past a
+        longer gap (a block held long, then removed), the first run in `_live`'s order
+        (runs are added in order), found in one scan of that small map."""
+        seq, live = self._oldest, self._live
+        run = seq >> _RUN_BITS
+        mask = live.get(run, 0) >> (seq & _RUN_MASK) << (seq & _RUN_MASK)
+        for _ in range(_RUN_STEPS):
+            if mask:
+                break
+            run += 1
+            mask = live.get(run, 0)
+        else:
+            run = next(iter(live))
+            mask = live[run]
+        return (run << _RUN_BITS) + (mask & -mask).bit_length() - 1
+
+    def _release(self, seq: int) -> None:
+        """`seq` no longer held (`_live`)."""
+        run = seq >> _RUN_BITS
+        mask = self._live[run] & ~(1 << (seq & _RUN_MASK))
+        if mask:
+            self._live[run] = mask
+        else:
+            del self._live[run]
+
     def _drop(self, source: _Source, block_hash: BlockHash) -> None:
-        key = source.by_hash.pop(block_hash, None)
-        if key is None:
+        seq = source.by_hash.pop(block_hash, None)
+        if seq is None:
             return  # stored before we subscribed, skipped, or evicted: nothing to undo
-        del self._lru[(key << _SOURCE_BITS) | source.sid]
-        self._unhold(key, source.bit)
+        slot = self._slots.pop(seq)
+        del self._hashes[seq]
+        self._release(seq)
+        self._unhold(slot >> _SOURCE_BITS, source.bit)
 
     def _unhold(self, key: int, bit: int) -> None:
         holders = self._holders[key] & ~bit
@@ -303,5 +451,9 @@ class KVIndex:
             del self._holders[key]
 
     def _clear(self, source: _Source) -> None:
-        for block_hash in list(source.by_hash):
-            self._drop(source, block_hash)
+        slots, hashes_at = self._slots, self._hashes
+        for seq in source.by_hash.values():
+            self._unhold(slots.pop(seq) >> _SOURCE_BITS, source.bit)
+            del hashes_at[seq]
+            self._release(seq)
+        source.by_hash.clear()

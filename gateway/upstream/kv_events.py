@@ -19,8 +19,17 @@ A stale rank is fresh again after a restart from 0 or an AllBlocksCleared event 
 the index has seen everything). Silence is not staleness: an idle engine publishes nothing,
 and ZMQ reconnects a SUB socket by itself, so nothing here times out on quiet.
 
-A flood must not starve the loop: a message already queued is received without yielding,
-so the task yields every `batch_limit` messages.
+Reading costs little per batch, since a listening gateway hears every engine's every
+prefill. Each SUB is a plain (blocking-API) socket read with non-blocking receives: a
+rank's task waits on the socket's file descriptor and drains the queue when woken; woken
+again within `gather_s` of its last drain, it drains every `gather_s` instead, until a
+drain finds nothing (a `zmq.asyncio` receive costs a future and a reader registered and
+removed per message, and a batch applied after a sleep finds the caches cold: a busy
+engine's batches are cheaper applied together). The index calls `catch_up` before each match, which applies what is
+queued, so a routing decision sees every batch received, as if each were applied on
+arrival. A flood must not starve the loop: the task yields every `batch_limit` messages,
+and a catch-up applies at most `catch_up_limit` an engine. Metrics are per batch, not per
+event, through label children looked up once.
 """
 
 from __future__ import annotations
@@ -32,20 +41,31 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
 import zmq.asyncio
+from prometheus_client import Counter as CounterChild
 
 from gateway.config import KV_REPLAY_TIMEOUT_S as REPLAY_TIMEOUT_S
 from gateway.config import EngineEndpoint
 from gateway.observe.metrics import GatewayMetrics
 from gateway.routing.kv_index import KVIndex
-from wire.kv_events import END_SEQ, Event, KVEventsError, decode_batch, seq_bytes, seq_of
+from wire.kv_events import END_SEQ, AllBlocksCleared, Event, KVEventsError, decode_batch, seq_bytes, seq_of
 
 log = logging.getLogger(__name__)
 
+GATHER_S = 0.1
+"""While an engine is busy (a message within this long of the last drain), its messages
+are drained this often rather than one wake-up each: a batch applied after the process
+slept costs about twice one applied right after another (caches cold), and a match
+applies what is queued first (`catch_up`), so routing never sees the index this much
+behind."""
 BATCH_LIMIT = 64
 """Messages handled between two yields to the event loop (~64 × a batch's apply)."""
+CATCH_UP_LIMIT = 16
+"""Messages of one engine a match applies at most (more are queued only in a flood, which
+the ranks' tasks work through in bounded batches)."""
 RECEIVE_HWM = 100_000
 """As vLLM's publisher's: a rank that falls behind queues this many batches before ZMQ drops."""
 LOG_EVERY_S = 60.0
@@ -61,12 +81,64 @@ def rank_endpoint(endpoint: str, rank: int) -> str:
     return f"{base}:{int(port) + rank}"
 
 
+def _connect(sock: zmq.Socket[Any], endpoint: str) -> None:
+    if endpoint.startswith("tcp://["):
+        sock.setsockopt(zmq.IPV6, 1)
+    sock.connect(endpoint)
+
+
+class _Readable:
+    """Waits, without a wake-up per message, until a ZMQ socket has a message queued.
+
+    ZMQ's file descriptor is a signal, not a queue: it turns readable when the socket's state
+    may have changed, and stays so until `EVENTS` is read. So the wait reads `EVENTS` first
+    (a message may be queued already), and each signal reads it again; the descriptor is
+    watched only while waiting (a busy socket is drained on a timer instead, not woken by
+    every message)."""
+
+    def __init__(self, sock: zmq.Socket[bytes]) -> None:
+        self._sock = sock
+        self._fd = int(sock.getsockopt(zmq.FD))
+        self._waiter: asyncio.Future[None] | None = None
+
+    def _ready(self) -> bool:
+        return bool(int(self._sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+
+    def _signalled(self) -> None:
+        if self._ready() and self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def wake(self) -> None:
+        """End a wait without a message queued (another reader left one for this task)."""
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def wait(self) -> None:
+        """Returns once a message is queued (or `wake`)."""
+        if self._ready():
+            return
+        loop = asyncio.get_running_loop()
+        self._waiter = loop.create_future()
+        loop.add_reader(self._fd, self._signalled)
+        try:
+            if not self._ready():  # one may have come before the descriptor was watched
+                await self._waiter
+        finally:
+            loop.remove_reader(self._fd)
+            self._waiter = None
+
+
 @dataclass
 class _Rank:
     rank: int
     endpoint: str
     replay: str | None
+    sub: zmq.Socket[bytes]
+    readable: _Readable
     last: int | None = None
+    held: list[bytes] | None = None
+    """A message `catch_up` received that opens a gap: the rank's task replays, then applies it."""
+    replaying: bool = False
 
 
 @dataclass
@@ -82,12 +154,15 @@ class KVSubscriber:
     metrics: GatewayMetrics | None = None
     replay_timeout_s: float = REPLAY_TIMEOUT_S
     batch_limit: int = BATCH_LIMIT
+    gather_s: float = GATHER_S
+    catch_up_limit: int = CATCH_UP_LIMIT
     stats: Counter[str] = field(default_factory=Counter)
     """Messages, events by type, errors by reason, replays: what the metrics see, for tests."""
     _context: zmq.asyncio.Context = field(default_factory=zmq.asyncio.Context.instance)
-    _sockets: list[zmq.asyncio.Socket] = field(default_factory=list)
+    _ranks: list[_Rank] = field(default_factory=list)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _logged: dict[str, float] = field(default_factory=dict)
+    _event_counters: dict[str, CounterChild] = field(default_factory=dict)
 
     @classmethod
     def of(
@@ -106,65 +181,125 @@ class KVSubscriber:
     def start(self) -> None:
         """Connect a SUB per rank and start reading; returns at once (ZMQ connects in the background)."""
         for rank in range(self.data_parallel_size):
-            state = _Rank(
-                rank,
-                rank_endpoint(self.endpoint, rank),
-                None if self.replay is None else rank_endpoint(self.replay, rank),
-            )
-            sub = self._socket(zmq.SUB, state.endpoint)
+            endpoint = rank_endpoint(self.endpoint, rank)
+            sub: zmq.Socket[bytes] = zmq.Socket(self._context, zmq.SUB)
             sub.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
             sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
-            self._tasks.append(asyncio.create_task(self._read(sub, state), name=f"kv-events {state.endpoint}"))
+            _connect(sub, endpoint)
+            replay = None if self.replay is None else rank_endpoint(self.replay, rank)
+            state = _Rank(rank, endpoint, replay, sub, _Readable(sub))
+            self._ranks.append(state)
+            self._tasks.append(asyncio.create_task(self._read(state), name=f"kv-events {endpoint}"))
+        self.index.add_catch_up(self.catch_up)
         self._publish_stale()
 
     async def close(self) -> None:
+        self.index.remove_catch_up(self.catch_up)
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        for sock in self._sockets:
-            sock.close(linger=0)
+        for state in self._ranks:
+            state.sub.close(linger=0)
         self._tasks.clear()
-        self._sockets.clear()
+        self._ranks.clear()
 
-    def _socket(self, kind: int, endpoint: str) -> zmq.asyncio.Socket:
-        sock = self._context.socket(kind)
-        if endpoint.startswith("tcp://["):
-            sock.setsockopt(zmq.IPV6, 1)
-        sock.connect(endpoint)
-        if kind == zmq.SUB:
-            self._sockets.append(sock)
-        return sock
+    def catch_up(self) -> None:
+        """Apply what the ranks have queued, up to `catch_up_limit` messages in all (the index
+        calls it before a match, so that a routing decision sees every batch received while
+        the ranks' tasks gather). A rank in a replay is left to it, and a message that opens
+        a gap is handed to the rank's task, which replays first."""
+        budget = self.catch_up_limit
+        for state in self._ranks:
+            if state.replaying or state.held is not None:
+                continue
+            while budget > 0:
+                try:
+                    frames = state.sub.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                budget -= 1
+                if not self._guarded(state, frames):
+                    state.held = frames
+                    state.readable.wake()
+                    break
 
-    async def _read(self, sub: zmq.asyncio.Socket, state: _Rank) -> None:
+    async def _read(self, state: _Rank) -> None:
+        loop = asyncio.get_running_loop()
+        drained = -self.gather_s
+        while True:
+            await state.readable.wait()  # no wake-up until a message is queued
+            if loop.time() - drained >= self.gather_s:  # the engine was quiet: a wake-up a message
+                await self._drain(state)
+            else:  # busy: its next batches queue behind the first, drained together
+                while True:
+                    await asyncio.sleep(self.gather_s)
+                    if not await self._drain(state):
+                        break  # none came meanwhile: quiet again
+            drained = loop.time()
+
+    async def _drain(self, state: _Rank) -> bool:
+        """Handle every message queued, yielding every `batch_limit`; whether there was one."""
         handled = 0
         while True:
-            frames = await sub.recv_multipart()
-            try:
-                await self._message(state, frames)
-            except Exception:  # never out of the task: a bug here must not end the subscription
-                log.exception("KV events of %s: a message could not be handled", self.engine)
-                self._lost(state, "internal")
+            frames, state.held = state.held, None
+            if frames is None:
+                try:
+                    frames = state.sub.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    return handled > 0
+            if not self._guarded(state, frames):
+                await self._replay_then_apply(state, frames)
             handled += 1
             if handled % self.batch_limit == 0:
                 await asyncio.sleep(0)
 
-    async def _message(self, state: _Rank, frames: list[bytes]) -> None:
+    def _guarded(self, state: _Rank, frames: list[bytes]) -> bool:
+        """`_message`, never raising: a bug here must not end the subscription (nor a match)."""
+        try:
+            return self._message(state, frames)
+        except Exception:
+            log.exception("KV events of %s: a message could not be handled", self.engine)
+            self._lost(state, "internal")
+            return True
+
+    async def _replay_then_apply(self, state: _Rank, frames: list[bytes]) -> None:
+        """A message that opened a gap: the missing batches from the replay socket, then it."""
+        seq = seq_of(frames[1])
+        state.replaying = True
+        try:
+            await self._gap(state, seq)
+            state.last = seq
+            self._apply(state, frames[2])
+        except Exception:
+            log.exception("KV events of %s: a message could not be handled", self.engine)
+            self._lost(state, "internal")
+        finally:
+            state.replaying = False
+
+    def _message(self, state: _Rank, frames: list[bytes]) -> bool:
+        """One message, unless it opens a gap that the replay socket may fill: then False,
+        and nothing done (the replay awaits)."""
         seq = self._seq(frames)
         if seq is None:
             state.last = None  # the next message is a new baseline
             self._lost(state, "frames" if len(frames) != 3 else "seq")
-            return
+            return True
         last = state.last
         if last is not None and seq <= last:
             self._count("restart")
             self.index.clear(self.engine, state.rank)
             self.index.mark_fresh(self.engine, state.rank)
+            self._publish_stale()
         elif last is not None and seq > last + 1:
-            await self._gap(state, seq)
+            if state.replay is not None:
+                return False
+            self._count("gap")
+            self._drop(state, "gap")
         state.last = seq
         self._apply(state, frames[2])
+        return True
 
     @staticmethod
     def _seq(frames: list[bytes]) -> int | None:
@@ -178,9 +313,6 @@ class KVSubscriber:
     async def _gap(self, state: _Rank, seq: int) -> None:
         assert state.last is not None
         self._count("gap")
-        if state.replay is None:
-            self._drop(state, "gap")
-            return
         try:
             await self._replay(state, state.last + 1, seq)
         except ReplayFailed as exc:
@@ -192,7 +324,8 @@ class KVSubscriber:
     async def _replay(self, state: _Rank, start: int, end: int) -> None:
         """Apply batches `start` to `end - 1` from the replay socket, in order."""
         assert state.replay is not None
-        dealer = self._socket(zmq.DEALER, state.replay)
+        dealer = self._context.socket(zmq.DEALER)
+        _connect(dealer, state.replay)
         try:
             await dealer.send_multipart([b"", seq_bytes(start)])
             async with asyncio.timeout(self.replay_timeout_s):
@@ -246,14 +379,28 @@ class KVSubscriber:
         self._publish_stale()
 
     def _counted(self, events: Sequence[Event]) -> None:
-        tally = Counter(type(event).__name__ for event in events)
-        self.stats.update(tally)
-        self.stats["messages"] += 1
+        tally: dict[type, int] = {}
+        for event in events:
+            kind = type(event)
+            tally[kind] = tally.get(kind, 0) + 1
+        stats = self.stats
+        for kind, count in tally.items():
+            stats[kind.__name__] += count
+        stats["messages"] += 1
         if self.metrics is not None:
             for kind, count in tally.items():
-                self.metrics.kv_events.labels(self.engine, kind).inc(count)
+                self._event_counter(kind.__name__).inc(count)
             self.metrics.kv_index_blocks.set(self.index.size)
-            self._publish_stale()  # an AllBlocksCleared or a restart makes a stale rank fresh
+            if AllBlocksCleared in tally:
+                self._publish_stale()  # the engine's cache is empty and seen so: a stale rank is fresh
+
+    def _event_counter(self, kind: str) -> CounterChild:
+        """The `kv_events` child of this engine and event type (`labels` costs a lock and a lookup a call)."""
+        child = self._event_counters.get(kind)
+        if child is None:
+            assert self.metrics is not None
+            child = self._event_counters[kind] = self.metrics.kv_events.labels(self.engine, kind)
+        return child
 
     def _count(self, reason: str) -> None:
         self.stats[reason] += 1

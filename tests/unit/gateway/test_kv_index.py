@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import tracemalloc
 from collections.abc import Iterator
 from time import process_time
@@ -114,6 +115,77 @@ def test_the_budget_evicts_the_least_recently_stored() -> None:
     assert index.match(first) == {A: 1}
     index.apply(B, [BlockRemoved(block_hashes=[2])])  # already evicted: nothing to undo
     assert index.counts() == {A: 2, B: 1}
+
+
+def test_the_budget_evicts_the_oldest_held_after_removals_out_of_order() -> None:
+    index = KVIndex(block_size=BS, max_blocks=6000)
+    first, second = tokens(6000), tokens(6000, start=100_000)
+    index.apply(A, [stored(list(range(1, 6001)), first)])
+    # Removed out of store order, leaving A's first block and, 5998 removed blocks later, its last.
+    index.apply(A, [BlockRemoved(block_hashes=[h for h in range(5999, 1, -1)])])
+    assert index.counts() == {A: 2}
+    index.apply(B, [stored(list(range(1, 5999)), second[: 5998 * BS])])
+    assert index.size == 6000 and index.evicted == 0
+    index.apply(B, [stored([5999], second[5998 * BS : 5999 * BS], parent=5998)])
+    assert index.evicted == 1 and index.match(first) == {}  # A's first block, the oldest, went first
+    assert index.counts() == {A: 1, B: 5999}
+    index.apply(B, [stored([6000], second[5999 * BS :], parent=5999)])
+    assert index.evicted == 2 and index.counts() == {A: 0, B: 6000}  # then A's last, past the gap
+    index.apply(A, [stored([1], first[:BS])])
+    assert index.counts() == {A: 1, B: 5999} and index.match(second) == {}  # then B's first
+    index.apply(A, [BlockRemoved(block_hashes=[6000, 2])])  # evicted or removed already: nothing to undo
+    assert index.size == 6000
+
+
+def test_the_budget_counts_after_the_batch_whose_removals_it_carries() -> None:
+    """An engine at capacity publishes its stores and, in the same batch, the removals that
+    made room: the index, at its budget too, then forgets nothing the engine still holds."""
+    index = KVIndex(block_size=BS, max_blocks=2)
+    first, second = tokens(1), tokens(1, start=100)
+    index.apply(A, [stored([1], first)])
+    index.apply(A, [stored([2], second)])
+    index.apply(A, [stored([3], tokens(1, start=200)), BlockRemoved(block_hashes=[2])])
+    assert index.evicted == 0 and index.counts() == {A: 2}
+    assert index.match(first) == {A: 1} and index.match(second) == {}
+
+
+def test_a_block_held_under_another_engine_hash_is_counted_not_indexed_twice() -> None:
+    index = KVIndex(block_size=BS)
+    prompt = tokens(1)
+    index.apply(A, [stored([1], prompt)])
+    index.apply(A, [stored([2], prompt)])  # the same tokens under another hash
+    assert index.size == 1 and index.ignored["duplicate"] == 1
+    index.apply(A, [BlockRemoved(block_hashes=[2])])  # never indexed: nothing to undo
+    assert index.match(prompt) == {A: 1}
+
+
+def traversed(root: object) -> int:
+    """The references the cyclic GC follows among the objects `root` holds: those of each
+    tracked object reachable from it (classes and what they hold left out)."""
+    seen: set[int] = set()
+    stack = [root]
+    visits = 0
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, type) or not gc.is_tracked(obj):
+            continue
+        seen.add(id(obj))
+        referents = gc.get_referents(obj)
+        visits += len(referents)
+        stack.extend(referents)
+    return visits
+
+
+def test_the_cyclic_gc_does_not_walk_the_blocks() -> None:
+    """A collection of the oldest generation walks every tracked container: an index of a
+    million blocks in one would cost ~100 ms a collection, a pause of every stream."""
+    index = KVIndex(block_size=16)
+    empty = traversed(index)
+    for event in chain(20_000):
+        index.apply(A, [event])
+    index.apply(B, [BlockStored(block_hashes=[1], token_ids=list(range(16)), block_size=16)])  # a second source
+    assert index.size == 20_001
+    assert traversed(index) - empty < 100
 
 
 def test_stale_is_per_engine_until_its_cache_is_cleared() -> None:
