@@ -112,7 +112,8 @@ HIT_TARGET = 0.95
 TTFT_TARGET = 3.0
 """least_outstanding's TTFT p50 over kv_cache's, on agentic."""
 THROUGHPUT_TARGET = 0.03
-"""kv_cache's throughput within this share of least_outstanding's, on no_reuse."""
+"""kv_cache's throughput at most this share below least_outstanding's, on no_reuse (routing by
+cache must cost nothing where there is nothing to reuse; faster is not a miss)."""
 
 
 @dataclass(frozen=True)
@@ -826,7 +827,8 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                       "target": f">= {TTFT_TARGET}", "met": ttft >= TTFT_TARGET})
         rate = row("no_reuse", mode)["throughput_rps"] / row("no_reuse", "least_outstanding")["throughput_rps"]
         found.append({"name": f"no_reuse: {mode} throughput / least_outstanding throughput", "value": rate,
-                      "target": f"within {THROUGHPUT_TARGET:.0%} of 1", "met": abs(rate - 1) <= THROUGHPUT_TARGET})
+                      "target": f">= {1 - THROUGHPUT_TARGET:g} (at most {THROUGHPUT_TARGET:.0%} slower)",
+                      "met": rate >= 1 - THROUGHPUT_TARGET})
     return found
 
 
