@@ -40,7 +40,7 @@ QUOTA_KEY = web.RequestKey("onehop_quota", Decision)
 UNBOUNDED = 1 << 60
 """A completion budget nobody knows the bound of (no max_tokens, no known context): the
 reservation takes each bucket's capacity."""
-SETTLE_DELAYS_S = (0.25, 1.0, 4.0)
+SETTLE_DELAYS_S = (0.1, 0.5, 2.0)
 """Waits before a failed settle is tried again (the store is down); then it is given up."""
 
 
@@ -71,6 +71,11 @@ class QuotaCheck:
         self._limits: dict[str, tuple[Limit, ...]] = {}
         self._held: dict[str, _Held] = {}
         self._settling: set[asyncio.Task[None]] = set()
+
+    @property
+    def settling(self) -> int:
+        """Settles not yet done (in flight, or waiting to be tried again)."""
+        return len(self._settling)
 
     def limits(self, tenant: str | None) -> tuple[Limit, ...]:
         """The tenant's limits (its own entry's, else `"*"`'s); none without a tenant."""
@@ -129,6 +134,7 @@ class QuotaCheck:
             except StateUnavailable:
                 if delay is None:
                     break
+                self.metrics.quota_unavailable.labels("settle_retried").inc()
                 await asyncio.sleep(delay)  # the store is down: try again later
         self.metrics.quota_unavailable.labels("settle_failed").inc()
         log.warning("a quota reservation of tenant %r was not settled: the store is unavailable", held.tenant)

@@ -71,7 +71,8 @@ class GatewayMetrics:
         self.quota_unavailable = Counter(
             "onehop_gateway_quota_unavailable",
             "Quota operations the shared store did not answer, by what was done: admitted (quota_on_failure: "
-            "open), refused (closed, a 503), settle_failed (its reservation stays charged).",
+            "open), refused (closed, a 503), settle_retried (tried again shortly), settle_failed (given up: its "
+            "reservation stays charged).",
             ["action"], registry=r,
         )
         self.requests = Counter(
