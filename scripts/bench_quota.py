@@ -12,7 +12,8 @@ Two measurements, on one machine:
   `none` (no quota), `memory` and `redis` (a tokens_per_minute and a requests_per_minute
   that are never reached). `--requests` non-streamed chat completions through each, at
   `--concurrency`, after a warm-up; each gateway's CPU (utime + stime from /proc) per
-  request, and what `memory` and `redis` add to `none`'s. The engine's CPU is not counted.
+  request, and what `memory` and `redis` add to `none`'s, in 5 interleaved rounds. The
+  engine's CPU is not counted.
 
 The table's `ratio` is the check's CPU per request over the `none` gateway's CPU per request.
 
@@ -65,6 +66,7 @@ KEY = "key-alpha"
 LIMITS = (Limit("tokens_per_minute", 1_000_000_000, 60.0), Limit("requests_per_minute", 10_000_000, 60.0))
 QUOTA = {"tokens_per_minute": 1_000_000_000, "requests_per_minute": 10_000_000}
 REDIS_READY_S = 10.0
+ROUNDS = 5
 
 
 @dataclass(frozen=True)
@@ -143,28 +145,41 @@ async def _ask(session: aiohttp.ClientSession, url: str, body: bytes, tokens: in
             raise BenchError(f"{url} answered {response.status}: {str(answer)[:300]}")
 
 
-async def gateway_cpu(session: aiohttp.ClientSession, base: str, pid: int, settings: Settings) -> float:
-    """The gateway's CPU per request, in µs."""
-    body = json.dumps({
+def chat_body(tokens: int) -> bytes:
+    return json.dumps({
         "model": MODEL, "messages": [{"role": "user", "content": "Tell me about lighthouses."}],
-        "max_tokens": settings.tokens, "ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False},
+        "max_tokens": tokens, "ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False},
     }).encode()  # fmt: skip
-    url = base + "/v1/chat/completions"
-    queue: asyncio.Queue[int] = asyncio.Queue()
+
+
+async def send(session: aiohttp.ClientSession, base: str, settings: Settings, count: int) -> None:
+    """`count` chat completions through the gateway at `base`, `settings.concurrency` at once."""
+    url, body = base + "/v1/chat/completions", chat_body(settings.tokens)
+    left = [count]
 
     async def worker() -> None:
-        while not queue.empty():
-            queue.get_nowait()
+        while left[0] > 0:
+            left[0] -= 1
             await _ask(session, url, body, settings.tokens)
 
-    for _ in range(settings.concurrency * 2):  # warm-up: connections, first renders
-        queue.put_nowait(0)
     await asyncio.gather(*(worker() for _ in range(settings.concurrency)))
-    for i in range(settings.requests):
-        queue.put_nowait(i)
-    before = process_cpu(pid)
-    await asyncio.gather(*(worker() for _ in range(settings.concurrency)))
-    return (process_cpu(pid) - before) / settings.requests * 1e6
+
+
+async def gateway_cpu(
+    session: aiohttp.ClientSession, gateways: dict[str, tuple[str, int]], settings: Settings
+) -> dict[str, float]:
+    """Each gateway's CPU per request, in µs: `ROUNDS` rounds, each sending a share of the
+    requests through every gateway in turn, so that the machine's other load falls on all alike."""
+    spent = dict.fromkeys(gateways, 0.0)
+    for base, _ in gateways.values():  # warm-up: connections, first renders
+        await send(session, base, settings, settings.concurrency * 2)
+    share = max(1, settings.requests // ROUNDS)
+    for _ in range(ROUNDS):
+        for name, (base, pid) in gateways.items():
+            before = process_cpu(pid)
+            await send(session, base, settings, share)
+            spent[name] += process_cpu(pid) - before
+    return {name: cpu / (share * ROUNDS) * 1e6 for name, cpu in spent.items()}
 
 
 async def measure(settings: Settings) -> dict[str, Any]:
@@ -199,10 +214,14 @@ async def measure(settings: Settings) -> dict[str, Any]:
                 await wait_ready(session, engine_url, processes[0], folder / "engine.log")
                 for name, process in zip(configs, processes[1:], strict=True):
                     await wait_ready(session, f"http://127.0.0.1:{ports[name]}", process, folder / f"{name}.log")
-                gateways = {
-                    name: await gateway_cpu(session, f"http://127.0.0.1:{ports[name]}", process.pid, settings)
-                    for name, process in zip(configs, processes[1:], strict=True)
-                }
+                gateways = await gateway_cpu(
+                    session,
+                    {
+                        name: (f"http://127.0.0.1:{ports[name]}", process.pid)
+                        for name, process in zip(configs, processes[1:], strict=True)
+                    },
+                    settings,
+                )
         finally:
             for process in processes:
                 stop(process)
