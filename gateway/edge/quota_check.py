@@ -25,8 +25,6 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from aiohttp import web
-
 from gateway.config import GatewayConfig
 from gateway.edge.errors import QuotaExceeded, StateUnavailable
 from gateway.edge.quota import Decision, Limit, QuotaStore, limits_of
@@ -35,8 +33,6 @@ from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.outcome import Outcome
 
 log = logging.getLogger(__name__)
-QUOTA_KEY = web.RequestKey("onehop_quota", Decision)
-"""The admitted request's quota decision, for its answer's rate-limit headers."""
 UNBOUNDED = 1 << 60
 """A completion budget nobody knows the bound of (no max_tokens, no known context): the
 reservation takes each bucket's capacity."""

@@ -37,7 +37,7 @@ from msgspec import UNSET
 from wire.openai_schema import Usage
 from wire.protocol import ABORT_HANDLE_SEPARATOR
 from gateway.upstream import vllm_derender
-from gateway.edge.context import Edge, RequestContext
+from gateway.edge.context import QUOTA_KEY, Edge, RequestContext
 from gateway.upstream.disagg import prefill
 from gateway.flow.endpoints import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Answer, Endpoint
 from gateway.upstream.engine_request import generate_body
@@ -51,7 +51,7 @@ from gateway.edge.errors import (
     UnsupportedMediaType,
 )
 from gateway.edge.quota import Decision
-from gateway.edge.quota_check import QUOTA_KEY, request_tokens
+from gateway.edge.quota_check import request_tokens
 from gateway.observe.spans import DerenderWork, describe_model, describe_request, measured
 from gateway.observe.outcome import Tokens
 from gateway.relay.engine import Presenting, encoded

@@ -41,10 +41,9 @@ from gateway.edge.errors import (
     gateway_error_middleware,
     status_error_json,
 )
-from gateway.edge.quota_check import QUOTA_KEY
 from gateway.edge.quota_headers import quota_headers
 from gateway.routing.feedback import EngineFeedback
-from gateway.edge.context import SPAN_KEY, STARTED_KEY, TALLY_KEY
+from gateway.edge.context import QUOTA_KEY, SPAN_KEY, STARTED_KEY, TALLY_KEY
 from gateway.observe.spans import OPERATIONS, describe_outcome
 from gateway.observe.outcome import CLIENT_GONE, Outcome, Tally
 from gateway.serving.memory import release_freed_memory
