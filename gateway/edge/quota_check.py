@@ -7,9 +7,11 @@ when to come back. `QuotaCheck.on_outcome` subscribes to the request's one outco
 settles in the background with what the request used:
 
     the answer's usage known        prompt + completion tokens
-    not known (a client that left   the reservation stands, as if all of it was used
-    before the usage arrived, an
-    engine that failed mid-answer)
+    an error answer, no usage       the prompt tokens (it may have been prefilled)
+    no usage otherwise (a client    the reservation stands, as if all of it was used
+    that left before the usage
+    arrived, an engine that failed
+    mid-stream)
 
 A store that does not answer (Redis down or slow) is `state.quota_on_failure`'s choice: the
 request admitted unchecked (`open`, the default) or a 503 `state_unavailable` (`closed`);
@@ -58,6 +60,7 @@ class _Held:
     limits: tuple[Limit, ...]
     reserved: int
     """Tokens held in the buckets for it (the in-flight gauge's share)."""
+    prompt: int
 
 
 class QuotaCheck:
@@ -83,10 +86,11 @@ class QuotaCheck:
         return found
 
     async def reserve(
-        self, tenant: str | None, reservation: str, tokens: int, *, anthropic: bool = False
+        self, tenant: str | None, reservation: str, tokens: int, *, prompt: int = 0, anthropic: bool = False
     ) -> Decision | None:
-        """Reserve `tokens` (and one request) for `reservation`; the decision, for the answer's
-        headers, or None when the tenant has no quota (or the store is down and quotas fail open)."""
+        """Reserve `tokens` (`prompt` of them the prompt's) and one request for `reservation`;
+        the decision, for the answer's headers, or None when the tenant has no quota (or the
+        store is down and quotas fail open)."""
         limits = self.limits(tenant)
         if not limits:
             return None
@@ -105,7 +109,7 @@ class QuotaCheck:
             self.metrics.quota_rejections.labels(label, decision.refused_by).inc()
             raise refusal(decision, anthropic=anthropic)
         reserved = max((limit.wanted(tokens) for limit in limits if limit.tokens), default=0)
-        self._held[reservation] = _Held(tenant, limits, reserved)
+        self._held[reservation] = _Held(tenant, limits, reserved, prompt)
         self.metrics.quota_reserved.labels(label).inc(reserved)
         return decision
 
@@ -115,10 +119,8 @@ class QuotaCheck:
         if held is None:
             return
         self.metrics.quota_reserved.labels(self.metrics.tenant_label(held.tenant)).dec(held.reserved)
-        tokens = outcome.tokens
-        used = None if tokens is None else tokens.prompt + tokens.completion
         assert outcome.request_id is not None
-        task = asyncio.ensure_future(self._settle(held, outcome.request_id, used))
+        task = asyncio.ensure_future(self._settle(held, outcome.request_id, charged(outcome, held.prompt)))
         self._settling.add(task)
         task.add_done_callback(self._settling.discard)
 
@@ -144,6 +146,16 @@ class QuotaCheck:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         await self.store.close()
+
+
+def charged(outcome: Outcome, prompt: int) -> int | None:
+    """What a request pays (None: its reservation stands)."""
+    tokens = outcome.tokens
+    if tokens is not None:
+        return tokens.prompt + tokens.completion
+    if outcome.status >= 400 and not outcome.client_gone:
+        return prompt
+    return None
 
 
 def refusal(decision: Decision, *, anthropic: bool) -> QuotaExceeded:

@@ -165,7 +165,8 @@ async def reserve_quota(
         return None
     described = endpoint.describe(request)
     tokens = request_tokens(prompts, described.n or 1, described.max_tokens, ctx.model.engines.max_model_len())
-    return await quotas.reserve(ctx.tenant, ctx.request_id, tokens, anthropic=endpoint is MESSAGES)
+    prompt = sum(map(len, prompts))
+    return await quotas.reserve(ctx.tenant, ctx.request_id, tokens, prompt=prompt, anthropic=endpoint is MESSAGES)
 
 
 JSON_TYPE = "application/json"

@@ -7,10 +7,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
+from opentelemetry.trace import INVALID_SPAN
 
 from gateway.config import ConfigError, Tenant, load_config
 from gateway.edge.quota import Limit, MemoryQuotas, limits_of
-from gateway.edge.quota_check import UNBOUNDED, request_tokens
+from gateway.edge.quota_check import UNBOUNDED, charged, request_tokens
+from gateway.observe.outcome import CLIENT_GONE, Outcome, Tokens
 from gateway.edge.quota_headers import openai_duration, quota_headers, rfc3339
 
 
@@ -151,3 +153,17 @@ def test_a_negative_or_absurd_quota_is_refused_naming_the_tenant_and_field(
     with pytest.raises(ConfigError) as caught:
         load_config(path)
     assert said in str(caught.value)
+
+
+def _outcome(status: int, tokens: Tokens | None) -> Outcome:
+    return Outcome(
+        request_id="r", endpoint="chat", model="m", tenant="a", route="text", status=status, error=None,
+        finish_reasons=(), tokens=tokens, duration_s=0.0, span=INVALID_SPAN,
+    )  # fmt: skip
+
+
+def test_a_request_pays_its_usage_else_its_prompt_on_an_error_else_its_reservation() -> None:
+    assert charged(_outcome(200, Tokens(prompt=10, cached=4, completion=5)), prompt=10) == 15
+    assert charged(_outcome(503, None), prompt=10) == 10  # refused before the first byte
+    assert charged(_outcome(CLIENT_GONE, None), prompt=10) is None  # left mid-stream: the reservation stands
+    assert charged(_outcome(200, None), prompt=10) is None  # a stream that failed mid-way
