@@ -42,6 +42,10 @@ KV_LOAD_TOKENS = 512.0
 KV_WAITING_TOKENS = 512.0
 KV_USAGE_TOKENS = 2048.0
 KV_SESSIONS = 65_536
+MAX_TOKENS_PER_MINUTE = 1_000_000_000
+"""About 16 M tokens a second: far above any pool's throughput, so a larger value is a typo."""
+MAX_TOKENS_PER_DAY = 1_000_000_000_000
+MAX_REQUESTS_PER_MINUTE = 10_000_000
 
 
 class ConfigError(ValueError):
@@ -151,6 +155,13 @@ class Tenant(Struct, forbid_unknown_fields=True, kw_only=True):
     `cache_salt`, if any, passes through). Off: the gateway sets the request's `cache_salt`
     from the tenant, replacing the client's, so no other tenant's prompt ever hits its blocks
     (prefix-cache timing is a side channel between tenants)."""
+    tokens_per_minute: Annotated[int, Meta(ge=1, le=MAX_TOKENS_PER_MINUTE)] | None = None
+    """Prompt and completion tokens a minute (a token bucket that refills continuously);
+    None: no limit. Past it, a 429 with `Retry-After` (`gateway.edge.quota`)."""
+    tokens_per_day: Annotated[int, Meta(ge=1, le=MAX_TOKENS_PER_DAY)] | None = None
+    """Prompt and completion tokens a day, as `tokens_per_minute` over 24 hours."""
+    requests_per_minute: Annotated[int, Meta(ge=1, le=MAX_REQUESTS_PER_MINUTE)] | None = None
+    """Requests a minute, counted when admitted; None: no limit."""
 
 
 class ResponseStoreConfig(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -190,6 +201,11 @@ class StateConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     that needs the store is answered 503 `state_unavailable`."""
     key_prefix: str = "onehop:"
     """Every key this gateway writes starts with it: several deployments can share a server."""
+    quota_on_failure: Literal["open", "closed"] = "open"
+    """What a tenant quota check does when the Redis server does not answer in `timeout_s`:
+    `open` admits the request unchecked (a quota guards cost and fairness, and an outage of
+    the store should not become an outage of serving), `closed` refuses it with a 503
+    `state_unavailable`. Either way it is counted in `onehop_gateway_quota_unavailable_total`."""
 
     def __post_init__(self) -> None:
         if self.backend == "redis" and not self.url:
@@ -472,5 +488,23 @@ def load_config(path: str | Path) -> GatewayConfig:
     try:
         raw = yaml.safe_load(text)
         return msgspec.convert(raw, GatewayConfig)
-    except (yaml.YAMLError, msgspec.ValidationError, ConfigError) as exc:
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{path}: {_tenant_named(raw, exc)}") from exc
+    except (yaml.YAMLError, ConfigError) as exc:
         raise ConfigError(f"{path}: {exc}") from exc
+
+
+def _tenant_named(raw: object, exc: msgspec.ValidationError) -> str:
+    """msgspec names a dict's entry `[...]`; for `tenants:` the message names the tenant too."""
+    message = str(exc)
+    tenants = raw.get("tenants") if isinstance(raw, dict) else None
+    if "$.tenants[...]" not in message or not isinstance(tenants, dict):
+        return message
+    for name, entry in tenants.items():
+        try:
+            msgspec.convert(entry, Tenant)
+        except msgspec.ValidationError as inner:
+            where = f"$.tenants[{name!r}]"
+            said = str(inner)
+            return said.replace(" - at `$", f" - at `{where}", 1) if " - at `$" in said else f"{said} - at `{where}`"
+    return message

@@ -24,6 +24,7 @@ from aiohttp import web
 from opentelemetry.trace import INVALID_SPAN, Span
 
 from gateway.edge.auth import TENANT_KEY, owner
+from gateway.edge.quota import Decision
 from gateway.upstream.engine_client import Target
 from gateway.observe.outcome import Tally
 from gateway.serving.runtime import ModelRuntime
@@ -34,6 +35,8 @@ STARTED_KEY = web.RequestKey("onehop_started", float)
 """perf_counter() at the request's arrival, for time to first token and the stream deadline."""
 TALLY_KEY = web.RequestKey("onehop_tally", Tally)
 """What the request became, for its outcome event and its answer's headers."""
+QUOTA_KEY = web.RequestKey("onehop_quota", Decision)
+"""The tenant quota's decision for an admitted request, for its answer's rate-limit headers."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -18,6 +18,7 @@ and as client libraries match on (`context_length_exceeded`, `model_not_found`,
     ├── UnsupportedMediaType 415  invalid_request_error / unsupported_media_type (a form, text/plain)
     ├── Unprocessable       422   invalid_request_error / null (well-formed but impossible)
     ├── RateLimited         429   requests / rate_limit_exceeded
+    │   └── QuotaExceeded   429   tokens or requests / rate_limit_exceeded (a tenant's quota)
     ├── EngineUnavailable   503   server_error / engine_unavailable (no engine answered)
     │   ├── EngineTimeout   504   server_error / engine_timeout (too slow, or went silent)
     │   └── EngineRoutesOff 503   server_error / engine_unavailable (a 403: its generate API is off)
@@ -124,6 +125,11 @@ class RateLimited(GatewayError):
     status = 429
     type = "requests"
     code: str | None = "rate_limit_exceeded"
+
+
+class QuotaExceeded(RateLimited):
+    """A tenant's quota (`tenants.NAME.tokens_per_minute`, ...) holds less than the request
+    needs: its type says which kind of limit, as OpenAI's does (`tokens` or `requests`)."""
 
 
 class EngineUnavailable(GatewayError):

@@ -37,7 +37,7 @@ from msgspec import UNSET
 from wire.openai_schema import Usage
 from wire.protocol import ABORT_HANDLE_SEPARATOR
 from gateway.upstream import vllm_derender
-from gateway.edge.context import Edge, RequestContext
+from gateway.edge.context import QUOTA_KEY, Edge, RequestContext
 from gateway.upstream.disagg import prefill
 from gateway.flow.endpoints import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Answer, Endpoint
 from gateway.upstream.engine_request import generate_body
@@ -50,6 +50,8 @@ from gateway.edge.errors import (
     RequestTimeout,
     UnsupportedMediaType,
 )
+from gateway.edge.quota import Decision
+from gateway.edge.quota_check import request_tokens
 from gateway.observe.spans import DerenderWork, describe_model, describe_request, measured
 from gateway.observe.outcome import Tokens
 from gateway.relay.engine import Presenting, encoded
@@ -92,6 +94,9 @@ async def serve(http: web.Request, endpoint: Endpoint[Any]) -> web.StreamRespons
     ctx, sampling = checked(state, edge, endpoint, request, body)
     async with state.admitted():
         prompts, ctx = await prepare(state, ctx, endpoint, request, body, sampling)
+        quota = await reserve_quota(state, ctx, endpoint, request, prompts)
+        if quota is not None:
+            http[QUOTA_KEY] = quota
         exchange = Exchange(http, state, ctx, endpoint, request, endpoint.forwarded(request, body), prompts, sampling)
         return await exchange.guarded()
 
@@ -148,6 +153,20 @@ async def prepare(
     check_context(prompts, model.engines.max_model_len())
     features = endpoint.features(request, ctx, prompts, sampling)
     return prompts, await choose_route(state, ctx, features, prompts[0])
+
+
+async def reserve_quota(
+    state: GatewayState, ctx: RequestContext, endpoint: Endpoint[Any], request: Any, prompts: list[list[int]]
+) -> Decision | None:
+    """The tenant's quota, once the exact prompt is known and before any engine request: its
+    tokens and completion budget reserved (settled from the outcome), or a 429."""
+    quotas = state.quotas
+    if not quotas.limits(ctx.tenant):
+        return None
+    described = endpoint.describe(request)
+    tokens = request_tokens(prompts, described.n or 1, described.max_tokens, ctx.model.engines.max_model_len())
+    prompt = sum(map(len, prompts))
+    return await quotas.reserve(ctx.tenant, ctx.request_id, tokens, prompt=prompt, anthropic=endpoint is MESSAGES)
 
 
 JSON_TYPE = "application/json"

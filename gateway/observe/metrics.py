@@ -34,12 +34,47 @@ _STAGE_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.02
 STAGES = ("render", "policy", "derender")
 
 
+OTHER_TENANTS = "*"
+"""The tenant label of every tenant the config's `tenants:` does not name (and of requests
+without one): a client's input never becomes a label value."""
+
+
 @dataclass
 class GatewayMetrics:
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    tenants: frozenset[str] = frozenset()
+    """The tenant names that are label values of their own (the config's `tenants:`)."""
 
     def __post_init__(self) -> None:
         r = self.registry
+        self.tenant_requests = Counter(
+            "onehop_gateway_tenant_requests",
+            f"Requests answered, by tenant (each tenant the config names; `{OTHER_TENANTS}` for the others).",
+            ["tenant"], registry=r,
+        )
+        self.tenant_tokens = Counter(
+            "onehop_gateway_tenant_tokens",
+            "Tokens of the answered requests, by tenant and kind: prompt, cached (of the prompt), completion.",
+            ["tenant", "kind"], registry=r,
+        )
+        self.quota_rejections = Counter(
+            "onehop_gateway_quota_rejections",
+            "Requests refused with a 429 by a tenant quota, by tenant and limit "
+            "(tokens_per_minute, tokens_per_day, requests_per_minute).",
+            ["tenant", "limit"], registry=r,
+        )
+        self.quota_reserved = Gauge(
+            "onehop_gateway_quota_reserved_tokens",
+            "Tokens reserved by requests in flight (prompt + completion budget), by tenant.",
+            ["tenant"], registry=r, multiprocess_mode="livesum",
+        )
+        self.quota_unavailable = Counter(
+            "onehop_gateway_quota_unavailable",
+            "Quota operations the shared store did not answer, by what was done: admitted (quota_on_failure: "
+            "open), refused (closed, a 503), settle_retried (tried again shortly), settle_failed (given up: its "
+            "reservation stays charged).",
+            ["action"], registry=r,
+        )
         self.requests = Counter(
             "onehop_gateway_requests", "OpenAI requests by endpoint, route, model and HTTP status.",
             ["endpoint", "route", "model", "status"], registry=r,
@@ -184,6 +219,20 @@ class GatewayMetrics:
             ):
                 if count:
                     self.tokens.labels(model, kind).inc(count)
+
+    def tenant_label(self, tenant: str | None) -> str:
+        return tenant if tenant is not None and tenant in self.tenants else OTHER_TENANTS
+
+    def record_tenant(self, outcome: Outcome) -> None:
+        """A request's usage by tenant (subscribed in `gateway.serving.app`)."""
+        label = self.tenant_label(outcome.tenant)
+        self.tenant_requests.labels(label).inc()
+        tokens = outcome.tokens
+        if tokens is not None:
+            kinds = (("prompt", tokens.prompt), ("cached", tokens.cached), ("completion", tokens.completion))
+            for kind, count in kinds:
+                if count:
+                    self.tenant_tokens.labels(label, kind).inc(count)
 
     def circuit(self, engine: str, is_open: bool) -> None:
         """An engine's circuit changed (or the engine joined the pool: closed), so dashboards see zeros, not gaps."""

@@ -41,8 +41,9 @@ from gateway.edge.errors import (
     gateway_error_middleware,
     status_error_json,
 )
+from gateway.edge.quota_headers import quota_headers
 from gateway.routing.feedback import EngineFeedback
-from gateway.edge.context import SPAN_KEY, STARTED_KEY, TALLY_KEY
+from gateway.edge.context import QUOTA_KEY, SPAN_KEY, STARTED_KEY, TALLY_KEY
 from gateway.observe.spans import OPERATIONS, describe_outcome
 from gateway.observe.outcome import CLIENT_GONE, Outcome, Tally
 from gateway.serving.memory import release_freed_memory
@@ -185,6 +186,7 @@ async def _lifecycle(app: web.Application, plans: list[_ModelPlan]) -> AsyncIter
         for model in state.served():
             model.renderer.close()
         await state.responses.close()
+        await state.quotas.close()
         raise
     yield
     await loops.stop()
@@ -201,6 +203,7 @@ async def _lifecycle(app: web.Application, plans: list[_ModelPlan]) -> AsyncIter
     for model in state.served():
         model.renderer.close()
     await state.responses.close()
+    await state.quotas.close()
     await state.tracing.shutdown()
 
 
@@ -288,6 +291,9 @@ async def _answer_headers(request: web.Request, response: web.StreamResponse) ->
         response.headers[REQUEST_ID_HEADER] = tally.request_id
     if tally.route is not None:
         response.headers[ROUTE_RESPONSE_HEADER] = tally.route
+    quota = request.get(QUOTA_KEY)
+    if quota is not None:
+        response.headers.update(quota_headers(quota, anthropic=request.path.startswith("/v1/messages")))
     reason = tally.reason
     if reason is not None and request.app[GATEWAY].config.policy_header:
         response.headers[POLICY_RESPONSE_HEADER] = ascii_header(reason)
@@ -327,7 +333,7 @@ def create_app(config: GatewayConfig) -> web.Application:
         keepalive_s=config.timeouts.keepalive_s, header_s=config.timeouts.client_header_s
     )
     tracing = Tracing(config.tracing, "onehop-gateway")
-    metrics = GatewayMetrics()
+    metrics = GatewayMetrics(tenants=frozenset(config.tenants) - {"*"})
 
     def client(
         model: ModelConfig, members: list[EngineEndpoint], *, prefill: bool = False, mode: Mode | None = None
@@ -395,6 +401,8 @@ def create_app(config: GatewayConfig) -> web.Application:
     app[GATEWAY] = state
     state.outcomes.subscribe(describe_outcome)
     state.outcomes.subscribe(metrics.record)
+    state.outcomes.subscribe(metrics.record_tenant)
+    state.outcomes.subscribe(state.quotas.on_outcome)
     if config.auth.api_keys_env is not None:
         state.env_keys = keys_from_env(config.auth.api_keys_env)
         if not state.env_keys and config.auth.api_keys_file is None:

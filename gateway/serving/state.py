@@ -24,9 +24,13 @@ from gateway.observe.outcome import Outcomes
 from gateway.routing.policy import Policy
 from gateway.serving.reload import WatchedFile
 from gateway.apis.response_store import InProcess, ResponseStorage, ResponseStore
+from gateway.edge.quota import MemoryQuotas, QuotaStore
+from gateway.edge.quota_check import QuotaCheck
+from gateway.edge.redis_quota import RedisQuotas
 from gateway.edge.tenancy import CacheSalts
 from gateway.edge.unknown_fields import IgnoredFields
 from gateway.serving.runtime import ModelRuntime
+from gateway.serving.worker_env import worker_count
 
 
 @dataclass
@@ -60,9 +64,12 @@ class GatewayState:
     """Context edit types ignored so far, for their bounded metric labels."""
     salts: CacheSalts = field(init=False)
     """The `cache_salt` each tenant's requests get (`gateway.edge.tenancy`)."""
+    quotas: QuotaCheck = field(init=False)
+    """Each tenant's token and request quotas (`gateway.edge.quota_check`)."""
 
     def __post_init__(self) -> None:
         self.salts = CacheSalts(self.config)
+        self.quotas = quota_check(self.config, self.metrics)
 
     def policy(self, model: ModelRuntime) -> Policy:
         """The policy file's, as last loaded; without one, the model's fixed route."""
@@ -100,6 +107,15 @@ class GatewayState:
         task = asyncio.ensure_future(coro)
         self.background.add(task)
         task.add_done_callback(self.background.discard)
+
+
+def quota_check(config: GatewayConfig, metrics: GatewayMetrics) -> QuotaCheck:
+    """Quotas in Redis (every worker and replica together), else in this process, which holds
+    its share of each limit: 1/N under `--workers N`."""
+    if config.state.backend == "redis":
+        return QuotaCheck(config, RedisQuotas(config.state), metrics)
+    store: QuotaStore = MemoryQuotas()
+    return QuotaCheck(config, store, metrics, share=worker_count())
 
 
 GATEWAY = web.AppKey("gateway", GatewayState)

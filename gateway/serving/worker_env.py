@@ -14,6 +14,8 @@ WORKER_ENV = "ONEHOP_GATEWAY_WORKER"
 """A worker's index (0..N-1): set in the workers only."""
 RUN_DIR_ENV = "ONEHOP_GATEWAY_RUN_DIR"
 """The folder the workers of one run share (metrics files, the Responses store)."""
+WORKERS_ENV = "ONEHOP_GATEWAY_WORKERS"
+"""How many workers the run has: each holds its share of the memory quota store's limits."""
 PORT_ENV = "ONEHOP_GATEWAY_PORT"
 """The port the supervisor bound: it overrides the config's (which may be 0)."""
 WORKER_HEADER = "onehop-worker"
@@ -23,6 +25,12 @@ WORKER_HEADER = "onehop-worker"
 def worker_index() -> int | None:
     value = os.environ.get(WORKER_ENV)
     return int(value) if value is not None else None
+
+
+def worker_count() -> int:
+    """The run's workers (1 outside `--workers N`)."""
+    value = os.environ.get(WORKERS_ENV)
+    return max(1, int(value)) if value else 1
 
 
 def run_dir() -> Path | None:

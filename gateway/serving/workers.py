@@ -57,7 +57,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gateway.serving.preflight import EXIT_CONFIG, StartupError, check_gateway, check_port, port_error, startup_errors
-from gateway.serving.worker_env import PORT_ENV, RUN_DIR_ENV, WORKER_ENV, run_dir, worker_index, worker_port
+from gateway.serving.worker_env import (
+    PORT_ENV,
+    RUN_DIR_ENV,
+    WORKER_ENV,
+    WORKERS_ENV,
+    run_dir,
+    worker_index,
+    worker_port,
+)
 
 log = logging.getLogger(__name__)
 
@@ -231,6 +239,7 @@ class Supervisor:
             **os.environ,
             RUN_DIR_ENV: str(folder),
             PORT_ENV: str(port),
+            WORKERS_ENV: str(self.workers),
             METRICS_ENV: str(folder / "metrics"),
             PARENT_FD_ENV: str(self._parent_fd),
         }
