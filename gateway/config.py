@@ -11,6 +11,7 @@ import yaml
 from msgspec import Meta, Struct
 
 from wire.grammar_limits import GrammarLimits
+from wire.openai_schema import Int64
 from plumbing.telemetry import TracingConfig
 
 Route = Literal["derender", "text", "tokens", "tokens-remote"]
@@ -151,6 +152,31 @@ class Tenant(Struct, forbid_unknown_fields=True, kw_only=True):
     `cache_salt`, if any, passes through). Off: the gateway sets the request's `cache_salt`
     from the tenant, replacing the client's, so no other tenant's prompt ever hits its blocks
     (prefix-cache timing is a side channel between tenants)."""
+
+    # -- priority and fair queueing (gateway.edge.admission) --
+    priority: Int64 = 0
+    """Its requests' priority in the admission queue and at the engines (vLLM's convention:
+    lower is served sooner). A waiting request of a lower value always goes first."""
+    best_priority: Int64 | None = None
+    """The most urgent priority one of its requests may ask for (the `X-Vllm-Priority` header,
+    or a non-zero `priority` in the body); a more urgent one is capped to it, not refused.
+    None: `priority`, so a request may only make itself less urgent."""
+    weight: Annotated[float, Meta(gt=0, le=1_000_000)] = 1.0
+    """Its share against other tenants of the same priority: served tokens are charged at
+    1 / weight, so a tenant of weight 2 gets twice the tokens of one of weight 1 when both wait."""
+    max_concurrency: Annotated[int, Meta(ge=1)] | None = None
+    """Its requests served at once (per gateway process, as `admission.max_concurrency`); None: no limit."""
+    max_queue: Annotated[int, Meta(ge=0)] | None = None
+    """Its requests that may wait while it has `max_concurrency` running; one more is a 429.
+    None: only `admission.max_queue` bounds them."""
+
+    def __post_init__(self) -> None:
+        if self.best_priority is not None and self.best_priority > self.priority:
+            raise ConfigError(
+                f"best_priority {self.best_priority} is less urgent than priority {self.priority}"
+                " (lower is sooner): it would cap nothing"
+            )
+    # -- end of priority and fair queueing --
 
 
 class ResponseStoreConfig(Struct, forbid_unknown_fields=True, kw_only=True):

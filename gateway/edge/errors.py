@@ -22,6 +22,7 @@ and as client libraries match on (`context_length_exceeded`, `model_not_found`,
     │   ├── EngineTimeout   504   server_error / engine_timeout (too slow, or went silent)
     │   └── EngineRoutesOff 503   server_error / engine_unavailable (a 403: its generate API is off)
     ├── StateUnavailable    503   server_error / state_unavailable (the shared store did not answer)
+    ├── Saturated           503   server_error / overloaded (admission: slots busy, queue full or wait too long)
     ├── StreamDeadline      504   server_error / stream_deadline_exceeded (not retried)
     └── EngineFailed        502   server_error / engine_failed (an answer we cannot pass on)
         └── EngineDied      502   server_error / engine_failed (the connection closed while the
@@ -153,6 +154,16 @@ class StateUnavailable(GatewayError):
     status = 503
     type = "server_error"
     code: str | None = "state_unavailable"
+
+
+class Saturated(GatewayError):
+    """The gateway's pool is saturated (`gateway.edge.admission`): every slot is busy and the
+    queue is full, or the wait for a slot ran out. Not the tenant's fault, so not a 429: a 503
+    with `Retry-After`, as llm-d's flow control sheds."""
+
+    status = 503
+    type = "server_error"
+    code: str | None = "overloaded"
 
 
 class StreamDeadline(GatewayError):

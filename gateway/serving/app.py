@@ -384,7 +384,8 @@ def create_app(config: GatewayConfig) -> web.Application:
                 prefill=client(model, model.prefill_engines, prefill=True) if model.prefill_engines else None,
             )
         )
-    gate = Gate(config.admission, metrics.admission_rejections.inc, metrics.admission_waiting.set)
+    gate = Gate(config.admission, metrics.admission)
+    metrics.admission.in_use(0, config.admission.max_concurrency)
     clients = [engines for plan in plans for engines in plan.clients()]
     feedback = EngineFeedback(lambda: [engines.store for engines in clients], config.feedback_interval_s)
     stored = config.response_store if config.auth.enabled else config.response_store.one_tenant()
