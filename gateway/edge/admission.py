@@ -215,6 +215,7 @@ class Gate:
         level.waiting += 1
         tenant.waiting += 1
         self.waiting += 1
+        self._signals.queued(level.priority, level.waiting)
         return waiter
 
     def _make_room(self, newcomer: _Waiter, tenant: _Tenant) -> None:
@@ -284,8 +285,8 @@ class Gate:
                 if not flow.waiting:
                     continue
                 head = flow.waiting[0]
-                if self._at_limit(head.claim, self._tenants[head.claim.tenant]):
-                    continue
+                if head.future.done() or self._at_limit(head.claim, self._tenants[head.claim.tenant]):
+                    continue  # cancelled (it leaves when its task runs), or its tenant is at its limit
                 start = max(level.virtual, flow.finish)
                 if best is None or (start, head.seq) < best[:2]:
                     best = (start, head.seq, head)
