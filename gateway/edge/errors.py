@@ -56,6 +56,9 @@ class GatewayError(Exception):
     """Extra response headers (e.g. `Retry-After` on a 429)."""
     close_connection = False
     """The connection cannot serve another request (its body was never read to the end)."""
+    logged = True
+    """A 5xx writes an error line; one the gateway sheds on purpose, by the thousand under
+    overload, is counted in its metric instead."""
 
     def __init__(
         self, message: str, *, param: str | None = None, status: int | None = None, code: str | None = None
@@ -164,6 +167,7 @@ class Saturated(GatewayError):
     status = 503
     type = "server_error"
     code: str | None = "overloaded"
+    logged = False  # onehop_gateway_admission_rejections_total counts them
 
 
 class StreamDeadline(GatewayError):
@@ -283,7 +287,7 @@ def _error_body(request: web.Request, error: GatewayError) -> bytes:
 def _log(request: web.Request, error: GatewayError, exc: Exception) -> None:
     """One line per server-side failure, named by the request id; a traceback only for an
     exception that is not one of ours (a bug). A client's own mistakes are in the access log."""
-    if error.status < 500:
+    if error.status < 500 or not error.logged:
         return
     rid = request.get(REQUEST_ID_KEY, "-")
     if exc is error:
