@@ -97,11 +97,13 @@ class Admission(Struct, forbid_unknown_fields=True, kw_only=True):
     max_concurrency: Annotated[int, Meta(ge=1)] | None = None
     """Requests served at once (streams hold a slot to their end); None: no limit."""
     max_queue: Annotated[int, Meta(ge=0)] = 64
-    """Requests that may wait for a slot; more get a 429 at once."""
+    """Requests that may wait for a slot (by priority, then fairly across tenants:
+    `gateway.edge.admission`); more get a 503 at once (or make a tenant holding more than its
+    share give up its newest, with a 429)."""
     queue_timeout_s: Annotated[float, Meta(gt=0)] = 5.0
-    """Longest wait for a slot before a 429."""
+    """Longest wait for a slot before a 503 (a 429 when the tenant's own limit held it)."""
     retry_after_s: Annotated[int, Meta(ge=1)] = 1
-    """The 429's Retry-After."""
+    """The refusals' Retry-After."""
 
 
 class Limits(Struct, forbid_unknown_fields=True, kw_only=True):

@@ -176,20 +176,25 @@ class Gate:
             return waiter
         if self.waiting > self.config.max_queue:
             self._make_room(waiter, tenant)
+        await self._wait(waiter, tenant)
+        return waiter
+
+    async def _wait(self, waiter: _Waiter, tenant: _Tenant) -> None:
+        """Until `waiter` is granted a slot; refused (timed out, shed) or cancelled, it leaves
+        the queue holding nothing."""
         try:
             async with asyncio.timeout(self.config.queue_timeout_s):
                 await waiter.future
         except BaseException as exc:
             if waiter.granted and isinstance(exc, TimeoutError):
-                return waiter  # the slot came as the wait ran out: take it
+                return  # the slot came as the wait ran out: take it
             if waiter.granted:  # cancelled (the client left) just as it was granted
                 self._release(waiter, None)
             else:
                 self._withdraw(waiter)
             if isinstance(exc, TimeoutError):
-                raise self._timed_out(claim, tenant) from None
+                raise self._timed_out(waiter.claim, tenant) from None
             raise
-        return waiter
 
     def _tenant(self, claim: Claim) -> _Tenant:
         tenant = self._tenants.get(claim.tenant)
