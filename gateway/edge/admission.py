@@ -29,6 +29,10 @@ with `Retry-After` (`reason` is the metric's label):
     503 queue_timeout  no slot within queue_timeout_s: saturated
 
 One gate per gateway process: under `--workers N` each worker has its own slots and queue.
+With `state.backend: redis` an admitted request also takes a lease in Redis before it is
+served (`gateway.edge.shared_slots`), so the limits hold across workers and replicas; the
+queue's wait (`queue_timeout_s`) bounds both, and a request that found no lease in it is
+refused as above (429 when its tenant's own count was full, else 503).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from typing import Protocol
 
 from gateway.config import Admission
 from gateway.edge.errors import GatewayError, RateLimited, Saturated
+from gateway.edge.shared_slots import GRANTED, TENANT_FULL, SharedSlots
 
 FIRST_COST = 256.0
 """Tokens charged on admission for a tenant's first request, before its mean is known."""
@@ -140,8 +145,10 @@ class _Waiter:
 
 
 class Gate:
-    def __init__(self, config: Admission, signals: Signals | None = None) -> None:
+    def __init__(self, config: Admission, signals: Signals | None = None, shared: SharedSlots | None = None) -> None:
         self.config = config
+        self.shared = shared
+        self._giving_back: set[asyncio.Task[None]] = set()
         self._signals: Signals = signals if signals is not None else Quiet()
         self.capacity = config.max_concurrency
         self.in_use = 0
@@ -156,10 +163,49 @@ class Gate:
         """Hold a slot while inside; `spent()`, read at the end, is the tokens the request was
         served (None: it is charged its tenant's mean)."""
         waiter = await self._admit(claim)
+        lease = ""
+        if self.shared is not None:
+            try:
+                lease = await self._leased(waiter, self.shared)
+            except BaseException:
+                self._release(waiter, None)
+                raise
         try:
             yield
         finally:
             self._release(waiter, spent() if spent is not None else None)
+            if lease:
+                self._give_back(lease)
+
+    async def _leased(self, waiter: _Waiter, shared: SharedSlots) -> str:
+        """A lease of the shared slots, taken within the queue's wait (it began at arrival)."""
+        claim, loop = waiter.claim, asyncio.get_running_loop()
+        deadline = loop.time() + self.config.queue_timeout_s - (time.perf_counter() - waiter.since)
+        while True:
+            verdict, lease = await shared.take(claim.tenant, self.capacity, claim.max_concurrency)
+            if verdict == GRANTED:
+                return lease
+            if loop.time() >= deadline:
+                if verdict == TENANT_FULL:
+                    raise self._refuse(
+                        RateLimited, "tenant_limit",
+                        f"{_named(claim)} kept {claim.max_concurrency} running for {self.config.queue_timeout_s} s",
+                    )
+                raise self._refuse(Saturated, "queue_timeout", f"no slot within {self.config.queue_timeout_s} s")
+            await shared.wait()
+
+    def _give_back(self, lease: str) -> None:
+        """In the background: the request's answer is done, and a cancelled one must not wait."""
+        assert self.shared is not None
+        task = asyncio.ensure_future(self.shared.give_back(lease))
+        self._giving_back.add(task)
+        task.add_done_callback(self._giving_back.discard)
+
+    async def close(self) -> None:
+        if self._giving_back:
+            await asyncio.wait(list(self._giving_back), timeout=self.config.queue_timeout_s)
+        if self.shared is not None:
+            await self.shared.close()
 
     # ------------------------------------------------------------ admission
 
