@@ -95,7 +95,8 @@ class Timeouts(Struct, forbid_unknown_fields=True, kw_only=True):
 
 class Admission(Struct, forbid_unknown_fields=True, kw_only=True):
     max_concurrency: Annotated[int, Meta(ge=1)] | None = None
-    """Requests served at once (streams hold a slot to their end); None: no limit."""
+    """Requests served at once (streams hold a slot to their end), per gateway process, or with
+    `state.backend: redis` across every worker and replica; None: no limit."""
     max_queue: Annotated[int, Meta(ge=0)] = 64
     """Requests that may wait for a slot (by priority, then fairly across tenants:
     `gateway.edge.admission`); more get a 503 at once (or make a tenant holding more than its
@@ -167,7 +168,8 @@ class Tenant(Struct, forbid_unknown_fields=True, kw_only=True):
     """Its share against other tenants of the same priority: served tokens are charged at
     1 / weight, so a tenant of weight 2 gets twice the tokens of one of weight 1 when both wait."""
     max_concurrency: Annotated[int, Meta(ge=1)] | None = None
-    """Its requests served at once (per gateway process, as `admission.max_concurrency`); None: no limit."""
+    """Its requests served at once (as `admission.max_concurrency`: per gateway process, or with
+    `state.backend: redis` across all of them); None: no limit."""
     max_queue: Annotated[int, Meta(ge=0)] | None = None
     """Its requests that may wait while it has `max_concurrency` running; one more is a 429.
     None: only `admission.max_queue` bounds them."""
@@ -206,9 +208,10 @@ class ResponseStoreConfig(Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class StateConfig(Struct, forbid_unknown_fields=True, kw_only=True):
-    """Where the state that outlives a request is kept (the Responses store): `memory`, this
-    process's (the workers of `--workers N` share an SQLite file in the run's folder), or
-    `redis`, one server that every replica and worker shares."""
+    """Where the state that outlives a request is kept (the Responses store, admission's
+    slots): `memory`, this process's (the workers of `--workers N` share the Responses store in
+    an SQLite file in the run's folder; each has its own slots), or `redis`, one server that
+    every replica and worker shares."""
 
     backend: Literal["memory", "redis"] = "memory"
     url: str | None = None

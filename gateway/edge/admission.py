@@ -28,7 +28,8 @@ with `Retry-After` (`reason` is the metric's label):
     503 queue_full     the queue is full and no other tenant holds more of it: saturated
     503 queue_timeout  no slot within queue_timeout_s: saturated
 
-One gate per gateway process: under `--workers N` each worker has its own slots and queue.
+One gate per gateway process: under `--workers N` each worker has its own queue and, with
+`state.backend: memory`, its own slots.
 With `state.backend: redis` an admitted request also takes a lease in Redis before it is
 served (`gateway.edge.shared_slots`), so the limits hold across workers and replicas; the
 queue's wait (`queue_timeout_s`) bounds both, and a request that found no lease in it is
