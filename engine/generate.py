@@ -292,6 +292,7 @@ def backend_request(state: EngineState, request: GenerateRequest, session_id: st
         reasoning_end_ids=_reasoning_end_ids(state, request),
         cache_salt=request.cache_salt,
         session_id=session_id,
+        priority=request.priority,
     )
 
 
@@ -399,6 +400,7 @@ async def _generate(http: web.Request, state: EngineState, span: Span) -> web.St
                 "onehop.request_id": http[REQUEST_ID_KEY],
                 "onehop.output_mode": request.output_mode,
                 "gen_ai.request.model": state.model,
+                "onehop.priority": request.priority,
             }
         )
     check_request(state, request)

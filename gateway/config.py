@@ -11,6 +11,7 @@ import yaml
 from msgspec import Meta, Struct
 
 from wire.grammar_limits import GrammarLimits
+from wire.openai_schema import Int64
 from plumbing.telemetry import TracingConfig
 
 Route = Literal["derender", "text", "tokens", "tokens-remote"]
@@ -98,13 +99,16 @@ class Timeouts(Struct, forbid_unknown_fields=True, kw_only=True):
 
 class Admission(Struct, forbid_unknown_fields=True, kw_only=True):
     max_concurrency: Annotated[int, Meta(ge=1)] | None = None
-    """Requests served at once (streams hold a slot to their end); None: no limit."""
+    """Requests served at once (streams hold a slot to their end), per gateway process, or with
+    `state.backend: redis` across every worker and replica; None: no limit."""
     max_queue: Annotated[int, Meta(ge=0)] = 64
-    """Requests that may wait for a slot; more get a 429 at once."""
+    """Requests that may wait for a slot (by priority, then fairly across tenants:
+    `gateway.edge.admission`); more get a 503 at once (or make a tenant holding more than its
+    share give up its newest, with a 429)."""
     queue_timeout_s: Annotated[float, Meta(gt=0)] = 5.0
-    """Longest wait for a slot before a 429."""
+    """Longest wait for a slot before a 503 (a 429 when the tenant's own limit held it)."""
     retry_after_s: Annotated[int, Meta(ge=1)] = 1
-    """The 429's Retry-After."""
+    """The refusals' Retry-After."""
 
 
 class Limits(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -163,6 +167,32 @@ class Tenant(Struct, forbid_unknown_fields=True, kw_only=True):
     requests_per_minute: Annotated[int, Meta(ge=1, le=MAX_REQUESTS_PER_MINUTE)] | None = None
     """Requests a minute, counted when admitted; None: no limit."""
 
+    # -- priority and fair queueing (gateway.edge.admission) --
+    priority: Int64 = 0
+    """Its requests' priority in the admission queue and at the engines (vLLM's convention:
+    lower is served sooner). A waiting request of a lower value always goes first."""
+    best_priority: Int64 | None = None
+    """The most urgent priority one of its requests may ask for (the `X-Vllm-Priority` header,
+    or a non-zero `priority` in the body); a more urgent one is capped to it, not refused.
+    None: `priority`, so a request may only make itself less urgent."""
+    weight: Annotated[float, Meta(gt=0, le=1_000_000)] = 1.0
+    """Its share against other tenants of the same priority: served tokens are charged at
+    1 / weight, so a tenant of weight 2 gets twice the tokens of one of weight 1 when both wait."""
+    max_concurrency: Annotated[int, Meta(ge=1)] | None = None
+    """Its requests served at once (as `admission.max_concurrency`: per gateway process, or with
+    `state.backend: redis` across all of them); None: no limit."""
+    max_queue: Annotated[int, Meta(ge=0)] | None = None
+    """Its requests that may wait while it has `max_concurrency` running; one more is a 429.
+    None: only `admission.max_queue` bounds them."""
+
+    def __post_init__(self) -> None:
+        if self.best_priority is not None and self.best_priority > self.priority:
+            raise ConfigError(
+                f"best_priority {self.best_priority} is less urgent than priority {self.priority}"
+                " (lower is sooner): it would cap nothing"
+            )
+    # -- end of priority and fair queueing --
+
 
 class ResponseStoreConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     """Bounds of the Responses store (`store: true` answers kept for `previous_response_id` and
@@ -189,9 +219,10 @@ class ResponseStoreConfig(Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class StateConfig(Struct, forbid_unknown_fields=True, kw_only=True):
-    """Where the state that outlives a request is kept (the Responses store): `memory`, this
-    process's (the workers of `--workers N` share an SQLite file in the run's folder), or
-    `redis`, one server that every replica and worker shares."""
+    """Where the state that outlives a request is kept (the Responses store, admission's
+    slots): `memory`, this process's (the workers of `--workers N` share the Responses store in
+    an SQLite file in the run's folder; each has its own slots), or `redis`, one server that
+    every replica and worker shares."""
 
     backend: Literal["memory", "redis"] = "memory"
     url: str | None = None

@@ -50,6 +50,9 @@ class BackendRequest:
     """Mixed into the prefix cache's first block: requests with other salts share no blocks."""
     session_id: str | None = None
     """The client's conversation (vLLM's `X-Session-ID`), named in the KV cache events."""
+    priority: int = 0
+    """vLLM's request priority (lower sooner): its scheduler's order with `--scheduling-policy
+    priority`, ignored under first come, first served (vLLM 0.32 and 0.33 alike)."""
 
 
 @dataclass(slots=True)

@@ -194,7 +194,7 @@ class VLLMBackend:
         # vLLM writes `prompt_tokens_details` only when told to, and answers match it otherwise.
         cached = bool(self._config.enable_prefix_caching)
         self._running.add(rid)
-        stream = llm.generate(prompt, params, rid)
+        stream = llm.generate(prompt, params, rid, priority=request.priority)
         try:
             async for output in stream:
                 batch = _outputs(output, top, cached)

@@ -89,13 +89,18 @@ class RequestContext(Edge):
     """The name the answer carries: the client's, which may be an alias of `model.name`."""
     session: str | None
     """The conversation's key (`gateway.flow.session`), sent to engines as `X-Session-ID`."""
+    priority: int = 0
+    """The request's priority (`gateway.edge.priority`): its place in the admission queue, and
+    the engines' `priority`."""
     target: Target | None = None
 
     @classmethod
-    def decoded(cls, edge: Edge, model: ModelRuntime, model_name: str | None, session: str | None) -> RequestContext:
+    def decoded(
+        cls, edge: Edge, model: ModelRuntime, model_name: str | None, session: str | None, priority: int = 0
+    ) -> RequestContext:
         edge.tally.model = model.name
         known = {field.name: getattr(edge, field.name) for field in dataclasses.fields(Edge)}
-        return cls(**known, model=model, model_name=model_name or model.name, session=session)
+        return cls(**known, model=model, model_name=model_name or model.name, session=session, priority=priority)
 
     def with_target(self, target: Target, reason: str) -> RequestContext:
         """The context once routing decided; the route and its reason go on the tally (the

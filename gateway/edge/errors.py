@@ -23,6 +23,7 @@ and as client libraries match on (`context_length_exceeded`, `model_not_found`,
     │   ├── EngineTimeout   504   server_error / engine_timeout (too slow, or went silent)
     │   └── EngineRoutesOff 503   server_error / engine_unavailable (a 403: its generate API is off)
     ├── StateUnavailable    503   server_error / state_unavailable (the shared store did not answer)
+    ├── Saturated           503   server_error / overloaded (admission: slots busy, queue full or wait too long)
     ├── StreamDeadline      504   server_error / stream_deadline_exceeded (not retried)
     └── EngineFailed        502   server_error / engine_failed (an answer we cannot pass on)
         └── EngineDied      502   server_error / engine_failed (the connection closed while the
@@ -56,6 +57,9 @@ class GatewayError(Exception):
     """Extra response headers (e.g. `Retry-After` on a 429)."""
     close_connection = False
     """The connection cannot serve another request (its body was never read to the end)."""
+    logged = True
+    """A 5xx writes an error line; one the gateway sheds on purpose, by the thousand under
+    overload, is counted in its metric instead."""
 
     def __init__(
         self, message: str, *, param: str | None = None, status: int | None = None, code: str | None = None
@@ -159,6 +163,17 @@ class StateUnavailable(GatewayError):
     status = 503
     type = "server_error"
     code: str | None = "state_unavailable"
+
+
+class Saturated(GatewayError):
+    """The gateway's pool is saturated (`gateway.edge.admission`): every slot is busy and the
+    queue is full, or the wait for a slot ran out. Not the tenant's fault, so not a 429: a 503
+    with `Retry-After`, as llm-d's flow control sheds."""
+
+    status = 503
+    type = "server_error"
+    code: str | None = "overloaded"
+    logged = False  # onehop_gateway_admission_rejections_total counts them
 
 
 class StreamDeadline(GatewayError):
@@ -278,7 +293,7 @@ def _error_body(request: web.Request, error: GatewayError) -> bytes:
 def _log(request: web.Request, error: GatewayError, exc: Exception) -> None:
     """One line per server-side failure, named by the request id; a traceback only for an
     exception that is not one of ours (a bug). A client's own mistakes are in the access log."""
-    if error.status < 500:
+    if error.status < 500 or not error.logged:
         return
     rid = request.get(REQUEST_ID_KEY, "-")
     if exc is error:

@@ -74,6 +74,8 @@ class Described:
     top_logprobs: int = 0
     prompts: int = 1
     """Engine requests it makes (completions: one per prompt), each of `n` choices."""
+    priority: int = 0
+    """vLLM's `priority` field, as sent (0: not sent, or the default)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,7 +216,7 @@ class Chat:
     def describe(self, request: ChatCompletionRequest) -> Described:
         return Described(
             _max_tokens(request), request.temperature, request.top_p, request.n, request.seed, bool(request.stream),
-            top_logprobs=request.top_logprobs or 0,
+            top_logprobs=request.top_logprobs or 0, priority=request.priority,
         )
 
     def content(self, body: bytes) -> str:
@@ -321,7 +323,7 @@ class Completions:
     def describe(self, request: CompletionRequest) -> Described:
         return Described(
             request.max_tokens, request.temperature, request.top_p, request.n, request.seed, bool(request.stream),
-            top_logprobs=request.logprobs or 0, prompts=prompt_count(request),
+            top_logprobs=request.logprobs or 0, prompts=prompt_count(request), priority=request.priority,
         )
 
     def content(self, body: bytes) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import msgspec
 from aiohttp import web
 
-from gateway.edge.auth import owner
+from gateway.edge.auth import TENANT_KEY, owner
 from wire.openai_schema import ChatCompletionRequest
 from gateway.edge.context import Edge
 from gateway.flow.endpoints import CHAT, RESPONSES, tolerated
@@ -79,6 +79,6 @@ async def _prompt_tokens(http: web.Request, chat: ChatCompletionRequest) -> int:
     state = http.app[GATEWAY]
     model = state.model(chat.model)
     check_text_size(CHAT.text_chars(chat), model.engines.max_model_len(), model.max_chars_per_token)
-    async with state.admitted():  # a render is work like any other
+    async with state.admitted(http.get(TENANT_KEY)):  # a render is work like any other
         prompts = await CHAT.render(model, chat, _encode(chat))
     return len(prompts[0])

@@ -38,6 +38,7 @@ from wire.openai_schema import Usage
 from wire.protocol import ABORT_HANDLE_SEPARATOR
 from gateway.upstream import vllm_derender
 from gateway.edge.context import QUOTA_KEY, Edge, RequestContext
+from gateway.edge.priority import asked, effective
 from gateway.upstream.disagg import prefill
 from gateway.flow.endpoints import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Answer, Endpoint
 from gateway.upstream.engine_request import generate_body
@@ -92,7 +93,7 @@ async def serve(http: web.Request, endpoint: Endpoint[Any]) -> web.StreamRespons
     body = await read_body(http, state.config.timeouts.client_body_s)
     request = await endpoint.decode(body, edge, state)
     ctx, sampling = checked(state, edge, endpoint, request, body)
-    async with state.admitted():
+    async with state.admitted(ctx.tenant, ctx.priority, ctx.tally):
         prompts, ctx = await prepare(state, ctx, endpoint, request, body, sampling)
         quota = await reserve_quota(state, ctx, endpoint, request, prompts)
         if quota is not None:
@@ -113,11 +114,12 @@ def checked(
         server.set_attribute("session.id", session)
     endpoint.check(request, state.config.limits)
     model = state.model(request.model)
-    ctx = RequestContext.decoded(edge, model, request.model, session)
+    described = endpoint.describe(request)
+    priority = effective(state.config.tenant(edge.tenant or "*"), asked(edge.headers, described.priority))
+    ctx = RequestContext.decoded(edge, model, request.model, session, priority)
     sampling = endpoint.sampling(request)
     check_token_ids(sampling, model.vocab.size)
     check_text_size(endpoint.text_chars(request), model.engines.max_model_len(), model.max_chars_per_token)
-    described = endpoint.describe(request)
     if not described.stream:
         check_buffered_answer(
             n=described.n,
@@ -317,6 +319,7 @@ class Exchange:
             derender_fields=self._derender_fields(leg),
             kv_transfer_params=leg.kv,
             cache_salt=self.target.facts.cache_salt,
+            priority=self.target.facts.priority,
         )
 
     def _derender_fields(self, leg: Leg) -> dict[str, Any]:

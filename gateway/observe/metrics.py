@@ -32,6 +32,9 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 _GAP_BUCKETS = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 _STAGE_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.5)
 STAGES = ("render", "policy", "derender")
+_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+PRIORITY_LABELS = 16
+"""Distinct priority labels (clients may ask for any number); past them, `_other`."""
 
 
 OTHER_TENANTS = "*"
@@ -133,15 +136,31 @@ class GatewayMetrics:
             "Requests this engine failed before answering, retried on another one.",
             ["engine"], registry=r,
         )
+        # -- admission: priority and fair queueing (gateway.edge.admission), for autoscalers --
         self.admission_rejections = Counter(
             "onehop_gateway_admission_rejections",
-            "Requests refused with a 429: no slot, the wait queue full or timed out.",
-            registry=r,
+            "Requests refused by admission control, by reason: tenant_limit and queue_share (429s, a tenant over "
+            "its limit or its share), queue_full and queue_timeout (503s, the pool saturated).",
+            ["reason"], registry=r,
         )
         self.admission_waiting = Gauge(
-            "onehop_gateway_admission_waiting", "Requests waiting for a slot (admission control).",
+            "onehop_gateway_admission_waiting", "Requests waiting for a slot (admission control), by priority.",
+            ["priority"], registry=r, multiprocess_mode="livesum",
+        )
+        self.admission_wait = Histogram(
+            "onehop_gateway_admission_wait_seconds", "Time admitted requests waited for their slot, by priority.",
+            ["priority"], buckets=_WAIT_BUCKETS, registry=r,
+        )
+        self.admission_in_use = Gauge(
+            "onehop_gateway_admission_slots_in_use", "Admission slots held now (requests being served).",
             registry=r, multiprocess_mode="livesum",
         )
+        self.admission_capacity = Gauge(
+            "onehop_gateway_admission_slots", "Admission slots (admission.max_concurrency; 0: no limit).",
+            registry=r, multiprocess_mode="livesum",
+        )
+        self.admission = AdmissionSignals(self)
+        # -- end of admission --
         self.ignored_fields = Counter(
             "onehop_gateway_ignored_fields",
             "Unknown top-level request fields ignored (agents.unknown_fields: ignore), by endpoint and field "
@@ -283,3 +302,33 @@ class LocalHistogram:
         child._sum.inc(self._sum)
         self._counts = [0] * len(counts)
         self._sum = 0.0
+
+
+class AdmissionSignals:
+    """The admission gate's reports (`gateway.edge.admission.Signals`) as metrics. Priorities
+    are labels, at most `PRIORITY_LABELS` distinct ones: a client may ask for any value."""
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self._metrics = metrics
+        self._labels: dict[int, str] = {}
+
+    def _label(self, priority: int) -> str:
+        label = self._labels.get(priority)
+        if label is None:
+            if len(self._labels) >= PRIORITY_LABELS:
+                return "_other"  # not kept: the map stays bounded too
+            label = self._labels[priority] = str(priority)
+        return label
+
+    def rejected(self, reason: str) -> None:
+        self._metrics.admission_rejections.labels(reason).inc()
+
+    def queued(self, priority: int, waiting: int) -> None:
+        self._metrics.admission_waiting.labels(self._label(priority)).set(waiting)
+
+    def waited(self, priority: int, seconds: float) -> None:
+        self._metrics.admission_wait.labels(self._label(priority)).observe(seconds)
+
+    def in_use(self, used: int, capacity: int | None) -> None:
+        self._metrics.admission_in_use.set(used)
+        self._metrics.admission_capacity.set(capacity or 0)

@@ -53,6 +53,7 @@ async def choose_route(
         tenant=ctx.tenant,
         constraint=features.constraint,
         cache_salt=state.salts.salt(ctx.tenant, features.cache_salt),
+        priority=ctx.priority,
     )
     with measured(state, "policy", ctx.span) as span:
         engines = model.engines

@@ -67,6 +67,8 @@ class RequestFacts:
     """The structured-output kind the engine must enforce."""
     cache_salt: str | None = None
     """The request's `cache_salt`: engines key its first block with it (vLLM's extra keys)."""
+    priority: int = 0
+    """The request's priority (`gateway.edge.priority`), sent to engines as `priority`."""
     tried: frozenset[str] = frozenset()
     """Engines this request already failed on."""
 

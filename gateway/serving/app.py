@@ -28,6 +28,7 @@ from wire.openai_schema import ModelCard, ModelList
 from plumbing.telemetry import Tracing, extract
 from gateway.edge.access_log import AccessLogger
 from gateway.edge.admission import Gate
+from gateway.edge.shared_slots import SharedSlots
 from gateway.render.chat_template import ChatTemplateError
 from gateway.edge.auth import OWNER_KEY, TENANT_KEY, check_key, keys_from_env, load_key_file, needs_key
 from gateway.config import ConfigError, EngineEndpoint, GatewayConfig, Limits, ModelConfig
@@ -170,6 +171,17 @@ async def _start(state: GatewayState, plans: list[_ModelPlan], loops: Supervisor
         loops.start("health", engines.watch_health)
         loops.start("dns", functools.partial(engines.watch_dns, config.health.dns_interval_s))
     loops.start("feedback", lambda: state.feedback.run(state.clients[0].session))
+    shared = state.gate.shared
+    if shared is not None:
+        loops.start("admission_leases", shared.renew)
+
+
+def shared_slots(config: GatewayConfig) -> SharedSlots | None:
+    """Slots counted in Redis where the state is there and a limit needs counting."""
+    limited = config.admission.max_concurrency is not None or any(
+        tenant.max_concurrency is not None for tenant in config.tenants.values()
+    )
+    return SharedSlots(config.state) if config.state.backend == "redis" and limited else None
 
 
 async def _lifecycle(app: web.Application, plans: list[_ModelPlan]) -> AsyncIterator[None]:
@@ -187,6 +199,7 @@ async def _lifecycle(app: web.Application, plans: list[_ModelPlan]) -> AsyncIter
             model.renderer.close()
         await state.responses.close()
         await state.quotas.close()
+        await state.gate.close()
         raise
     yield
     await loops.stop()
@@ -204,6 +217,7 @@ async def _lifecycle(app: web.Application, plans: list[_ModelPlan]) -> AsyncIter
         model.renderer.close()
     await state.responses.close()
     await state.quotas.close()
+    await state.gate.close()
     await state.tracing.shutdown()
 
 
@@ -390,7 +404,8 @@ def create_app(config: GatewayConfig) -> web.Application:
                 prefill=client(model, model.prefill_engines, prefill=True) if model.prefill_engines else None,
             )
         )
-    gate = Gate(config.admission, metrics.admission_rejections.inc, metrics.admission_waiting.set)
+    gate = Gate(config.admission, metrics.admission, shared_slots(config))
+    metrics.admission.in_use(0, config.admission.max_concurrency)
     clients = [engines for plan in plans for engines in plan.clients()]
     feedback = EngineFeedback(lambda: [engines.store for engines in clients], config.feedback_interval_s)
     stored = config.response_store if config.auth.enabled else config.response_store.one_tenant()

@@ -12,7 +12,7 @@ from typing import Any
 from aiohttp import web
 
 from plumbing.telemetry import Tracing, TracingConfig
-from gateway.edge.admission import Gate
+from gateway.edge.admission import Claim, Gate
 from gateway.edge.auth import Keys
 from gateway.config import GatewayConfig
 from gateway.apis.context_edits import IgnoredEdits
@@ -20,7 +20,7 @@ from gateway.upstream.engine_client import EngineClient
 from gateway.edge.errors import ModelNotFound
 from gateway.routing.feedback import EngineFeedback
 from gateway.observe.metrics import GatewayMetrics
-from gateway.observe.outcome import Outcomes
+from gateway.observe.outcome import Outcomes, Tally
 from gateway.routing.policy import Policy
 from gateway.serving.reload import WatchedFile
 from gateway.apis.response_store import InProcess, ResponseStorage, ResponseStore
@@ -90,9 +90,21 @@ class GatewayState:
         """Each model once, in config order."""
         return list({id(model): model for model in self.models.values()}.values())
 
-    def admitted(self) -> AbstractAsyncContextManager[None]:
-        """A served-at-once slot, held to the answer's last byte (a 429 when none comes in time)."""
-        return self.gate.slot()
+    def admitted(
+        self, tenant: str | None = None, priority: int | None = None, tally: Tally | None = None
+    ) -> AbstractAsyncContextManager[None]:
+        """A served-at-once slot, held to the answer's last byte (`gateway.edge.admission`: a
+        429 or 503 when none comes); `priority` None: the tenant's. The tally's tokens, read
+        when the slot is given back, are what the tenant is charged in the fair queue."""
+        settings = self.config.tenant(tenant or "*")
+        claim = Claim(
+            tenant=tenant,
+            priority=settings.priority if priority is None else priority,
+            weight=settings.weight,
+            max_concurrency=settings.max_concurrency,
+            max_queue=settings.max_queue,
+        )
+        return self.gate.slot(claim, None if tally is None else lambda: _served_tokens(tally))
 
     def api_keys(self) -> Keys:
         """The keys accepted now: the environment's and the file's, as last loaded."""
@@ -116,6 +128,11 @@ def quota_check(config: GatewayConfig, metrics: GatewayMetrics) -> QuotaCheck:
         return QuotaCheck(config, RedisQuotas(config.state), metrics)
     store: QuotaStore = MemoryQuotas()
     return QuotaCheck(config, store, metrics, share=worker_count())
+
+
+def _served_tokens(tally: Tally) -> int:
+    tokens = tally.tokens
+    return 0 if tokens is None else tokens.prompt + tokens.completion
 
 
 GATEWAY = web.AppKey("gateway", GatewayState)

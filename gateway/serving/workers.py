@@ -33,7 +33,8 @@ The supervisor (this module, in the parent process) does not serve:
   `/metrics` answers the sum over all of them, and the Responses store
   (`previous_response_id` works whichever worker a follow-up lands on).
 
-Per worker: admission limits (`admission.max_concurrency` and the queue),
+Per worker: admission's queue, and its slots (`admission.max_concurrency`) unless
+`state.backend: redis` counts them across workers,
 circuit breakers, health checks, the engines' load feedback and the render
 cache. Each response names its worker in the `onehop-worker` header.
 """

@@ -56,6 +56,7 @@ async def prefill(
         stream=False,
         kv_transfer_params=PREFILL_KV,
         cache_salt=facts.cache_salt,
+        priority=facts.priority,
     )
     with stage(tracer, "prefill", parent) as span:
         choice = engines.pick(facts)

@@ -144,10 +144,14 @@ def generate_body(
     derender_fields: Mapping[str, Any] | None = None,
     kv_transfer_params: dict[str, Any] | None = None,
     cache_salt: str | None = None,
+    priority: int = 0,
 ) -> bytes:
     """`derender_fields`: what the derender route's engine also needs (the client's request).
     `cache_salt`: the client's (vLLM's field), on the generate request itself, where engines
-    read it: the prompt's cached blocks are shared only with requests of the same salt."""
+    read it: the prompt's cached blocks are shared only with requests of the same salt.
+    `priority`: the request's (`gateway.edge.priority`), vLLM's field, which its generate API
+    reads from the body only (vLLM 0.33 reads `X-Vllm-Priority` on its OpenAI endpoints, not
+    there); an engine without `--scheduling-policy priority` serves it first come, first served."""
     mode = ENGINE_MODE[route]
     body: dict[str, Any] = {
         "request_id": request_id,
@@ -162,6 +166,8 @@ def generate_body(
         body["kv_transfer_params"] = kv_transfer_params
     if cache_salt is not None:
         body["cache_salt"] = cache_salt
+    if priority:
+        body["priority"] = priority
     if mode == "derender" and derender_fields:
         body.update(derender_fields)
     if stream and include_usage and route in ("derender", "tokens-remote"):

@@ -27,7 +27,9 @@ async def _stream_all(client: openai.AsyncOpenAI) -> float:
     return time.perf_counter() - started
 
 
-async def test_overload_at_four_times_capacity_gets_quick_429s(qwen3_tokenizer_dir: Path) -> None:
+async def test_overload_at_four_times_capacity_gets_quick_503s(qwen3_tokenizer_dir: Path) -> None:
+    """One tenant (no keys) over the pool's capacity: the pool is saturated, a 503 with
+    `Retry-After` (llm-d's flow control), not a 429 (which says the tenant is over its own limit)."""
     admission = Admission(max_concurrency=2, max_queue=2, queue_timeout_s=30, retry_after_s=3)
     async with (
         engine_server(qwen3_tokenizer_dir, served_model_name="sim", backend_options={"itl_ms": 20}) as (engine, _),
@@ -40,13 +42,14 @@ async def test_overload_at_four_times_capacity_gets_quick_429s(qwen3_tokenizer_d
             started = time.perf_counter()
             try:
                 took = await _stream_all(client)
-            except openai.RateLimitError as exc:
-                return "429", time.perf_counter() - started, exc.response.headers.get("retry-after")
+            except openai.InternalServerError as exc:
+                assert exc.status_code == 503 and exc.code == "overloaded"
+                return "503", time.perf_counter() - started, exc.response.headers.get("retry-after")
             return "ok", took, None
 
         results = await asyncio.gather(*(one() for _ in range(8)))
     served = [r for r in results if r[0] == "ok"]
-    refused = [r for r in results if r[0] == "429"]
+    refused = [r for r in results if r[0] == "503"]
     assert len(served) == 4 and len(refused) == 4  # 2 running + 2 queued; the rest refused
     assert all(retry == "3" for _, _, retry in refused)
     # Refusals are immediate: well before even one answer could finish.
@@ -56,7 +59,7 @@ async def test_overload_at_four_times_capacity_gets_quick_429s(qwen3_tokenizer_d
     assert state.gate is not None and state.gate.rejected == 4 and state.gate.waiting == 0
 
 
-async def test_queue_timeout_is_a_429(qwen3_tokenizer_dir: Path) -> None:
+async def test_queue_timeout_is_a_503(qwen3_tokenizer_dir: Path) -> None:
     admission = Admission(max_concurrency=1, max_queue=4, queue_timeout_s=0.2)
     async with (
         engine_server(qwen3_tokenizer_dir, served_model_name="sim", backend_options={"itl_ms": 50}) as (engine, _),
@@ -65,7 +68,7 @@ async def test_queue_timeout_is_a_429(qwen3_tokenizer_dir: Path) -> None:
     ):
         first = asyncio.ensure_future(_stream_all(client))
         await asyncio.sleep(0.1)
-        with pytest.raises(openai.RateLimitError, match=r"no slot within 0\.2 s"):
+        with pytest.raises(openai.InternalServerError, match=r"no slot within 0\.2 s"):
             await _stream_all(client)
         await first
 

@@ -134,7 +134,7 @@ async def test_clients_that_stop_reading_are_cut_after_client_write_s_and_others
 ) -> None:
     """Cut once `client_write_s` passed without the client taking a byte, however much the
     kernel's send buffer could still hold: this slow engine would take minutes to fill it, and
-    the waiting client would get a 429 after `queue_timeout_s` (issue #27)."""
+    the waiting client would get a 503 after `queue_timeout_s` (issue #27)."""
     async with (
         engine_server(qwen3_tokenizer_dir, backend_options={"itl_ms": 20}) as (engine_url, engine),
         gateway_server(

@@ -149,3 +149,27 @@ def test_a_bad_kv_events_endpoint_is_refused(tmp_path: Path, engine: str, error:
     path.write_text(f"model: m\ntokenizer: t\nengines: [{engine}]\n")
     with pytest.raises(ConfigError, match=error.replace("(", r"\(").replace("?", r"\?")):
         load_config(path)
+
+
+def test_tenants_priority_and_fairness_settings_decode_and_bad_ones_are_refused_by_name(tmp_path: Path) -> None:
+    path = tmp_path / "tenants.yaml"
+    base = "model: m\ntokenizer: t\nengines: [{url: 'http://x'}]\n"
+    path.write_text(
+        base + "tenants:\n  a: {priority: -1, best_priority: -5, weight: 2.5, max_concurrency: 4, max_queue: 8}\n"
+    )
+    config = load_config(path)
+    a = config.tenant("a")
+    assert (a.priority, a.best_priority, a.weight, a.max_concurrency, a.max_queue) == (-1, -5, 2.5, 4, 8)
+    default = config.tenant("other")
+    assert (default.priority, default.best_priority, default.weight, default.max_concurrency) == (0, None, 1.0, None)
+    for wrong, named in (
+        ("{weight: 0}", r"tenants\['a'\]\.weight"),
+        ("{weight: -1}", r"tenants\['a'\]\.weight"),
+        ("{max_concurrency: 0}", r"tenants\['a'\]\.max_concurrency"),
+        ("{max_queue: -1}", r"tenants\['a'\]\.max_queue"),
+        ("{priority: 99999999999999999999}", r"tenants\['a'\]\.priority"),
+        ("{priority: 1, best_priority: 3}", r"best_priority 3 is less urgent than priority 1.*tenants\['a'\]"),
+    ):
+        path.write_text(base + f"tenants: {{a: {wrong}}}\n")
+        with pytest.raises(ConfigError, match=named):
+            load_config(path)

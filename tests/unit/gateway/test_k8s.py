@@ -5,6 +5,7 @@ Services agree with it on paths, ports and names."""
 from __future__ import annotations
 
 import json
+import re
 
 import posixpath
 from pathlib import Path
@@ -16,6 +17,7 @@ import pytest
 import yaml
 
 from gateway.config import GatewayConfig
+from gateway.observe.metrics import GatewayMetrics
 from gateway.routing.policy import load_policy
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -234,3 +236,14 @@ def test_the_dockerfile_installs_pyprojects_python_and_torch() -> None:
     (torch,) = [pin for pin in pyproject["optional-dependencies"]["engine"] if pin.startswith("torch")]
     assert f"pip install ${{TORCH_INDEX_URL:+--index-url \"$TORCH_INDEX_URL\"}} {torch}" in dockerfile
     assert "pip install '.[engine]'" in dockerfile
+
+
+def test_the_keda_example_scales_the_decode_pool_on_metrics_the_gateway_exports() -> None:
+    [scaled] = list(yaml.safe_load_all((K8S / "keda" / "vllm-decode-scaledobject.yaml").read_text(encoding="utf-8")))
+    assert scaled["kind"] == "ScaledObject" and scaled["metadata"]["namespace"] == NAMESPACE
+    target = scaled["spec"]["scaleTargetRef"]
+    assert _find(target["kind"], target["name"])["metadata"]["namespace"] == NAMESPACE
+    exported = {metric.name for metric in GatewayMetrics().registry.collect()}
+    queries = [trigger["metadata"]["query"] for trigger in scaled["spec"]["triggers"]]
+    named = {word for query in queries for word in re.findall(r"onehop_gateway_\w+", query)}
+    assert named and named <= exported, named - exported
