@@ -129,6 +129,14 @@ class PrefixCacheCollector(Collector):
         for family, value in zip(families, (stats.queries, stats.hits, stats.usage, stats.waiting), strict=True):
             family.add_metric([self._model(), "0"], value)
             yield family
+        if stats.blocks:
+            # vLLM's info gauge: the cache config as labels, the value 1 (a router reads the size).
+            info = GaugeMetricFamily(
+                "vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                labels=["block_size", "num_gpu_blocks", "engine"],
+            )
+            info.add_metric([str(stats.block_size), str(stats.blocks), "0"], 1)
+            yield info
 
 
 @dataclass

@@ -42,6 +42,7 @@ KV_REPLAY_TIMEOUT_S = 2.0
 KV_LOAD_TOKENS = 512.0
 KV_WAITING_TOKENS = 512.0
 KV_USAGE_TOKENS = 2048.0
+KV_FILL_TOKENS = 4096.0
 KV_SESSIONS = 65_536
 MAX_TOKENS_PER_MINUTE = 1_000_000_000
 """About 16 M tokens a second: far above any pool's throughput, so a larger value is a typo."""
@@ -292,6 +293,12 @@ class Balancing(Struct, forbid_unknown_fields=True, kw_only=True):
     kv_usage_tokens: Annotated[float, Meta(ge=0)] = KV_USAGE_TOKENS
     """kv_cache: what a KV cache full of running requests (`vllm:kv_cache_usage_perc` at 1)
     costs, in prompt tokens to prefill; in proportion below."""
+    kv_fill_tokens: Annotated[float, Meta(ge=0)] = KV_FILL_TOKENS
+    """kv_cache: what an engine whose prefix cache is full (the blocks the KV index says it
+    holds, over its `vllm:cache_config_info` size) costs, in prompt tokens to prefill; in
+    proportion below. Without it, at low load every new conversation follows a shared system
+    prompt and tool list to the one engine that holds them, and that engine's cache thrashes
+    while the others idle; about the size of such a shared head spreads them. 0: off."""
     kv_sessions: Annotated[int, Meta(ge=0)] = KV_SESSIONS
     """kv_cache: sessions whose last engine is remembered (to break ties), least recent forgotten first."""
     kv_index: KVIndexConfig = msgspec.field(default_factory=KVIndexConfig)

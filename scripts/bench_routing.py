@@ -49,7 +49,7 @@ million in the full run, 100,000 scaled ×10 with `--quick`.
 The client, the engines and the gateways share this machine: compare rows of one run.
 
     .venv/bin/python scripts/bench_routing.py [--quick] [--rounds N] [--seed S] [--cache-blocks N]
-        [--prefill-us US] [--json out.json]
+        [--prefill-us US] [--agentic-concurrency N] [--json out.json]
 """
 
 from __future__ import annotations
@@ -974,10 +974,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cache-blocks", type=int, default=None, help="each engine's prefix cache, in blocks")
     parser.add_argument("--prefill-us", type=float, default=None, help="prefill time per uncached prompt token")
+    parser.add_argument("--agentic-concurrency", type=int, default=None,
+                        help="agentic requests in flight at most (1: the light load where one engine can hoard the sessions)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args(argv)
     size = QUICK if args.quick else FULL
-    changed = {"rounds": args.rounds, "cache_blocks": args.cache_blocks, "prefill_us_per_token": args.prefill_us}
+    changed = {"rounds": args.rounds, "cache_blocks": args.cache_blocks, "prefill_us_per_token": args.prefill_us,
+               "agentic_concurrency": args.agentic_concurrency}
     size = Size(**(asdict(size) | {name: value for name, value in changed.items() if value is not None}))
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
         results = runner.run(measure(size, args.seed))

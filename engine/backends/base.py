@@ -112,6 +112,9 @@ class PrefixCacheStats:
     """The share of the KV cache in use, 0 to 1."""
     waiting: int
     """Requests waiting for room to start."""
+    blocks: int = 0
+    """The cache's size in blocks (vLLM's `num_gpu_blocks`); 0: not known."""
+    block_size: int = 0
 
 
 @runtime_checkable

@@ -95,6 +95,8 @@ class Load:
     """Requests queued, not started (`vllm:num_requests_waiting`)."""
     kv_usage: float = 0.0
     """Share of its KV cache in use, 0 to 1 (`vllm:kv_cache_usage_perc`)."""
+    cache_blocks: int = 0
+    """Its KV cache's size in blocks (`vllm:cache_config_info`'s `num_gpu_blocks`); 0: unknown."""
 
 
 @dataclass

@@ -4,15 +4,17 @@ Every `interval` the gateway scrapes each engine's `/metrics`: the growth of
 `onehop_engine_output_cpu_seconds_total` (all modes) becomes cores in use and
 `onehop_engine_in_flight_requests` the in-flight count (for the route policy's cost
 model); vLLM's `vllm:num_requests_waiting` and `vllm:kv_cache_usage_perc` the queue and the
-cache fill (for kv_cache balancing). A metric an engine lacks reads 0 (stock vLLM has no
-onehop metrics). A failed scrape, or an answer that is not Prometheus text, keeps that
-engine's last reading: feedback is advisory, and one engine's failure never stops the others'.
+cache fill, and `vllm:cache_config_info`'s `num_gpu_blocks` the cache's size (for kv_cache
+balancing). A metric an engine lacks reads 0 (stock vLLM has no onehop metrics). A failed
+scrape, or an answer that is not Prometheus text, keeps that engine's last reading: feedback
+is advisory, and one engine's failure never stops the others'.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -27,6 +29,8 @@ CPU_METRIC = "onehop_engine_output_cpu_seconds_total"
 IN_FLIGHT_METRIC = "onehop_engine_in_flight_requests"
 WAITING_METRIC = "vllm:num_requests_waiting"
 KV_USAGE_METRIC = "vllm:kv_cache_usage_perc"
+CACHE_CONFIG_METRIC = "vllm:cache_config_info"
+_GPU_BLOCKS = re.compile(r'num_gpu_blocks="(\d+)"')
 SCRAPE_TIMEOUT_S = 2.0
 
 
@@ -37,6 +41,7 @@ class Sample:
     in_flight: int
     waiting: int = 0
     kv_usage: float = 0.0
+    cache_blocks: int = 0
 
 
 def parse_sample(text: str, at: float) -> Sample:
@@ -46,7 +51,7 @@ def parse_sample(text: str, at: float) -> Sample:
     a scrape: a few µs of every relayed chunk at low load. Raises ValueError for text that is
     not Prometheus exposition (an HTML error page)."""
     cpu = in_flight = waiting = usage = 0.0
-    usage_series = 0
+    usage_series = cache_blocks = 0
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
@@ -61,8 +66,14 @@ def parse_sample(text: str, at: float) -> Sample:
         elif line.startswith(KV_USAGE_METRIC) and _is_sample(line, len(KV_USAGE_METRIC)):
             usage += _value(line, len(KV_USAGE_METRIC))
             usage_series += 1
+        elif line.startswith(CACHE_CONFIG_METRIC) and _is_sample(line, len(CACHE_CONFIG_METRIC)):
+            blocks = _GPU_BLOCKS.search(line)  # one series per data-parallel rank, each its own cache
+            cache_blocks += int(blocks.group(1)) if blocks else 0
     kv_usage = min(max(usage / usage_series, 0.0), 1.0) if usage_series else 0.0
-    return Sample(at=at, cpu_seconds=cpu, in_flight=int(in_flight), waiting=int(waiting), kv_usage=kv_usage)
+    return Sample(
+        at=at, cpu_seconds=cpu, in_flight=int(in_flight), waiting=int(waiting), kv_usage=kv_usage,
+        cache_blocks=cache_blocks,
+    )
 
 
 def _is_sample(line: str, name_end: int) -> bool:
@@ -89,7 +100,8 @@ def load_between(before: Sample, after: Sample) -> Load:
     elapsed = after.at - before.at
     cores = max(0.0, (after.cpu_seconds - before.cpu_seconds) / elapsed) if elapsed > 0 else 0.0
     return Load(
-        output_cpu_cores=cores, in_flight=after.in_flight, waiting=after.waiting, kv_usage=after.kv_usage
+        output_cpu_cores=cores, in_flight=after.in_flight, waiting=after.waiting, kv_usage=after.kv_usage,
+        cache_blocks=after.cache_blocks,
     )
 
 

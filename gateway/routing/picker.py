@@ -10,8 +10,9 @@ structured-output kind. Each says, when it drops the last one, why no engine is 
 
 Scorers put a cost on each remaining engine, in prompt tokens to prefill before the
 request's first token, and the lowest total wins; ties go to the session's last engine,
-then to a rendezvous hash of the prompt's first tokens (an engine that leaves moves only
-its own prompts). `balancing.mode` picks the scorers:
+then to a rendezvous hash of the prompt's first block past what the engines hold (an
+engine that leaves moves only its own prompts; conversations sharing a cached head
+spread). `balancing.mode` picks the scorers:
 
 - `least_outstanding`: two engines drawn at random, the one with fewer outstanding
   requests (power of two choices).
@@ -24,12 +25,17 @@ its own prompts). `balancing.mode` picks the scorers:
               + prefill_tokens(e)                                    queued ahead of it
               + kv_load_tokens × outstanding(e)
               + kv_waiting_tokens × waiting(e) + kv_usage_tokens × kv_usage(e)
+              + kv_fill_tokens × held(e) / cache_blocks(e)
 
   `matched_blocks(e)`: the prompt's leading full blocks engine e holds; `prefill_tokens(e)`:
   the uncached tokens of the requests this gateway has open there (what it prefills before
   this prompt, or prefilled while they decode); `outstanding(e)`: those requests;
   `waiting(e)`, `kv_usage(e)`: the engine's own queue and cache fill from its metrics (all
-  gateways' requests, as of the last scrape). When any candidate's index is stale (events
+  gateways' requests, as of the last scrape); `held(e)`: the blocks the index says it holds
+  (cached, not only running), over its cache's size (`vllm:cache_config_info`; the term is 0
+  while that is unknown): a full engine pays for what taking a new conversation there will
+  evict, so at low load new conversations that share a cached head spread rather than all
+  follow it to one engine. When any candidate's index is stale (events
   lost and not replayed) the mode decides as `prefix_affinity` does: blind to the cache,
   but consistent.
 - `load` (a prefill pool's decode side in P/D): the kv_cache cost without the prompt's
@@ -205,15 +211,21 @@ class Picker:
         blocks = len(prompt) // size
         salt = facts.cache_salt
         matched = index.match(prompt, request_extra_keys(blocks, cache_salt=salt) if salt else None)
+        held = index.counts() if self.balancing.kv_fill_tokens else {}
         costs = {
             e.url: Cost(
                 matched.get(e.url, 0),
                 len(prompt) - min(matched.get(e.url, 0), blocks) * size,
-                self.load_cost(e),
+                self.load_cost(e) + self.fill_cost(e, held.get(e.url, 0)),
             )
             for e in found
         }
-        endpoint, rule = self._lowest(store, found, facts, {url: cost.total for url, cost in costs.items()}, prompt)
+        # Ties are hashed on the first block past what the engines hold: new conversations
+        # that share a cached head (a system prompt and tools) spread instead of all following it.
+        past = min(max(matched.values(), default=0), max(blocks - 1, 0)) * size
+        endpoint, rule = self._lowest(
+            store, found, facts, {url: cost.total for url, cost in costs.items()}, prompt[past : past + size]
+        )
         cost = costs[endpoint.url]
         why = f"{rule}: {cost.matched_blocks * size} tokens cached, cost {cost.total:g}"
         return Choice(endpoint, why, cost.uncached)
@@ -221,7 +233,7 @@ class Picker:
     def _by_load(self, store: EndpointStore, found: list[Endpoint], facts: RequestFacts) -> Choice:
         prompt = facts.prompt or ()
         costs = {e.url: self.load_cost(e) for e in found}
-        endpoint, rule = self._lowest(store, found, facts, costs, prompt)
+        endpoint, rule = self._lowest(store, found, facts, costs, prompt[: self.balancing.kv_index.block_size])
         return Choice(endpoint, f"{rule}: cost {costs[endpoint.url]:g}", len(prompt))
 
     def load_cost(self, endpoint: Endpoint) -> float:
@@ -235,16 +247,23 @@ class Picker:
             + b.kv_usage_tokens * endpoint.load.kv_usage
         )
 
+    def fill_cost(self, endpoint: Endpoint, held: int) -> float:
+        """What taking more blocks costs an engine whose cache is `held` blocks full (by the
+        index), in proportion to its size (unknown: nothing)."""
+        capacity = endpoint.load.cache_blocks
+        return self.balancing.kv_fill_tokens * min(held / capacity, 1.0) if capacity else 0.0
+
     def _lowest(
         self,
         store: EndpointStore,
         found: list[Endpoint],
         facts: RequestFacts,
         costs: dict[str, float],
-        prompt: Sequence[int],
+        tie_key: Sequence[int],
     ) -> tuple[Endpoint, str]:
         """The lowest cost, and the rule that settled it: `cache` (lowest alone), `session`
-        (a tie, the session's last engine), `hash` (a tie, the rendezvous hash)."""
+        (a tie, the session's last engine), `hash` (a tie, the rendezvous hash of `tie_key`'s
+        tokens)."""
         best = min(costs.values())
         tied = [e for e in found if costs[e.url] == best]
         if len(tied) == 1:
@@ -254,7 +273,7 @@ class Picker:
             for endpoint in tied:
                 if endpoint.url == last:
                     return endpoint, "session"
-        key = array("I", prompt[: self.balancing.kv_index.block_size]).tobytes()
+        key = array("I", tie_key).tobytes()
         return min(tied, key=lambda e: rank(e.url, key)), "hash"
 
 

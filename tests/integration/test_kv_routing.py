@@ -22,7 +22,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from gateway.config import Balancing, EngineEndpoint, GatewayConfig
+from gateway.config import KV_FILL_TOKENS, Balancing, EngineEndpoint, GatewayConfig
 from gateway.serving.state import GatewayState
 from gateway.upstream.engine_client import EngineClient
 from tests.integration.test_sim_prefix_cache import cached_engine, capabilities, prose
@@ -38,6 +38,7 @@ async def three_engines_and_a_gateway(
     tokenizer_dir: Path,
     *,
     load_tokens: float = 512,
+    fill_tokens: float = KV_FILL_TOKENS,
     extra_engines: Sequence[EngineEndpoint] = (),
     discover: bool = False,
     **options: Any,
@@ -58,7 +59,8 @@ async def three_engines_and_a_gateway(
                                               kv_replay=events["replay_endpoint"], kv_topic=events["topic"]))
         config = GatewayConfig(
             model="sim", tokenizer=str(tokenizer_dir), engines=[*members, *extra_engines], route_header=True,
-            policy_header=True, balancing=Balancing(mode="kv_cache", kv_load_tokens=load_tokens),
+            policy_header=True,
+            balancing=Balancing(mode="kv_cache", kv_load_tokens=load_tokens, kv_fill_tokens=fill_tokens),
         )
         base, state = await stack.enter_async_context(configured_gateway(config))
         await joined(session, state, urls)
@@ -161,6 +163,35 @@ async def test_an_engine_that_drops_its_cache_loses_the_preference(qwen3_tokeniz
         assert "engine by cache" not in policy and cached == 0, policy
 
 
+@pytest.mark.parametrize("fill_tokens", [KV_FILL_TOKENS, 0.0], ids=["fill", "no-fill"])
+async def test_new_conversations_sharing_a_system_prompt_spread_when_its_holders_cache_is_full(
+    qwen3_tokenizer: Any, qwen3_tokenizer_dir: Path, fill_tokens: float
+) -> None:
+    # Caches of 64 blocks: the 800-token system prompt (50 blocks) fills most of one. Each new
+    # conversation is cheapest, by its prompt alone, where the system prompt is cached; with the
+    # fill term a full holder costs more than prefilling the system prompt once elsewhere.
+    async with three_engines_and_a_gateway(
+        qwen3_tokenizer_dir, fill_tokens=fill_tokens, cache_blocks=64
+    ) as (client, state, urls):
+        store = state.clients[0].store
+        await wait_until(  # the feedback loop read each engine's size from its metrics
+            lambda: all(store.endpoints[url].load.cache_blocks == 64 for url in urls), what="the caches' sizes"
+        )
+        system = conversation(qwen3_tokenizer, "river", 1)[0]
+        engines = []
+        for n in range(4):
+            engine, _, _ = await turn(client, [system, {"role": "user", "content": f"Task {n}: the mill race?"}])
+            engines.append(engine)
+            await wait_until(
+                lambda at=engine: held(state).get(at, 0) >= SYSTEM_TOKENS // 16,  # type: ignore[misc]
+                what="its blocks indexed",
+            )
+    if fill_tokens:
+        assert len(set(engines)) == 3, engines  # the second and third went to empty engines
+    else:
+        assert len(set(engines)) == 1, engines  # every one followed the system prompt
+
+
 async def test_a_busy_holder_is_passed_over_where_the_formula_says(qwen3_tokenizer: Any, qwen3_tokenizer_dir: Path) -> None:
     # Each outstanding request weighs 256 tokens. The holder keeps the conversation's turns
     # while its load weighs less than the prefill it saves (the whole prompt, about 850 tokens
@@ -169,7 +200,9 @@ async def test_a_busy_holder_is_passed_over_where_the_formula_says(qwen3_tokeniz
     # (the whole prompt) fell below the holder's: 256 × its outstanding, give or take the
     # holder's uncached tail.
     load = 256
-    async with three_engines_and_a_gateway(qwen3_tokenizer_dir, load_tokens=load, itl_ms=40) as (client, state, _):
+    async with three_engines_and_a_gateway(  # the fill term off: the load term alone decides here
+        qwen3_tokenizer_dir, load_tokens=load, fill_tokens=0, itl_ms=40
+    ) as (client, state, _):
         holder, _, _ = await turn(client, conversation(qwen3_tokenizer, "river", 1))
         await wait_until(lambda: held(state).get(holder, 0) >= SYSTEM_TOKENS // 16, what="the blocks indexed")
         streams, engines, policies = [], [], []

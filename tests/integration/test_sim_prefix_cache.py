@@ -506,6 +506,8 @@ async def test_metrics_use_vllms_names(
     assert during["vllm:kv_cache_usage_perc"].value == pytest.approx(3 / 8)
     assert samples["vllm:num_requests_waiting"].value == 0
     assert samples["vllm:prefix_cache_hits_total"].labels == {"model_name": "sim", "engine": "0"}
+    info = samples["vllm:cache_config_info"]  # the cache's size, as vLLM's info gauge says it
+    assert (info.value, info.labels["num_gpu_blocks"], info.labels["block_size"]) == (1, "8", "16")
 
 
 async def test_capabilities_name_connectable_endpoints(

@@ -139,7 +139,10 @@ class SimBackend:
         # holds are free to evict, so not in use); a request queued for prefill holds none yet.
         running = sum(live.blocks for live in self._live.values() if live.prefill is None or live.prefill.ends_at)
         usage = min(running / cache.capacity, 1.0)
-        return PrefixCacheStats(queries=cache.queries, hits=cache.hits, usage=usage, waiting=waiting)
+        return PrefixCacheStats(
+            queries=cache.queries, hits=cache.hits, usage=usage, waiting=waiting,
+            blocks=cache.capacity, block_size=self._config.block_size,
+        )
 
     def kv_events_address(self) -> KVEventsAddress | None:
         publisher = self._publisher

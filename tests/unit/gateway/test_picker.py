@@ -135,9 +135,10 @@ def test_the_winner_has_the_lowest_cost(matched: int, outstanding: int, queued: 
         if held:
             index.apply(url, [stored(PROMPT, list(range(base, base + held)))])
     a, b, c = (store.endpoints[url] for url in (A, B, C))
-    a.outstanding, a.prefill_tokens, a.load = outstanding, queued, Load(waiting=waiting, kv_usage=usage)
-    b.outstanding, b.prefill_tokens, b.load = 2, 800, Load(waiting=1, kv_usage=0.5)
-    c.outstanding, c.load = 1, Load(kv_usage=0.2)
+    a.outstanding, a.prefill_tokens = outstanding, queued
+    a.load = Load(waiting=waiting, kv_usage=usage, cache_blocks=200)
+    b.outstanding, b.prefill_tokens, b.load = 2, 800, Load(waiting=1, kv_usage=0.5, cache_blocks=100)
+    c.outstanding, c.load = 1, Load(kv_usage=0.2)  # its cache's size unknown: no fill term
     balancing = Balancing(mode="kv_cache")
     choice = Picker(balancing).pick(store, facts(PROMPT), NOW)
     holds = {A: matched, B: 50, C: 20}
@@ -146,7 +147,7 @@ def test_the_winner_has_the_lowest_cost(matched: int, outstanding: int, queued: 
         e = store.endpoints[url]
         return (
             len(PROMPT) - 16 * holds[url] + e.prefill_tokens + 512 * e.outstanding + 512 * e.load.waiting
-            + 2048 * e.load.kv_usage
+            + 2048 * e.load.kv_usage + (4096 * holds[url] / e.load.cache_blocks if e.load.cache_blocks else 0)
         )
 
     costs = {url: cost(url) for url in (A, B, C)}
@@ -167,6 +168,31 @@ def test_a_tie_goes_to_the_sessions_engine_of_the_same_tenant_then_to_the_hash()
     assert elsewhere.why is not None and elsewhere.why.startswith("hash")  # another tenant's session
     cold = {picker.pick(store, facts([i] * 32), NOW).endpoint.url for i in range(60)}
     assert cold == {A, B, C}  # new prompts spread over the pool
+
+
+def test_new_conversations_sharing_a_cached_head_spread_and_a_long_one_stays_with_its_blocks() -> None:
+    head = PROMPT[: 16 * 40]  # a system prompt and tools every engine holds
+    store, index = kv_store()
+    for i, url in enumerate((A, B, C)):
+        index.apply(url, [stored(head, list(range(100 * i, 100 * i + 40)))])
+    picker = Picker(Balancing(mode="kv_cache"))
+    firsts = [picker.pick(store, facts([*head, *[7000 + n] * 40]), NOW) for n in range(60)]
+    assert {choice.endpoint.url for choice in firsts} == {A, B, C}  # hashed past the head, not on it
+    assert all(choice.why is not None and choice.why.startswith("hash: 640 tokens cached") for choice in firsts)
+
+    # A's cache is full (a long conversation's history besides the head), B's and C's hold the
+    # head only: a new conversation is cheaper on an emptier engine by the fill term (its head
+    # prefilled once more there, 640 tokens, against up to 4,096), the long one stays with A.
+    for endpoint in store.endpoints.values():
+        endpoint.load = Load(cache_blocks=340)
+    history = [*head, *range(5000, 5000 + 16 * 300)]
+    index.apply(A, [stored(history, list(range(40)) + list(range(1000, 1300)))])
+    new = [*head, *[9] * 40]
+    fresh = picker.pick(store, facts(new), NOW)
+    assert fresh.endpoint.url in (B, C) and fresh.why is not None and fresh.why.startswith("hash")  # B, C tie
+    assert picker.pick(store, facts([*history, 1, 2, 3]), NOW).endpoint.url == A
+    off = Picker(Balancing(mode="kv_cache", kv_fill_tokens=0)).pick(store, facts(new), NOW)
+    assert off.why is not None and off.why.startswith("hash")  # without the term: a three-way tie of equal heads
 
 
 def test_the_hash_moves_only_the_prompts_of_an_engine_that_leaves() -> None:

@@ -48,6 +48,11 @@ async def test_one_engine_answering_html_does_not_stop_the_others_feedback() -> 
         cpu += 0.5
         return web.Response(
             text=f'{CPU_METRIC}{{mode="derender"}} {cpu}\n{WAITING_METRIC} 3\n{KV_USAGE_METRIC}{{engine="0"}} 0.25\n'
+            + "".join(  # vLLM's info gauge, one series per data-parallel rank, each rank's own cache
+                f'vllm:cache_config_info{{block_size="16",cache_dtype="auto",engine="{rank}",'
+                f'num_gpu_blocks="2048",num_gpu_blocks_override="None",prefix_caching_hash_algo="sha256"}} 1.0\n'
+                for rank in (0, 1)
+            )
         )
 
     html_polls = 0
@@ -80,6 +85,7 @@ async def test_one_engine_answering_html_does_not_stop_the_others_feedback() -> 
             await server.close()
     good_load = store.endpoints[urls[1]].load
     assert good_load.output_cpu_cores > 0 and good_load.waiting == 3 and good_load.kv_usage == 0.25
+    assert good_load.cache_blocks == 4096
     assert store.endpoints[urls[0]].load == Load()
 
 
