@@ -35,6 +35,7 @@ import asyncio
 from array import array
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from itertools import pairwise
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -231,4 +232,4 @@ def split_turns(text: str, markers: Sequence[str]) -> list[str]:
             cuts.add(at)
             at = text.find(marker, at + 1)
     bounds = sorted(cuts)
-    return [text[start:end] for start, end in zip(bounds, bounds[1:]) if end > start]
+    return [text[start:end] for start, end in pairwise(bounds) if end > start]
