@@ -86,7 +86,7 @@ class LocalRenderer:
         self._backend = folder.tokenizer
         self._special_tokens = folder.special_tokens
         self._templates = {name: ChatTemplate(source) for name, source in folder.templates.items()}
-        self._markers = turn_markers(self._backend)
+        self.turn_markers = turn_markers(self._backend)
         self.turn_cache = TurnCache(cache_bytes)
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="render")
         self._large = ThreadPoolExecutor(max_workers=large_workers, thread_name_prefix="render-large")
@@ -163,13 +163,13 @@ class LocalRenderer:
         return list(item)
 
     def encode_sync(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
-        if add_special_tokens or not self._markers:
+        if add_special_tokens or not self.turn_markers:
             return self._ids(text, add_special_tokens)
         return self._segmented(text).tolist()  # hot: ~1 ms for 70K ids; the engine request wants a list
 
     def _segmented(self, text: str) -> array[int]:
         """`text`'s ids, segment by segment: cached ones looked up, the others tokenized in one batch."""
-        segments = split_turns(text, self._markers)
+        segments = split_turns(text, self.turn_markers)
         keys = [digest(segment) for segment in segments]
         found = self.turn_cache.lookup(keys)
         missing = {key: segment for key, segment, ids in zip(keys, segments, found, strict=True) if ids is None}
