@@ -75,7 +75,7 @@ def conversation() -> list[dict[str, Any]]:
           _call("c3", "get_time", '{"zone": "Europe/Paris"}')]},
          {"role": "tool", "tool_call_id": "c2", "content": "10:00"},
          {"role": "tool", "tool_call_id": "c3", "content": "10:00"})  # fmt: skip
-    bodies = [{"messages": messages, "tools": [WEATHER]} for messages in turns]
+    bodies: list[dict[str, Any]] = [{"messages": messages, "tools": [WEATHER]} for messages in turns]
     last = turns[-1]
     bodies[-1]["tools"] = [WEATHER, CLOCK]  # a tool added mid-conversation
     bodies.append({"messages": last})  # every tool removed
