@@ -14,8 +14,8 @@ a render misses are tokenized together with `encode_batch`, on every core.
 The template itself runs on every request, the whole conversation: templates
 rewrite earlier turns (Qwen3 drops the reasoning of turns before the latest user
 query, tool results fold into one turn), and no cheaper check proves a cached
-rendering of the earlier turns still holds. It costs ~6 ms for a 40-turn, 440K
-character conversation, against ~660 ms to tokenize it
+rendering of the earlier turns still holds. It costs ~2.5 ms for a 40-turn,
+140K-token conversation, against ~330 ms to tokenize it
 (`scripts/bench_render.py`; docs/performance.md).
 
 Every render runs off the event loop, on the renderer's worker threads,
