@@ -36,6 +36,8 @@ LARGE_RENDER_CHARS = 1024 * 1024
 """Above an agent's turn (142K tokens, ~570K characters) and below the bodies that stalled
 small requests (~4 MB each)."""
 LARGE_RENDER_WORKERS = 2
+RENDER_CACHE_BYTES = 256 * 1024 * 1024
+"""Per worker: ~64M cached prompt tokens at 4 bytes each, ~450 agent sessions of 140K tokens."""
 KV_INDEX_MAX_BLOCKS = 1_000_000
 KV_BLOCK_SIZE = 16
 KV_REPLAY_TIMEOUT_S = 2.0
@@ -131,6 +133,10 @@ class Limits(Struct, forbid_unknown_fields=True, kw_only=True):
     its own, so small requests never wait behind it."""
     large_render_workers: Annotated[int, Meta(ge=1)] = LARGE_RENDER_WORKERS
     """Large renders at once (each may take ~100 bytes of memory a character); more wait."""
+    render_cache_bytes: Annotated[int, Meta(ge=0)] = RENDER_CACHE_BYTES
+    """The turn cache of each worker: tokenized chat turns (4 bytes a token), least recently
+    used out first. A conversation's next turn tokenizes only what is new while its earlier
+    turns are here; 0 turns the cache off."""
     grammar: GrammarLimits = msgspec.field(default_factory=GrammarLimits)
     """Bounds of a structured-output constraint (`response_format`, Responses `text.format`
     and custom tools' grammars, Messages `output_config.format`, `structured_outputs`): past them an engine's grammar

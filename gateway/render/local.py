@@ -3,13 +3,20 @@
 Local render runs the model folder's chat template (`gateway.render.chat_template`:
 jinja2 as transformers runs it, without transformers) and tokenizes the
 result with `tokenizers` (`gateway.render.tokenizer_folder`). Tokenization is cached
-per chat turn: the rendered text is cut right before each turn-opening
-special token (`<|im_start|>` for ChatML), which is exactly where the
-tokenizer itself splits the text (added tokens are matched before any other
-processing), so the ids equal tokenizing the whole text, and a system
-prompt or tool list repeated across requests is tokenized once. The cache
-is bounded in bytes (an estimate of what its strings and id lists hold), not
-entries: one huge turn cannot pin memory.
+per chat turn (`gateway.render.turn_cache`): the rendered text is cut right before
+each turn marker the vocabulary has as an added token (`<|im_start|>` for ChatML,
+`<|start_header_id|>` for Llama 3, ...), which is exactly where the tokenizer itself
+splits the text (added tokens are matched before any other processing), so the ids
+equal tokenizing the whole text; a system prompt or tool list repeated across
+requests, and every earlier turn of a conversation, is tokenized once. The segments
+a render misses are tokenized together with `encode_batch`, on every core.
+
+The template itself runs on every request, the whole conversation: templates
+rewrite earlier turns (Qwen3 drops the reasoning of turns before the latest user
+query, tool results fold into one turn), and no cheaper check proves a cached
+rendering of the earlier turns still holds. It costs ~2.5 ms for a 40-turn,
+140K-token conversation, against ~330 ms to tokenize it
+(`scripts/bench_render.py`; docs/performance.md).
 
 Every render runs off the event loop, on the renderer's worker threads,
 several at once. A render of more than `large_chars` characters of text
@@ -25,11 +32,10 @@ this project's CI machine, during which no other thread runs).
 from __future__ import annotations
 
 import asyncio
-import re
-import threading
-from collections import OrderedDict
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from itertools import pairwise
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -38,18 +44,30 @@ from tokenizers import Tokenizer
 
 from wire.openai_schema import ChatCompletionRequest, CompletionRequest
 from gateway.render.chat_template import ChatTemplate, ChatTemplateError, pick_template
-from gateway.config import LARGE_RENDER_CHARS, LARGE_RENDER_WORKERS
+from gateway.config import LARGE_RENDER_CHARS, LARGE_RENDER_WORKERS, RENDER_CACHE_BYTES
 from gateway.edge.errors import InvalidRequest
 from gateway.render.tokenizer_folder import load_folder
+from gateway.render.turn_cache import TurnCache, digest
 from gateway.edge.validate import chat_text_chars, completion_text_chars
 
 T = TypeVar("T")
 
-_TURN_MARKERS = ("<|im_start|>",)
-CACHE_BYTES = 64 * 1024 * 1024
+_TURN_MARKERS = frozenset(
+    {
+        "<|im_start|>",  # ChatML (Qwen, ...)
+        "<|start_header_id|>", "<|header_start|>",  # Llama 3, Llama 4
+        "<|start|>",  # Harmony (gpt-oss)
+        "<｜User｜>", "<｜Assistant｜>", "<｜tool▁output▁begin｜>",  # DeepSeek
+        "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>",  # GLM
+        "<|im_system|>", "<|im_user|>", "<|im_assistant|>",  # Kimi K2
+        "]~b]",  # MiniMax M2
+        "[INST]", "[SYSTEM_PROMPT]", "[AVAILABLE_TOOLS]", "[TOOL_RESULTS]",  # Mistral
+        "<|eot|>",  # turn ends, where a family has no turn opening token
+    }
+)  # fmt: skip
+"""Tokens that open (or close) a chat turn in the families onehop parses; the vocabulary's own
+added tokens among them are where a rendered prompt is cut for the turn cache."""
 RENDER_WORKERS = 4
-_ID_BYTES = 36
-"""What one cached token id costs: a list slot and (most often) an int object."""
 _RELEASE_GIL_CHARS = 4096
 """Segments longer than this go through `encode_batch`, which lets other threads run."""
 
@@ -60,7 +78,7 @@ class LocalRenderer:
         tokenizer_dir: str | Path,
         *,
         workers: int = RENDER_WORKERS,
-        cache_bytes: int = CACHE_BYTES,
+        cache_bytes: int = RENDER_CACHE_BYTES,
         large_chars: int = LARGE_RENDER_CHARS,
         large_workers: int = LARGE_RENDER_WORKERS,
     ) -> None:
@@ -68,13 +86,8 @@ class LocalRenderer:
         self._backend = folder.tokenizer
         self._special_tokens = folder.special_tokens
         self._templates = {name: ChatTemplate(source) for name, source in folder.templates.items()}
-        markers = [m for m in _TURN_MARKERS if self._backend.token_to_id(m) is not None]
-        self._split = re.compile("(?=" + "|".join(re.escape(m) for m in markers) + ")") if markers else None
-        self._segments: OrderedDict[str, list[int]] = OrderedDict()
-        self._cache_bytes = cache_bytes
-        self.cached_bytes = 0
-        self._lock = threading.Lock()
-        """Guards the cache: workers share it (tokenizing runs outside the lock)."""
+        self.turn_markers = turn_markers(self._backend)
+        self.turn_cache = TurnCache(cache_bytes)
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="render")
         self._large = ThreadPoolExecutor(max_workers=large_workers, thread_name_prefix="render-large")
         self._large_chars = large_chars
@@ -150,35 +163,73 @@ class LocalRenderer:
         return list(item)
 
     def encode_sync(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
-        if add_special_tokens or self._split is None:
+        if add_special_tokens or not self.turn_markers:
             return self._ids(text, add_special_tokens)
-        ids: list[int] = []
-        for segment in self._split.split(text):
-            if segment:
-                ids += self._segment_ids(segment)
-        return ids
+        return self._segmented(text).tolist()  # hot: ~1 ms for 70K ids; the engine request wants a list
+
+    def _segmented(self, text: str) -> array[int]:
+        """`text`'s ids, segment by segment: cached ones looked up, the others tokenized in one batch."""
+        segments = split_turns(text, self.turn_markers)
+        keys = [digest(segment) for segment in segments]
+        found = self.turn_cache.lookup(keys)
+        missing = {key: segment for key, segment, ids in zip(keys, segments, found, strict=True) if ids is None}
+        if missing:
+            fresh = dict(zip(missing, self._encode_many(list(missing.values())), strict=True))
+            self.turn_cache.store(fresh.items())
+            found = [ids if ids is not None else fresh[key] for key, ids in zip(keys, found, strict=True)]
+        prompt = array("I")
+        for ids in found:
+            assert ids is not None  # every miss was just filled
+            prompt += ids
+        return prompt
+
+    def _encode_many(self, segments: list[str]) -> list[array[int]]:
+        """Segments not cached, tokenized: many or long ones with `encode_batch` (every core, the GIL
+        released: a first render of a long conversation is cut at each turn), a short one inline."""
+        if len(segments) == 1 and len(segments[0]) <= _RELEASE_GIL_CHARS:
+            return [array("I", self._ids(segments[0]))]
+        return [array("I", encoding.ids) for encoding in self._backend.encode_batch(segments, add_special_tokens=False)]
 
     def _ids(self, text: str, add_special_tokens: bool = False) -> list[int]:
         if len(text) > _RELEASE_GIL_CHARS:
             return list(self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
         return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
 
-    def _segment_ids(self, segment: str) -> list[int]:
-        cache = self._segments
-        with self._lock:
-            hit = cache.get(segment)
-            if hit is not None:
-                cache.move_to_end(segment)
-                return hit
-        ids = self._ids(segment)
-        size = len(segment) + _ID_BYTES * len(ids)
-        if size > self._cache_bytes // 8:
-            return ids  # a turn this large is not worth a slot that would evict many others
-        with self._lock:
-            if segment not in cache:
-                cache[segment] = ids
-                self.cached_bytes += size
-            while self.cached_bytes > self._cache_bytes:
-                evicted, evicted_ids = cache.popitem(last=False)
-                self.cached_bytes -= len(evicted) + _ID_BYTES * len(evicted_ids)
-        return ids
+    @property
+    def cached_bytes(self) -> int:
+        """What the turn cache holds, by its own estimate (ids, keys and their slots)."""
+        return self.turn_cache.bytes
+
+
+def turn_markers(backend: Tokenizer) -> tuple[str, ...]:
+    """The turn markers a text may be cut before, giving exactly the ids of the whole text.
+
+    The tokenizer matches added tokens first and tokenizes the text between them
+    separately, so a cut before one is a cut it makes itself, unless the marker
+    takes whitespace from the text before it (`lstrip`), is not matched at all
+    (a special token while `encode_special_tokens` is on), or may sit inside a longer
+    added token (then an occurrence is not always the token)."""
+    added = [token for token in backend.get_added_tokens_decoder().values()]
+    contents = [token.content for token in added]
+    usable = []
+    for token in added:
+        if token.content not in _TURN_MARKERS or token.lstrip or token.single_word:
+            continue
+        if token.special and backend.encode_special_tokens:
+            continue
+        if any(token.content in other and token.content != other for other in contents):
+            continue
+        usable.append(token.content)
+    return tuple(usable)
+
+
+def split_turns(text: str, markers: Sequence[str]) -> list[str]:
+    """`text` cut right before every occurrence of a marker (empty pieces left out)."""
+    cuts = {0, len(text)}
+    for marker in markers:  # str.find scans at memory speed; a lookahead regex took 7 ms for 440K characters
+        at = text.find(marker)
+        while at != -1:
+            cuts.add(at)
+            at = text.find(marker, at + 1)
+    bounds = sorted(cuts)
+    return [text[start:end] for start, end in pairwise(bounds) if end > start]

@@ -109,6 +109,7 @@ async def _runtime(plan: _ModelPlan, limits: Limits) -> ModelRuntime:
                 config.tokenizer,
                 large_chars=limits.large_render_chars,
                 large_workers=limits.large_render_workers,
+                cache_bytes=limits.render_cache_bytes,
             )
         )
     except (TokenizerFolderError, ChatTemplateError) as exc:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from array import array
 import threading
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 
 from wire.openai_schema import ChatCompletionRequest
 from gateway.render.local import LocalRenderer
+from gateway.render.turn_cache import digest
 from tests.support.waiting import wait_until
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
@@ -64,12 +66,12 @@ class SignallingRenderer(LocalRenderer):
         self.tokenizing_long = threading.Event()
         self.tokenized_long = threading.Event()
 
-    def _ids(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        if len(text) <= LONG_CHARS:
-            return super()._ids(text, add_special_tokens)
+    def _encode_many(self, segments: list[str]) -> list[array[int]]:
+        if max(map(len, segments)) <= LONG_CHARS:
+            return super()._encode_many(segments)
         self.tokenizing_long.set()
         try:
-            return super()._ids(text, add_special_tokens)
+            return super()._encode_many(segments)
         finally:
             self.tokenized_long.set()
 
@@ -114,6 +116,6 @@ def test_the_turn_cache_is_bounded_in_bytes(qwen3_tokenizer_dir: Path) -> None:
         assert renderer.cached_bytes > 32 * 1024  # it does cache
         huge = "<|im_start|>user\n" + "word " * 20_000
         renderer.encode_sync(huge)
-        assert huge not in renderer._segments  # over an eighth of the cache: not kept
+        assert digest(huge) not in renderer.turn_cache  # over an eighth of the cache: not kept
     finally:
         renderer.close()
