@@ -29,6 +29,7 @@ from wire.openai_schema import (
     CompletionRequest,
 )
 from gateway.upstream import remote
+from gateway.flow import inline_render
 from gateway.config import Limits, Route
 from gateway.edge.context import Edge, RequestContext
 from gateway.upstream.engine_request import chat_sampling, completion_sampling, constraint_kind
@@ -229,7 +230,7 @@ class Chat:
         """Local chat template or vLLM's /render, then the forced tool-call opening, if any."""
         forced = forced_tool_prefix(request, model.tool_parser)
         if model.render == "local":
-            return [await model.renderer.chat(request, suffix=forced)]
+            return [await inline_render.chat_prompt(model.renderer, request, forced, model.inline_render_chars)]
         try:
             rendered = await remote.render_chat(model.engines.session, _remote_url(model), body)
         except remote.RemoteServiceError as exc:
@@ -334,7 +335,7 @@ class Completions:
 
     async def render(self, model: ModelRuntime, request: CompletionRequest, body: bytes) -> list[list[int]]:
         if model.render == "local":
-            return await model.renderer.completion_prompts(request)
+            return await inline_render.completion_prompts(model.renderer, request, model.inline_render_chars)
         try:
             rendered = await remote.render_completion(model.engines.session, _remote_url(model), body)
         except remote.RemoteServiceError as exc:
