@@ -244,11 +244,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--route", action="append", default=None, choices=("derender", "text", "tokens"),
                         help="onehop's routes to measure (repeatable; default derender)")
     parser.add_argument("--streams", type=int, action="append", default=None, help="only these burst sizes")
+    parser.add_argument("--bursts", type=int, default=None, help="bursts per setup and size (default: the size's)")
     parser.add_argument("--json", type=Path, default=None, help="write the raw results here")
     args = parser.parse_args(argv)
     size = QUICK if args.quick else FULL
-    if args.streams:
-        size = Size(size.tokens, size.itl_ms, {n: size.bursts.get(n, 2) for n in args.streams})
+    if args.streams or args.bursts:
+        sizes = args.streams or list(size.bursts)
+        size = Size(size.tokens, size.itl_ms, {n: args.bursts or size.bursts.get(n, 2) for n in sizes})
     started = time.monotonic()
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
         results = runner.run(measure(size, routers=not args.no_routers, baselines=tuple(args.baseline), sim=args.sim,
