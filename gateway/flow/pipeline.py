@@ -87,7 +87,6 @@ async def handle_messages(http: web.Request) -> web.StreamResponse:
 async def serve(http: web.Request, endpoint: Endpoint[Any]) -> web.StreamResponse:
     """The edge: the aiohttp request becomes a context; everything after works on the context."""
     state = http.app[GATEWAY]
-    await state.turns.take()
     http[REQUEST_ID_KEY] = response_id = f"{endpoint.id_prefix}{uuid.uuid4().hex}"
     edge = Edge.of(http, endpoint.name, response_id, state.config.timeouts.stream_deadline_s)
     edge.tally.request_id = response_id

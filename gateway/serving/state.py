@@ -29,7 +29,6 @@ from gateway.edge.quota_check import QuotaCheck
 from gateway.edge.redis_quota import RedisQuotas
 from gateway.edge.tenancy import CacheSalts
 from gateway.edge.unknown_fields import IgnoredFields
-from gateway.flow.turns import Turns
 from gateway.serving.runtime import ModelRuntime
 from gateway.serving.worker_env import worker_count
 
@@ -53,8 +52,6 @@ class GatewayState:
     """Each served model under every exact name it answers to; built once at start."""
     patterns: list[tuple[re.Pattern[str], ModelRuntime]] = field(default_factory=list)
     """Alias patterns (`claude-*`), in config order: tried when no exact name matches."""
-    turns: Turns = field(default_factory=Turns)
-    """New API requests go on one per loop turn (`gateway.flow.turns`)."""
     background: set[asyncio.Task[object]] = field(default_factory=set)
     """Aborts sent after a client left; kept referenced until done."""
     responses: ResponseStorage = field(default_factory=lambda: InProcess(ResponseStore()))
