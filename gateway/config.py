@@ -36,9 +36,6 @@ LARGE_RENDER_CHARS = 1024 * 1024
 """Above an agent's turn (142K tokens, ~570K characters) and below the bodies that stalled
 small requests (~4 MB each)."""
 LARGE_RENDER_WORKERS = 2
-INLINE_RENDER_CHARS = 4096
-"""Prompts with at most this much text render on the event loop: below it a thread renders no
-faster (the tokenizer holds the GIL) and the hand-off cost tens of ms under a burst (issue #32)."""
 KV_INDEX_MAX_BLOCKS = 1_000_000
 KV_BLOCK_SIZE = 16
 KV_REPLAY_TIMEOUT_S = 2.0
@@ -133,9 +130,6 @@ class Limits(Struct, forbid_unknown_fields=True, kw_only=True):
     its own, so small requests never wait behind it."""
     large_render_workers: Annotated[int, Meta(ge=1)] = LARGE_RENDER_WORKERS
     """Large renders at once (each may take ~100 bytes of memory a character); more wait."""
-    inline_render_chars: Annotated[int, Meta(ge=0)] = INLINE_RENDER_CHARS
-    """A request with at most this much text (the same count) renders on the event loop, not on a
-    render thread: the hand-off costs more than such a render (0: every render on a thread)."""
     grammar: GrammarLimits = msgspec.field(default_factory=GrammarLimits)
     """Bounds of a structured-output constraint (`response_format`, Responses `text.format`
     and custom tools' grammars, Messages `output_config.format`, `structured_outputs`): past them an engine's grammar

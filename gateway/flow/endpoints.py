@@ -29,7 +29,6 @@ from wire.openai_schema import (
     CompletionRequest,
 )
 from gateway.upstream import remote
-from gateway.flow import inline_render
 from gateway.config import Limits, Route
 from gateway.edge.context import Edge, RequestContext
 from gateway.upstream.engine_request import chat_sampling, completion_sampling, constraint_kind
@@ -230,7 +229,7 @@ class Chat:
         """Local chat template or vLLM's /render, then the forced tool-call opening, if any."""
         forced = forced_tool_prefix(request, model.tool_parser)
         if model.render == "local":
-            return [await inline_render.chat_prompt(model.renderer, request, forced, model.inline_render_chars)]
+            return [await model.renderer.chat(request, suffix=forced)]
         try:
             rendered = await remote.render_chat(model.engines.session, _remote_url(model), body)
         except remote.RemoteServiceError as exc:
@@ -335,7 +334,7 @@ class Completions:
 
     async def render(self, model: ModelRuntime, request: CompletionRequest, body: bytes) -> list[list[int]]:
         if model.render == "local":
-            return await inline_render.completion_prompts(model.renderer, request, model.inline_render_chars)
+            return await model.renderer.completion_prompts(request)
         try:
             rendered = await remote.render_completion(model.engines.session, _remote_url(model), body)
         except remote.RemoteServiceError as exc:

@@ -139,7 +139,6 @@ async def _runtime(plan: _ModelPlan, limits: Limits) -> ModelRuntime:
         engines=plan.engines,
         pools=plan.pools,
         prefill=plan.prefill,
-        inline_render_chars=limits.inline_render_chars,
     )
 
 

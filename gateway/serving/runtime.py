@@ -14,7 +14,6 @@ from typing import Literal
 
 from derender.chat import ReasoningField
 from derender.vocab import TokenVocab
-from gateway.config import INLINE_RENDER_CHARS
 from gateway.upstream.engine_client import EngineClient
 from gateway.routing.policy import Policy
 from gateway.render.local import LocalRenderer
@@ -44,5 +43,3 @@ class ModelRuntime:
     """Named pools, for policy rules that name one."""
     prefill: EngineClient | None = None
     """The prefill pool when serving is disaggregated."""
-    inline_render_chars: int = INLINE_RENDER_CHARS
-    """Prompts with at most this much text render on the event loop (`gateway.flow.inline_render`)."""
