@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 import aiohttp  # noqa: E402
 from scripts.bench_apis import unpack  # noqa: E402
 from scripts.bench_gateway import (  # noqa: E402
+    BenchError,
     Plan,
     Requests,
     client_session,
@@ -90,7 +92,8 @@ counts as every relay's TTFT)."""
 class Setup:
     name: str
     url: str
-    body: Any
+    body: Callable[[], bytes]
+    """A body per request (the engine's direct requests need their own request ids)."""
     headers: dict[str, str]
     direct: str
     """The setup whose TTFT this one's is measured against."""
@@ -113,7 +116,7 @@ async def burst(session: aiohttp.ClientSession, setup: Setup, cell: Cell | None,
     samples = await asyncio.gather(*(stream_once(session, setup.url, setup.body(), setup.headers) for _ in range(streams)))
     for sample in samples:
         if sample.completion_tokens != tokens:
-            raise RuntimeError(f"{setup.name}: {sample.completion_tokens} tokens, not {tokens}")
+            raise BenchError(f"{setup.name}: {sample.completion_tokens} tokens, not {tokens}")
     if cell is not None:
         cell.ttft_s.extend(sample.ttft_s for sample in samples)
         if setup.pid is not None:
@@ -131,9 +134,9 @@ async def measure(
     with tempfile.TemporaryDirectory(prefix="bench_burst_") as tmp:
         folder = Path(tmp)
         trees: dict[str, Path] = {"this": ROOT}
-        for rev in baselines:
-            (folder / rev).mkdir()
-            trees[rev] = unpack(rev, folder / rev)
+        for index, rev in enumerate(baselines):
+            (folder / f"tree{index}").mkdir()
+            trees[rev] = unpack(rev, folder / f"tree{index}")
         procs: dict[str, subprocess.Popen[bytes]] = {}
         port = {name: free_port() for name in ("engine", "upstream", *ROUTERS)}
         url = {name: f"http://127.0.0.1:{p}" for name, p in port.items()}
