@@ -36,14 +36,6 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
 _encode = msgspec.json.Encoder().encode
 
 
-class SseResponse(web.StreamResponse):
-    """An SSE answer whose headers aiohttp holds until the first frame and writes with it: one
-    send on the client's socket, not two, before the first token (a loopback send costs tens of
-    µs of the gateway's one thread, each request's on the way to everyone's first token)."""
-
-    _send_headers_immediately = False
-
-
 class ClientStream:
     """The SSE answer to the client: a reset means it left (`ClientGone`); a client that takes
     nothing of its stream for `client_write_s` is cut off as if it had left (`ClientWatch`:
@@ -198,7 +190,7 @@ class Responder:
                 stream.finished()
 
     async def _open(self) -> ClientStream:
-        response = SseResponse(headers=SSE_HEADERS)
+        response = web.StreamResponse(headers=SSE_HEADERS)
         assert not response.compression  # `write_now` frames bytes itself
         try:
             await response.prepare(self._http)
