@@ -26,24 +26,18 @@ the request that needed the store), and the client reconnects by itself when it 
 
 from __future__ import annotations
 
-import asyncio
-import logging
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 from urllib.parse import quote
 
 import msgspec
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
 
 from gateway.apis.response_store import StoredResponse, entry_size
 from gateway.config import ResponseStoreConfig, StateConfig
 from gateway.edge.errors import StateUnavailable
+from gateway.redis_state import RedisState, StateDown
 from wire.openai_schema import ChatMessageParam
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
 _encode = msgspec.json.Encoder().encode
 _CONVERSATION = msgspec.json.Decoder(list[ChatMessageParam])
@@ -133,22 +127,13 @@ class RedisResponseStore:
     """`ResponseStorage` over one Redis server, shared by every gateway that names it."""
 
     def __init__(self, state: StateConfig, bounds: ResponseStoreConfig | None = None) -> None:
-        assert state.url is not None  # StateConfig requires it for the redis backend
         self.bounds = bounds or ResponseStoreConfig()
+        self.state = RedisState(state, "the Responses store")
+        self.redis = self.state.redis
         self.prefix = state.key_prefix
-        self.timeout_s = state.timeout_s
-        # No retries past one at once (a pooled connection the server's restart broke): the
-        # request is bounded by `timeout_s` anyway, and a 503 tells its client to retry.
-        self.redis = aioredis.Redis.from_url(
-            state.url,
-            socket_timeout=state.timeout_s,
-            socket_connect_timeout=state.timeout_s,
-            retry=Retry(NoBackoff(), 1),
-        )
         self._put = self.redis.register_script(_PUT)
         self._get = self.redis.register_script(_GET)
         self._delete = self.redis.register_script(_DELETE)
-        self._down = False
 
     async def put(
         self,
@@ -182,31 +167,14 @@ class RedisResponseStore:
         return bool(await self._call(self._delete(args=[self.prefix, owner_key(owner), response_id])))
 
     async def close(self) -> None:
-        await self.redis.aclose()
+        await self.state.close()
 
     async def _call(self, operation: Awaitable[T]) -> T:
-        """`operation` within `timeout_s`; a server down, slow or refusing is `StateUnavailable`."""
+        """`operation` within `state.timeout_s`; a server down, slow or refusing is `StateUnavailable`."""
         try:
-            async with asyncio.timeout(self.timeout_s):
-                result = await operation
-        except (RedisError, OSError, TimeoutError) as exc:
-            if not self._down:
-                log.warning("the Responses store (Redis) is unavailable: %s", _reason(exc))
-            self._down = True
-            raise StateUnavailable(
-                f"the Responses store is unavailable ({_reason(exc)}); retry later", param=None
-            ) from exc
-        if self._down:
-            log.warning("the Responses store (Redis) is available again")
-            self._down = False
-        return result
-
-
-def _reason(exc: BaseException) -> str:
-    if isinstance(exc, TimeoutError) and not str(exc):
-        return "no answer in state.timeout_s"
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-
+            return await self.state.call(operation)
+        except StateDown as exc:
+            raise StateUnavailable(f"the Responses store is unavailable ({exc}); retry later", param=None) from exc
 
 def _text(value: Any) -> str | None:
     return value.decode() if isinstance(value, bytes) else value

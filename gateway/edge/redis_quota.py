@@ -18,22 +18,15 @@ Every call is bounded by `state.timeout_s`; a server down, slow or refusing rais
 
 from __future__ import annotations
 
-import asyncio
-import logging
 from collections.abc import Awaitable, Sequence
 from typing import TypeVar
-
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
 
 from gateway.apis.redis_responses import owner_key
 from gateway.config import StateConfig
 from gateway.edge.errors import StateUnavailable
 from gateway.edge.quota import Decision, Level, Limit
+from gateway.redis_state import RedisState, StateDown
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
 RESERVATION_TTL_S = 86_400
 """Longer than any request (streams included) is expected to last."""
@@ -122,19 +115,12 @@ class RedisQuotas:
     """`QuotaStore` over one Redis server, shared by every gateway that names it."""
 
     def __init__(self, state: StateConfig) -> None:
-        assert state.url is not None  # StateConfig requires it for the redis backend
+        self.state = RedisState(state, "the quota store")
+        self.redis = self.state.redis
         self.prefix = state.key_prefix
-        self.timeout_s = state.timeout_s
-        self.redis = aioredis.Redis.from_url(
-            state.url,
-            socket_timeout=state.timeout_s,
-            socket_connect_timeout=state.timeout_s,
-            retry=Retry(NoBackoff(), 1),
-        )
         self._reserve = self.redis.register_script(_RESERVE)
         self._settle = self.redis.register_script(_SETTLE)
         self._specs: dict[tuple[Limit, ...], str] = {}
-        self._down = False
 
     def bucket_key(self, tenant: str, limit: Limit) -> str:
         return f"{self.prefix}q:{owner_key(tenant)}:{limit.name}"
@@ -171,19 +157,11 @@ class RedisQuotas:
         return bool(await self._call(self._settle(keys=self._keys(tenant, reservation, limits), args=args)))
 
     async def close(self) -> None:
-        await self.redis.aclose()
+        await self.state.close()
 
     async def _call(self, operation: Awaitable[T]) -> T:
-        """`operation` within `timeout_s`; a server down, slow or refusing is `StateUnavailable`."""
+        """`operation` within `state.timeout_s`; a server down, slow or refusing is `StateUnavailable`."""
         try:
-            async with asyncio.timeout(self.timeout_s):
-                result = await operation
-        except (RedisError, OSError, TimeoutError) as exc:
-            if not self._down:
-                log.warning("the quota store (Redis) is unavailable: %s", type(exc).__name__)
-            self._down = True
-            raise StateUnavailable(f"the quota store is unavailable ({type(exc).__name__}); retry later") from exc
-        if self._down:
-            log.warning("the quota store (Redis) is available again")
-            self._down = False
-        return result
+            return await self.state.call(operation)
+        except StateDown as exc:
+            raise StateUnavailable(f"the quota store is unavailable ({exc}); retry later") from exc

@@ -25,23 +25,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import logging
 import os
 import random
 import uuid
-from collections.abc import Awaitable
-from typing import TypeVar
 from urllib.parse import quote
 
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
 
 from gateway.config import StateConfig
+from gateway.redis_state import RedisState, StateDown
 
-log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 LEASE_S = 10.0
 """A lease not renewed for this long is gone: the most a crashed process's slots stay taken."""
@@ -99,22 +91,14 @@ return 0
 """
 
 
-class StateDown(Exception):
-    """The server did not answer in time, or refused."""
-
-
 class SharedSlots:
     """The leases this process holds in one Redis server, shared with every process naming it."""
 
     def __init__(self, state: StateConfig, lease_s: float = LEASE_S) -> None:
-        assert state.url is not None  # StateConfig requires it for the redis backend
+        self.state = RedisState(state, "admission's shared slots (local limits only meanwhile)")
+        self.redis = self.state.redis
         self.prefix = state.key_prefix
-        self.timeout_s = state.timeout_s
         self.lease_ms = int(lease_s * 1000)
-        self.redis = aioredis.Redis.from_url(
-            state.url, socket_timeout=state.timeout_s, socket_connect_timeout=state.timeout_s,
-            retry=Retry(NoBackoff(), 1),
-        )
         self._take = self.redis.register_script(_TAKE)
         self._renew = self.redis.register_script(_RENEW)
         self._give_back = self.redis.register_script(_GIVE_BACK)
@@ -122,7 +106,6 @@ class SharedSlots:
         self.held: dict[str, str] = {}
         """Lease id → its tenant key ('' for none): what `renew` keeps alive."""
         self._released = asyncio.Event()
-        self._down = False
 
     async def take(self, tenant: str | None, capacity: int | None, tenant_capacity: int | None) -> tuple[int, str]:
         """(GRANTED and the lease's id) or (SATURATED / TENANT_FULL, ''): one try. With the
@@ -133,7 +116,7 @@ class SharedSlots:
             -1 if capacity is None else capacity, -1 if tenant_capacity is None else tenant_capacity,
         ]  # fmt: skip
         try:
-            answer = int(await self._call(self._take(args=args)))
+            answer = int(await self.state.call(self._take(args=args)))
         except StateDown:
             return GRANTED, ""
         if answer == GRANTED:
@@ -156,7 +139,7 @@ class SharedSlots:
             return
         self._released.set()
         with contextlib.suppress(StateDown):  # else it expires within LEASE_S
-            await self._call(self._give_back(args=[self.prefix, lease, key]))
+            await self.state.call(self._give_back(args=[self.prefix, lease, key]))
 
     async def renew(self) -> None:
         """Keep this process's leases alive, forever (a background loop)."""
@@ -165,24 +148,10 @@ class SharedSlots:
             if self.held:
                 pairs = [part for lease, key in list(self.held.items()) for part in (lease, key)]
                 with contextlib.suppress(StateDown):  # they live LEASE_S: the next round may reach it
-                    await self._call(self._renew(args=[self.prefix, self.lease_ms, *pairs]))
+                    await self.state.call(self._renew(args=[self.prefix, self.lease_ms, *pairs]))
 
     async def close(self) -> None:
-        await self.redis.aclose()
-
-    async def _call(self, operation: Awaitable[T]) -> T:
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                result = await operation
-        except (RedisError, OSError, TimeoutError) as exc:
-            if not self._down:
-                log.warning("admission's shared slots (Redis) are unavailable, local limits only: %r", exc)
-            self._down = True
-            raise StateDown() from exc
-        if self._down:
-            log.warning("admission's shared slots (Redis) are available again")
-            self._down = False
-        return result
+        await self.state.close()
 
 
 def _tenant_key(tenant: str | None, tenant_capacity: int | None) -> str:
