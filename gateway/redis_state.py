@@ -3,8 +3,8 @@
 The Responses store, the tenant quotas and admission's shared slots each hold one `RedisState`:
 a client with its own connection pool, each call bounded by `state.timeout_s`, and a log line
 when the server stops answering and when it answers again (once each way, not per call). A
-call that fails raises `StateDown`; each user turns it into what its callers should see (a 503,
-or admission's local limits).
+call that fails raises `StateDown` (admission falls back to its local limits), or with `serve`
+the request's 503 `state_unavailable` (the Responses store, the quotas).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from gateway.config import StateConfig
+from gateway.edge.errors import StateUnavailable
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -60,6 +61,13 @@ class RedisState:
             log.warning("%s (Redis) is available again", self.what)
             self.down = False
         return result
+
+    async def serve(self, operation: Awaitable[T]) -> T:
+        """`call`, for a request that needs the answer: a failure is its 503."""
+        try:
+            return await self.call(operation)
+        except StateDown as exc:
+            raise StateUnavailable(f"{self.what} is unavailable ({exc}); retry later") from exc
 
     async def close(self) -> None:
         await self.redis.aclose()

@@ -26,19 +26,16 @@ the request that needed the store), and the client reconnects by itself when it 
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
-from typing import Any, TypeVar
+from typing import Any
 from urllib.parse import quote
 
 import msgspec
 
 from gateway.apis.response_store import StoredResponse, entry_size
 from gateway.config import ResponseStoreConfig, StateConfig
-from gateway.edge.errors import StateUnavailable
-from gateway.redis_state import RedisState, StateDown
+from gateway.redis_state import RedisState
 from wire.openai_schema import ChatMessageParam
 
-T = TypeVar("T")
 _encode = msgspec.json.Encoder().encode
 _CONVERSATION = msgspec.json.Decoder(list[ChatMessageParam])
 
@@ -154,27 +151,21 @@ class RedisResponseStore:
             self.prefix, owner_key(owner), response_id, response, history, *kept_session,
             size, bounds.max_tenant_entries, bounds.max_tenant_bytes, bounds.max_entries, bounds.max_bytes,
         ]  # fmt: skip
-        return bool(await self._call(self._put(args=args)))
+        return bool(await self.state.serve(self._put(args=args)))
 
     async def get(self, owner: str, response_id: str) -> StoredResponse | None:
-        entry = await self._call(self._get(args=[self.prefix, owner_key(owner), response_id]))
+        entry = await self.state.serve(self._get(args=[self.prefix, owner_key(owner), response_id]))
         if entry is None:
             return None
         body, history, session = entry
         return StoredResponse(msgspec.Raw(body), _CONVERSATION.decode(history), _text(session))
 
     async def delete(self, owner: str, response_id: str) -> bool:
-        return bool(await self._call(self._delete(args=[self.prefix, owner_key(owner), response_id])))
+        return bool(await self.state.serve(self._delete(args=[self.prefix, owner_key(owner), response_id])))
 
     async def close(self) -> None:
         await self.state.close()
 
-    async def _call(self, operation: Awaitable[T]) -> T:
-        """`operation` within `state.timeout_s`; a server down, slow or refusing is `StateUnavailable`."""
-        try:
-            return await self.state.call(operation)
-        except StateDown as exc:
-            raise StateUnavailable(f"the Responses store is unavailable ({exc}); retry later", param=None) from exc
 
 def _text(value: Any) -> str | None:
     return value.decode() if isinstance(value, bytes) else value

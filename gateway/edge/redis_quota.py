@@ -18,16 +18,13 @@ Every call is bounded by `state.timeout_s`; a server down, slow or refusing rais
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Sequence
-from typing import TypeVar
+from collections.abc import Sequence
 
 from gateway.apis.redis_responses import owner_key
 from gateway.config import StateConfig
-from gateway.edge.errors import StateUnavailable
 from gateway.edge.quota import Decision, Level, Limit
-from gateway.redis_state import RedisState, StateDown
+from gateway.redis_state import RedisState
 
-T = TypeVar("T")
 RESERVATION_TTL_S = 86_400
 """Longer than any request (streams included) is expected to last."""
 
@@ -143,7 +140,7 @@ class RedisQuotas:
 
     async def reserve(self, tenant: str, reservation: str, limits: Sequence[Limit], tokens: int) -> Decision:
         args = [RESERVATION_TTL_S * 1000, tokens, self._spec(limits)]
-        answer = await self._call(self._reserve(keys=self._keys(tenant, reservation, limits), args=args))
+        answer = await self.state.serve(self._reserve(keys=self._keys(tenant, reservation, limits), args=args))
         admitted, worst, wait_ms, *rest = (int(value) for value in answer)
         levels = tuple(Level(limit, rest[2 * i], rest[2 * i + 1] / 1000) for i, limit in enumerate(limits))
         if admitted:
@@ -152,16 +149,10 @@ class RedisQuotas:
 
     async def settle(self, tenant: str, reservation: str, limits: Sequence[Limit], tokens: int | None) -> bool:
         if tokens is None:  # what it reserved stands: only the reservation goes
-            return bool(await self._call(self.redis.delete(self.reservation_key(reservation))))
+            return bool(await self.state.serve(self.redis.delete(self.reservation_key(reservation))))
         args = [tokens, 0, self._spec(limits)]
-        return bool(await self._call(self._settle(keys=self._keys(tenant, reservation, limits), args=args)))
+        return bool(await self.state.serve(self._settle(keys=self._keys(tenant, reservation, limits), args=args)))
 
     async def close(self) -> None:
         await self.state.close()
 
-    async def _call(self, operation: Awaitable[T]) -> T:
-        """`operation` within `state.timeout_s`; a server down, slow or refusing is `StateUnavailable`."""
-        try:
-            return await self.state.call(operation)
-        except StateDown as exc:
-            raise StateUnavailable(f"the quota store is unavailable ({exc}); retry later") from exc
