@@ -320,7 +320,10 @@ async def test_every_text_field_that_reaches_the_template_is_counted(qwen3_token
 
 async def test_small_requests_render_while_big_ones_wait_their_lane(qwen3_tokenizer_dir: Path) -> None:
     """Six big renders (each more text than the context holds, refused after render) and one
-    4-token chat: the small one is answered before any big one."""
+    4-token chat: the small one is answered before every big one still queued for the large
+    lane. The ones rendering when it arrived (`large_render_workers` of them) may finish first:
+    a big render's turns are tokenized in one batch on every core, so it can end in the time
+    the small one takes on a machine they share."""
     bigs = 6
     limits = Limits(large_render_chars=10_000)
     async with (
@@ -346,5 +349,5 @@ async def test_small_requests_render_while_big_ones_wait_their_lane(qwen3_tokeni
         finally:
             for task in tasks:
                 task.cancel()
-        assert order[0] == "small 200", order
-        assert sorted(order[1:]) == sorted(f"big{k} 400" for k in range(bigs)), order
+        assert "small 200" in order[: limits.large_render_workers + 1], order
+        assert sorted(name for name in order if name != "small 200") == sorted(f"big{k} 400" for k in range(bigs)), order
