@@ -47,6 +47,8 @@ from engine.metrics import EngineMetrics
 from engine.outputs import OutputWriter, make_writer
 from wire.protocol import (
     SUMMARY_COMMENT,
+    AbortAnswer,
+    EngineSummary,
     SUMMARY_HEADER,
     GenerateRequest,
     SamplingParams,
@@ -67,6 +69,9 @@ CPU_COMMENT = b": onehop-engine-cpu-us="
 """The same figure as an SSE comment before `[DONE]`; OpenAI clients skip comments."""
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE = b"data: [DONE]\n\n"
+ABORT_USAGE_WAIT_S = 1.0
+"""How long an abort's answer waits for its running requests to stop, to say what they used
+(they stop at their next output; the gateway's wait for the answer is bounded too)."""
 GENERATE_PATH = "/inference/v1/generate"
 SPAN_NAME = f"POST {GENERATE_PATH}"
 """The engine's server span, named as OpenTelemetry's HTTP conventions say; it continues the gateway's trace."""
@@ -430,6 +435,8 @@ async def _generate(http: web.Request, state: EngineState, span: Span) -> web.St
         raise
     finally:
         del state.running[request.request_id]
+        state.ended.add(request.request_id, writer.summary())
+        running.ended.set()
         metrics.in_flight.labels(mode).dec()
         metrics.requests.labels(mode, str(status)).inc()
         metrics.output_cpu.labels(mode).inc(times.output_s)
@@ -650,12 +657,25 @@ async def read_body(http: web.Request) -> bytes:
 
 
 async def handle_abort(http: web.Request) -> web.Response:
-    """Abort by the ids the engine reported; unknown ids are ignored, as in vLLM."""
+    """Abort by the ids the engine reported; unknown ids are ignored, as in vLLM. The answer
+    says what each known request used (`AbortAnswer`), once the running ones have stopped."""
     state = http.app[ENGINE]
     body = decode_abort_request(await read_body(http))
+    stopping: list[asyncio.Event] = []
     for request_id in body.request_ids:
         running = state.running.get(request_id)
         if running is not None:
             running.aborted = True
+            stopping.append(running.ended)
         await state.backend.abort(request_id)
-    return web.Response(status=200)
+    if stopping:
+        waits = [asyncio.ensure_future(ended.wait()) for ended in stopping]
+        _, pending = await asyncio.wait(waits, timeout=ABORT_USAGE_WAIT_S)
+        for wait in pending:
+            wait.cancel()
+    usage: dict[str, EngineSummary] = {}
+    for request_id in body.request_ids:
+        summary = state.ended.get(request_id)
+        if summary is not None:
+            usage[request_id] = summary
+    return web.Response(body=encode(AbortAnswer(usage=usage)), content_type="application/json")

@@ -66,6 +66,7 @@ from wire.openai_schema import (
 )
 
 __all__ = [
+    "AbortAnswer",
     "AbortRequest",
     "EngineError",
     "GenerateDerenderChoice",
@@ -90,6 +91,7 @@ __all__ = [
     "SamplingParams",
     "StreamOptions",
     "WeightVersionSpan",
+    "decode_abort_answer",
     "decode_abort_request",
     "decode_generate_derender_response",
     "decode_generate_request",
@@ -622,6 +624,19 @@ SUMMARY_HEADER = "onehop-engine-summary"
 SUMMARY_COMMENT = b": onehop-engine-summary="
 
 
+class AbortAnswer(Struct, kw_only=True):
+    """onehop's addition: the answer to `/abort_requests`, what each aborted request used.
+
+    A client that leaves mid-stream takes the engine's summary with it (it comes at the
+    stream's end), so the gateway asks the abort for it: the engine answers, for each id it
+    knows (running ones once they have stopped, briefly waited for, and recently ended ones),
+    what that request produced. An engine without this (vLLM) answers without a body; the
+    gateway then knows nothing of the cut request's usage, as before.
+    """
+
+    usage: dict[str, EngineSummary] = {}
+
+
 # ------------------------------------------------------------ codecs, built once
 
 _ENCODER = msgspec.json.Encoder()
@@ -631,6 +646,7 @@ _REQUEST = msgspec.json.Decoder(GenerateRequest)
 _REQUEST_VIEW = msgspec.json.Decoder(GenerateRequestView)
 _SAMPLING_KEYS = msgspec.json.Decoder(_SamplingKeys)
 _ABORT = msgspec.json.Decoder(AbortRequest)
+_ABORT_ANSWER = msgspec.json.Decoder(AbortAnswer)
 _RESPONSE_VIEW = msgspec.json.Decoder(_ResponseView)
 _ERROR = msgspec.json.Decoder(ErrorResponse)
 _SUMMARY = msgspec.json.Decoder(EngineSummary)
@@ -682,6 +698,10 @@ def sampling_params_sent_keys(data: bytes) -> frozenset[str]:
 
 def decode_abort_request(data: bytes) -> AbortRequest:
     return _decode(_ABORT, data, "abort request")
+
+
+def decode_abort_answer(data: bytes) -> AbortAnswer:
+    return _decode(_ABORT_ANSWER, data, "abort answer")
 
 
 def decode_generate_response(data: bytes, mode: OutputMode | None = None) -> GenerateResponse:

@@ -7,11 +7,13 @@ when to come back. `QuotaCheck.on_outcome` subscribes to the request's one outco
 settles in the background with what the request used:
 
     the answer's usage known        prompt + completion tokens
+    a client that left              what its engines used until they stopped, as their
+                                    abort answers say (waited for, bounded), or the
+                                    tokens it was sent if more
     an error answer, no usage       the prompt tokens (it may have been prefilled)
-    no usage otherwise (a client    the reservation stands, as if all of it was used
-    that left before the usage
-    arrived, an engine that failed
-    mid-stream)
+    no usage otherwise (an engine   the reservation stands, as if all of it was used
+    that failed mid-stream, a cut
+    whose engine did not say)
 
 A store that does not answer (Redis down or slow) is `state.quota_on_failure`'s choice: the
 request admitted unchecked (`open`, the default) or a 503 `state_unavailable` (`closed`);
@@ -32,7 +34,7 @@ from gateway.edge.errors import QuotaExceeded, StateUnavailable
 from gateway.edge.quota import Decision, Limit, QuotaStore, limits_of
 from gateway.edge.quota_headers import openai_duration, quota_headers
 from gateway.observe.metrics import GatewayMetrics
-from gateway.observe.outcome import Outcome
+from gateway.observe.outcome import Outcome, Tokens
 
 log = logging.getLogger(__name__)
 UNBOUNDED = 1 << 60
@@ -40,6 +42,9 @@ UNBOUNDED = 1 << 60
 reservation takes each bucket's capacity."""
 SETTLE_DELAYS_S = (0.1, 0.5, 2.0)
 """Waits before a failed settle is tried again (the store is down); then it is given up."""
+CUT_USAGE_WAIT_S = 6.0
+"""How long a cut request's settle waits for its engines' abort answers (each bounded by
+`engine_client.ABORT_TIMEOUT_S`); past it the reservation stands."""
 
 
 def request_tokens(prompts: Sequence[Sequence[int]], n: int, max_tokens: int | None, context: int | None) -> int:
@@ -120,11 +125,15 @@ class QuotaCheck:
             return
         self.metrics.quota_reserved.labels(self.metrics.tenant_label(held.tenant)).dec(held.reserved)
         assert outcome.request_id is not None
-        task = asyncio.ensure_future(self._settle(held, outcome.request_id, charged(outcome, held.prompt)))
+        task = asyncio.ensure_future(self._settle(held, outcome.request_id, charged(outcome, held.prompt), outcome.cut))
         self._settling.add(task)
         task.add_done_callback(self._settling.discard)
 
-    async def _settle(self, held: _Held, reservation: str, used: int | None) -> None:
+    async def _settle(
+        self, held: _Held, reservation: str, used: int | None, cut: asyncio.Future[Tokens | None] | None = None
+    ) -> None:
+        if cut is not None:
+            used = await _with_cut(used, cut)
         for delay in (*SETTLE_DELAYS_S, None):
             try:
                 await self.store.settle(held.tenant, reservation, held.limits, used)
@@ -146,6 +155,20 @@ class QuotaCheck:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         await self.store.close()
+
+
+async def _with_cut(used: int | None, cut: asyncio.Future[Tokens | None]) -> int | None:
+    """`used`, or what the cut request's engines said it used when that is more (the tokens
+    a client was sent are fewer than were generated when it left mid-stream)."""
+    try:
+        async with asyncio.timeout(CUT_USAGE_WAIT_S):
+            engines = await asyncio.shield(cut)
+    except TimeoutError:
+        return used
+    if engines is None:
+        return used
+    spent = engines.prompt + engines.completion
+    return spent if used is None else max(used, spent)
 
 
 def charged(outcome: Outcome, prompt: int) -> int | None:

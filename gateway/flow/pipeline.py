@@ -35,7 +35,7 @@ from aiohttp import web
 from msgspec import UNSET
 
 from wire.openai_schema import Usage
-from wire.protocol import ABORT_HANDLE_SEPARATOR
+from wire.protocol import ABORT_HANDLE_SEPARATOR, EngineSummary
 from gateway.upstream import vllm_derender
 from gateway.edge.context import QUOTA_KEY, Edge, RequestContext
 from gateway.edge.priority import asked, effective
@@ -293,9 +293,9 @@ class Exchange:
 
     def _abort(self) -> None:
         engines = self.ctx.model.engines
-        for leg in self.legs:
-            for url in leg.engines():
-                self.state.abort(engines, url, leg.request_id)
+        answers = [[self.state.abort(engines, url, leg.request_id) for url in leg.engines()] for leg in self.legs]
+        if answers:
+            self.ctx.tally.cut = asyncio.ensure_future(_cut_usage(answers))
 
     async def run(self) -> web.StreamResponse:
         await self._prefill()
@@ -506,3 +506,15 @@ async def all_of(work: Sequence[Awaitable[T]]) -> list[T]:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _cut_usage(legs: Sequence[Sequence[Awaitable[EngineSummary | None]]]) -> Tokens | None:
+    """What the aborted legs used, from their engines' abort answers (for each leg the engine
+    holding its generation first, then its prefill engine); None when one leg's is unknown."""
+    total = Tokens()
+    for answers in legs:
+        said = [summary for summary in await asyncio.gather(*answers) if summary is not None]
+        if not said:
+            return None
+        total += Tokens.of_summary(said[0])
+    return total

@@ -11,6 +11,7 @@ accounting sink will. Nobody re-derives usage from the wire.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Sequence
 
@@ -45,6 +46,14 @@ class Tokens(msgspec.Struct, frozen=True):
             reasoning=completion_details.reasoning_tokens if completion_details is not None else 0,
         )
 
+    def __add__(self, other: Tokens) -> Tokens:
+        return Tokens(
+            prompt=self.prompt + other.prompt,
+            cached=self.cached + other.cached,
+            completion=self.completion + other.completion,
+            reasoning=self.reasoning + other.reasoning,
+        )
+
     @classmethod
     def of_summary(cls, summary: EngineSummary) -> Tokens:
         return cls(
@@ -63,7 +72,7 @@ class Tally:
     fan-out records its merged sum, not its legs).
     """
 
-    __slots__ = ("client_gone", "engine", "finish_reasons", "model", "reason", "request_id", "route", "tokens")
+    __slots__ = ("client_gone", "cut", "engine", "finish_reasons", "model", "reason", "request_id", "route", "tokens")
 
     def __init__(self) -> None:
         self.request_id: str | None = None
@@ -78,6 +87,9 @@ class Tally:
         """The client left mid-answer (counted as a 499 and a disconnect, not as the status it was sent)."""
         self.finish_reasons: tuple[str | None, ...] = ()
         self.tokens: Tokens | None = None
+        self.cut: asyncio.Future[Tokens | None] | None = None
+        """When the client left and its engine requests were aborted: what they used, as the
+        engines' abort answers say (None inside when one did not)."""
 
     def record(self, finish_reasons: Sequence[str | None], tokens: Tokens) -> None:
         self.finish_reasons = tuple(finish_reasons)
@@ -105,6 +117,9 @@ class Outcome(msgspec.Struct, frozen=True, kw_only=True):
     """None when no answer was produced (a refusal, or a cut before the engine said)."""
     duration_s: float
     span: Span
+    cut: asyncio.Future[Tokens | None] | None = None
+    """A client cut's engine usage, known once the aborts are answered (`Tally.cut`): a
+    subscriber that must charge it (the quota's settle) waits for it, bounded."""
     """The request's server span, for the subscriber that describes it."""
 
     @property

@@ -295,6 +295,7 @@ def _outcome(request: web.Request, endpoint: str, status: int, duration_s: float
         tokens=answered.tokens,
         duration_s=duration_s,
         span=span,
+        cut=answered.cut,
     )
 
 

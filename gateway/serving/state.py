@@ -7,7 +7,7 @@ import re
 from collections.abc import Coroutine
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -31,6 +31,9 @@ from gateway.edge.tenancy import CacheSalts
 from gateway.edge.unknown_fields import IgnoredFields
 from gateway.serving.runtime import ModelRuntime
 from gateway.serving.worker_env import worker_count
+from wire.protocol import EngineSummary
+
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -52,7 +55,7 @@ class GatewayState:
     """Each served model under every exact name it answers to; built once at start."""
     patterns: list[tuple[re.Pattern[str], ModelRuntime]] = field(default_factory=list)
     """Alias patterns (`claude-*`), in config order: tried when no exact name matches."""
-    background: set[asyncio.Task[object]] = field(default_factory=set)
+    background: set[asyncio.Task[Any]] = field(default_factory=set)
     """Aborts sent after a client left; kept referenced until done."""
     responses: ResponseStorage = field(default_factory=lambda: InProcess(ResponseStore()))
     """Responses API answers kept for `previous_response_id` and `GET /v1/responses/{id}`,
@@ -110,15 +113,17 @@ class GatewayState:
         """The keys accepted now: the environment's and the file's, as last loaded."""
         return {**self.env_keys, **(self.key_file.current if self.key_file is not None else {})}
 
-    def abort(self, engines: EngineClient, url: str, request_id: str) -> None:
-        """Tell the engine to stop a request whose client left (in the background)."""
+    def abort(self, engines: EngineClient, url: str, request_id: str) -> asyncio.Task[EngineSummary | None]:
+        """Tell the engine to stop a request whose client left (in the background); the task
+        ends with what the request used, when the engine says."""
         self.metrics.engine_aborts.inc()
-        self.spawn(engines.abort(url, request_id))
+        return self.spawn(engines.abort(url, request_id))
 
-    def spawn(self, coro: Coroutine[Any, Any, object]) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, _T]) -> asyncio.Task[_T]:
         task = asyncio.ensure_future(coro)
         self.background.add(task)
         task.add_done_callback(self.background.discard)
+        return task
 
 
 def quota_check(config: GatewayConfig, metrics: GatewayMetrics) -> QuotaCheck:

@@ -34,7 +34,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind
 from yarl import URL
 
-from wire.protocol import CONSTRAINT_KINDS, public_request_id
+from wire.protocol import CONSTRAINT_KINDS, EngineSummary, ProtocolError, decode_abort_answer, public_request_id
 from plumbing.telemetry import Tracing, inject, record_error
 from gateway.flow.session import SESSION_HEADER
 from gateway.upstream.kv_events import KVSubscriber
@@ -629,14 +629,22 @@ class EngineClient:
             await self._unsubscribe_gone()
             await self.check_engines(strict=False)
 
-    async def abort(self, url: str, request_id: str) -> None:
-        """Best effort: the engine also aborts when the stream's connection closes."""
+    async def abort(self, url: str, request_id: str) -> EngineSummary | None:
+        """Best effort: the engine also aborts when the stream's connection closes. Returns what
+        the request used, when the engine says (an onehop engine does; vLLM does not)."""
         try:
             async with asyncio.timeout(ABORT_TIMEOUT_S):
                 async with self.session.post(url + ABORT_PATH, json={"request_ids": [request_id]}) as response:
-                    await response.read()
+                    body = await response.read()
         except (TimeoutError, aiohttp.ClientError) as exc:
             log.warning("abort of %s at %s failed: %s", public_request_id(request_id), url, exc)
+            return None
+        if response.status != 200 or not body:
+            return None
+        try:
+            return decode_abort_answer(body).usage.get(request_id)
+        except ProtocolError:
+            return None  # an engine whose abort answers something else: its usage is unknown
 
     async def watch_health(self) -> None:
         """Active checks: a failing /health counts against the circuit, a passing one closes it."""

@@ -288,9 +288,11 @@ async def test_abort_endpoint_ends_the_backend_request(qwen3_tokenizer: Any, qwe
             for _ in range(3):
                 await payloads.__anext__()
             assert state.backend.running() == frozenset({"req-abort-1"})
-            for path in ("/inference/v1/abort_requests", "/abort_requests"):
+            said = []
+            for path in ("/inference/v1/abort_requests", "/abort_requests"):  # running, then ended
                 async with session.post(base + path, json={"request_ids": ["req-abort-1", "unknown"]}) as aborted:
                     assert aborted.status == 200
+                    said.append(await aborted.json())
             rest = [p async for p in payloads]
         await _wait_idle(state)
         assert not state.backend.running()
@@ -298,6 +300,11 @@ async def test_abort_endpoint_ends_the_backend_request(qwen3_tokenizer: Any, qwe
     finals = [json.loads(p)["choices"][0] for p in rest if p != b"[DONE]" and json.loads(p)["choices"]]
     assert finals[-1]["finish_reason"] == "abort"
     assert rest[-1] == b"[DONE]"
+    # the abort's answer says what the request used once it stopped (the gateway settles a cut by it)
+    assert said[0] == said[1] and list(said[0]["usage"]) == ["req-abort-1"]
+    usage = said[0]["usage"]["req-abort-1"]
+    assert usage["prompt_tokens"] == len(prompt) and usage["finish_reasons"] == ["abort"]
+    assert usage["completion_tokens"] >= 3
 
 
 async def test_client_disconnect_ends_the_backend_request(qwen3_tokenizer: Any, qwen3_tokenizer_dir: Path) -> None:

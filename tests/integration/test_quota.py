@@ -233,6 +233,51 @@ async def test_redis_killed_and_restarted_mid_load_admits_while_down_and_counts_
                 assert await _used(store, day) == pytest.approx(sum(tokens for _, tokens in used), abs=2)
 
 
+@pytest.mark.parametrize("route", ["derender", "text", "tokens"])
+async def test_a_client_that_leaves_mid_stream_pays_what_its_engine_generated_not_its_reservation(
+    qwen3_tokenizer_dir: Path, tmp_path: Path, route: str
+) -> None:
+    """A stream cut after a few chunks: the engine's abort answer says what the request used
+    (on the derender route the gateway saw no token count), and the settle charges that, not
+    the 2,000-token completion budget it reserved."""
+    day = Limit("tokens_per_day", 100_000, 86_400.0)
+    budget = 2000
+    async with AsyncExitStack() as stack:
+        server = await stack.enter_async_context(redis_server(tmp_path))
+        engine_url, engine = await stack.enter_async_context(
+            engine_server(qwen3_tokenizer_dir, backend_options={"itl_ms": 10})
+        )
+        state_config = StateConfig(backend="redis", url=server.url)
+        base, state = await stack.enter_async_context(
+            gateway_server(
+                qwen3_tokenizer_dir, engine_url, auth=_write_keys(tmp_path), state=state_config,
+                tenants={"alpha": Tenant(tokens_per_day=day.capacity)}, route_header=True,
+            )
+        )
+        sdk = await stack.enter_async_context(_sdk(base, "alpha"))
+        store = await stack.enter_async_context(_store(server))
+        store.prefix = state_config.key_prefix
+        stream = await sdk.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "count to a thousand"}], max_tokens=budget,
+            stream=True, stream_options={"include_usage": True}, extra_headers={"onehop-route": route},
+        )
+        chunks = 0
+        async for _ in stream:
+            chunks += 1
+            if chunks == 5:
+                break
+        reserved = await _used(store, day)
+        assert reserved > budget  # the prompt and the whole completion budget are held
+        await stream.close()
+        await wait_until(lambda: not engine.running, what="the engine request stopped")
+        await wait_until(lambda: state.quotas.settling == 0, what="the settle done")
+        await wait_until(lambda: state.quotas.settling == 0 and not state.background, what="the aborts answered")
+        prompt = reserved - budget
+        used = await _used(store, day)
+        assert prompt + 4 <= used < prompt + 200, (prompt, used)  # what was generated before the abort
+        assert await store.redis.keys(f"{store.prefix}q:r:*") == []
+
+
 async def test_a_settle_that_failed_while_redis_was_down_is_retried_after_its_restart_without_counting(
     tmp_path: Path,
 ) -> None:
