@@ -1,5 +1,5 @@
 """`onehop gateway --workers 2`: a real supervisor and two worker processes on one port,
-in front of a real sim engine. Every request goes on a new connection, so the kernel's
+in front of a real sim engine (and, sharing state, a real `redis-server`). Every request goes on a new connection, so the kernel's
 SO_REUSEPORT hashing picks a worker each time (40 requests all on one worker: 2^-39)."""
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.engine import engine_server
+from tests.support.redis_server import redis_server
 
 # A long scenario (kills, crashes, hundreds of streams): kept out of the default suite, run
 # by CI's `-m slow` stage.
@@ -220,3 +221,63 @@ def test_workers_that_keep_dying_make_the_supervisor_give_up(qwen3_tokenizer_dir
     process = subprocess.run(command, capture_output=True, timeout=120, env=env)
     assert process.returncode == 1, process.stderr.decode()[-2000:]
     assert b"exited with 3" in process.stderr and b"giving up" in process.stderr
+
+
+async def _chat_tokens(base: str, key: str) -> tuple[int, int, str | None]:
+    """One small chat on a fresh connection: status, the tokens its usage says, the worker."""
+    async with (
+        aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session,
+        session.post(base + "/v1/chat/completions", json=CHAT, headers={"Authorization": f"Bearer {key}"}) as response,
+    ):
+        body = await response.json()
+        tokens = body["usage"]["total_tokens"] if response.status == 200 else 0
+        return response.status, tokens, response.headers.get("onehop-worker")
+
+
+async def test_two_worker_processes_sharing_redis_hold_one_quota_and_one_response_store(
+    qwen3_tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """Two OS processes (the kernel spreads connections over them) and one `redis-server`:
+    a tenant's tokens_per_minute holds across both within one request's size, and a stored
+    Response is continued through either and is a 404 for another tenant through either."""
+    quota = 300
+    keys = tmp_path / "keys"
+    keys.write_text("alpha key-alpha\nbeta key-beta\n")
+    config = tmp_path / "gateway.yaml"
+    async with redis_server(tmp_path) as server, engine_server(qwen3_tokenizer_dir) as (engine_url, _):
+        config.write_text(yaml.safe_dump({
+            "model": "sim", "tokenizer": str(qwen3_tokenizer_dir), "engines": [{"url": engine_url}],
+            "host": "127.0.0.1", "port": _free_port(), "auth": {"api_keys_file": str(keys)},
+            "state": {"backend": "redis", "url": server.url}, "tenants": {"alpha": {"tokens_per_minute": quota}},
+        }))
+        async with _workers(config, tmp_path / "gateway.log") as (base, _):
+            started = time.monotonic()
+            answers = []
+            for _ in range(8):  # 4 at once until well past the quota
+                answers += await asyncio.gather(*(_chat_tokens(base, "key-alpha") for _ in range(4)))
+            elapsed = time.monotonic() - started
+            assert {worker for status, _, worker in answers if status == 200} == {"0", "1"}
+            assert {status for status, _, _ in answers} == {200, 429}
+            admitted = sum(tokens for _, tokens, _ in answers)
+            largest = max(tokens for _, tokens, _ in answers)
+            assert quota - largest <= admitted <= quota + quota * elapsed / 60 + largest, (admitted, largest)
+
+            async with aiohttp.ClientSession() as session, session.post(
+                base + "/v1/responses", json={"model": "sim", "input": "hi", "max_output_tokens": 4},
+                headers={"Authorization": "Bearer key-beta"},
+            ) as response:
+                assert response.status == 200, await response.text()
+                stored = (await response.json())["id"]
+            found = await _fresh(base, "GET", f"/v1/responses/{stored}", count=12, key="key-beta")
+            hidden = await _fresh(base, "GET", f"/v1/responses/{stored}", count=12, key="key-alpha", want=404)
+            assert set(found) == set(hidden) == {"0", "1"}
+            continued = []
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+                for _ in range(8):
+                    async with session.post(
+                        base + "/v1/responses", headers={"Authorization": "Bearer key-beta"},
+                        json={"model": "sim", "input": "more", "max_output_tokens": 4, "previous_response_id": stored},
+                    ) as response:
+                        assert response.status == 200, await response.text()
+                        continued.append(response.headers.get("onehop-worker"))
+            assert set(continued) == {"0", "1"}
