@@ -29,11 +29,14 @@ with `Retry-After` (`reason` is the metric's label):
     503 queue_timeout  no slot within queue_timeout_s: saturated
 
 One gate per gateway process: under `--workers N` each worker has its own queue and, with
-`state.backend: memory`, its own slots.
+`state.backend: memory`, its own slots and its own counters.
 With `state.backend: redis` an admitted request also takes a lease in Redis before it is
 served (`gateway.edge.shared_slots`), so the limits hold across workers and replicas; the
 queue's wait (`queue_timeout_s`) bounds both, and a request that found no lease in it is
-refused as above (429 when its tenant's own count was full, else 503).
+refused as above (429 when its tenant's own count was full, else 503). The tokens each tenant
+is charged are shared too (`gateway.edge.shared_fairness`, every `state.fairness_sync_s`):
+the finish tags here move on by what a tenant was served in the other processes, and leases
+go across processes by priority, then to the tenant served less recently, everywhere.
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ from typing import Protocol
 
 from gateway.config import Admission
 from gateway.edge.errors import GatewayError, RateLimited, Saturated
-from gateway.edge.shared_slots import GRANTED, TENANT_FULL, SharedSlots
+from gateway.edge.shared_fairness import SharedFairness
+from gateway.edge.shared_slots import GRANTED, TENANT_FULL, Place, SharedSlots
 
 FIRST_COST = 256.0
 """Tokens charged on admission for a tenant's first request, before its mean is known."""
@@ -146,9 +150,16 @@ class _Waiter:
 
 
 class Gate:
-    def __init__(self, config: Admission, signals: Signals | None = None, shared: SharedSlots | None = None) -> None:
+    def __init__(
+        self,
+        config: Admission,
+        signals: Signals | None = None,
+        shared: SharedSlots | None = None,
+        fairness: SharedFairness | None = None,
+    ) -> None:
         self.config = config
         self.shared = shared
+        self.fairness = fairness
         self._giving_back: set[asyncio.Task[None]] = set()
         self._signals: Signals = signals if signals is not None else Quiet()
         self.capacity = config.max_concurrency
@@ -183,7 +194,7 @@ class Gate:
         claim, loop = waiter.claim, asyncio.get_running_loop()
         deadline = loop.time() + self.config.queue_timeout_s - (time.perf_counter() - waiter.since)
         while True:
-            verdict, lease = await shared.take(claim.tenant, self.capacity, claim.max_concurrency)
+            verdict, lease = await shared.take(claim.tenant, self.capacity, claim.max_concurrency, self._place(claim))
             if verdict == GRANTED:
                 return lease
             if loop.time() >= deadline:
@@ -207,6 +218,38 @@ class Gate:
             await asyncio.wait(list(self._giving_back), timeout=self.config.queue_timeout_s)
         if self.shared is not None:
             await self.shared.close()
+        if self.fairness is not None:
+            await self.fairness.close()
+
+    # ------------------------------------------------------------ fairness across processes
+
+    def _place(self, claim: Claim) -> Place | None:
+        """The request's place in the order leases are taken in across processes, if shared."""
+        if self.fairness is None:
+            return None
+        return Place(claim.priority, self.fairness.rank(claim.tenant), self.fairness.bucket(claim.tenant))
+
+    def _charge(self, tenant: str | None, tokens_per_weight: float) -> None:
+        if self.fairness is not None:
+            self.fairness.charge(tenant, tokens_per_weight)
+
+    async def share_fairness(self) -> None:
+        """Forever (a background loop): the shared counters' rounds, each one's news applied."""
+        fairness = self.fairness
+        assert fairness is not None
+        while True:
+            await asyncio.sleep(fairness.sync_s)
+            self.served_elsewhere(await fairness.sync())
+
+    def served_elsewhere(self, gains: dict[str, float]) -> None:
+        """Each bucket's tokens per weight served by the other processes since the last round:
+        its tenants' finish tags move on by as much, so this process's order counts them."""
+        assert self.fairness is not None
+        for level in self._levels.values():
+            for flow in level.flows.values():
+                gain = gains.get(self.fairness.bucket(flow.tenant))
+                if gain:
+                    flow.finish = max(flow.finish, level.virtual) + gain
 
     # ------------------------------------------------------------ admission
 
@@ -353,6 +396,7 @@ class Gate:
         level.virtual = start
         waiter.charged = tenant.mean_cost
         flow.finish = start + waiter.charged / tenant.weight
+        self._charge(waiter.claim.tenant, waiter.charged / tenant.weight)
         waiter.granted = True
         flow.running += 1
         level.running += 1
@@ -388,6 +432,7 @@ class Gate:
         if tokens is not None:
             cost = float(max(tokens, 1))
             flow.finish += (cost - waiter.charged) / tenant.weight
+            self._charge(waiter.claim.tenant, (cost - waiter.charged) / tenant.weight)
             tenant.mean_cost += MEAN_SMOOTHING * (cost - tenant.mean_cost)
         self._prune(flow)
         self._dispatch()
