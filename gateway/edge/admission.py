@@ -35,8 +35,9 @@ served (`gateway.edge.shared_slots`), so the limits hold across workers and repl
 queue's wait (`queue_timeout_s`) bounds both, and a request that found no lease in it is
 refused as above (429 when its tenant's own count was full, else 503). The tokens each tenant
 is charged are shared too (`gateway.edge.shared_fairness`, every `state.fairness_sync_s`):
-the finish tags here move on by what a tenant was served in the other processes, and leases
-go across processes by priority, then to the tenant served less recently, everywhere.
+a tenant's requests here are ordered as if they started later by what it was served recently
+in the other processes, and leases go across processes by priority, then to the tenant
+served less recently, everywhere.
 """
 
 from __future__ import annotations
@@ -233,23 +234,10 @@ class Gate:
         if self.fairness is not None:
             self.fairness.charge(tenant, tokens_per_weight)
 
-    async def share_fairness(self) -> None:
-        """Forever (a background loop): the shared counters' rounds, each one's news applied."""
-        fairness = self.fairness
-        assert fairness is not None
-        while True:
-            await asyncio.sleep(fairness.sync_s)
-            self.served_elsewhere(await fairness.sync())
-
-    def served_elsewhere(self, gains: dict[str, float]) -> None:
-        """Each bucket's tokens per weight served by the other processes since the last round:
-        its tenants' finish tags move on by as much, so this process's order counts them."""
-        assert self.fairness is not None
-        for level in self._levels.values():
-            for flow in level.flows.values():
-                gain = gains.get(self.fairness.bucket(flow.tenant))
-                if gain:
-                    flow.finish = max(flow.finish, level.virtual) + gain
+    def _elsewhere(self, tenant: str | None) -> float:
+        """Tokens per weight the tenant was served recently by the other processes: its
+        requests here are ordered as if they started that much later in virtual time."""
+        return 0.0 if self.fairness is None else self.fairness.elsewhere(tenant)
 
     # ------------------------------------------------------------ admission
 
@@ -373,9 +361,10 @@ class Gate:
 
     def _next(self) -> tuple[_Waiter, float] | None:
         """The next request to serve and its start in virtual time: the most urgent priority
-        with a request that may run, then the flow whose head starts first, then arrival."""
+        with a request that may run, then the flow whose head starts first (counting its
+        tenant's service in the other processes), then arrival."""
         for level in self._levels.values():
-            best: tuple[float, int, _Waiter] | None = None
+            best: tuple[float, int, _Waiter, float] | None = None
             for flow in level.flows.values():
                 if not flow.waiting:
                     continue
@@ -383,10 +372,11 @@ class Gate:
                 if head.future.done() or self._at_limit(head.claim, self._tenants[head.claim.tenant]):
                     continue  # cancelled (it leaves when its task runs), or its tenant is at its limit
                 start = max(level.virtual, flow.finish)
-                if best is None or (start, head.seq) < best[:2]:
-                    best = (start, head.seq, head)
+                order = start + self._elsewhere(flow.tenant)
+                if best is None or (order, head.seq) < best[:2]:
+                    best = (order, head.seq, head, start)
             if best is not None:
-                return best[2], best[0]
+                return best[2], best[3]
         return None
 
     def _grant(self, waiter: _Waiter, start: float) -> None:

@@ -11,9 +11,11 @@ hash and returns it whole. Two figures come out of it:
   process's charges not yet pushed added). Leases (`gateway.edge.shared_slots`) go by it across
   processes: a request does not take a free slot while a request of a bucket with a lower
   rank (or of a more urgent priority) waits for one in another process.
-- `sync()`'s answer: each bucket's service elsewhere since the last round, which the local
-  queue (`gateway.edge.admission`) adds to the bucket's finish tags, so its own order counts
-  what the tenant was served through the other processes too.
+- `elsewhere(tenant)`: what its bucket was served recently by the other processes (the hash
+  less this process's own pushes, decayed alike). The local queue (`gateway.edge.admission`)
+  orders a tenant's requests as if their start in virtual time were that much later, so its
+  order counts what the tenant was served through the other processes too; a process alone
+  orders exactly as without sharing.
 
 "Recently": the hash decays with a half-life of `HALF_LIFE_S` (a tenant that was idle keeps
 little credit, as the local queue's tenant back from idle starts at its virtual time). It is
@@ -31,6 +33,7 @@ Keys (under `state.key_prefix`):
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterable
 
 from gateway.config import StateConfig
@@ -97,6 +100,8 @@ class SharedFairness:
         self._script = self.state.redis.register_script(_SYNC)
         self.served: dict[str, float] = {}
         """Each bucket's tokens per weight, decayed, as the hash was at the last round."""
+        self._mine: dict[str, float] = {}
+        """What this process pushed, decayed as the hash is: the part of `served` that is its own."""
         self._pending: dict[str, float] = {}
         self._pushing: dict[str, float] = {}
         self._server_ms: int | None = None
@@ -114,9 +119,19 @@ class SharedFairness:
         bucket = self.bucket(tenant)
         return self.served.get(bucket, 0.0) + self._pushing.get(bucket, 0.0) + self._pending.get(bucket, 0.0)
 
-    async def sync(self) -> dict[str, float]:
-        """One round: push, decay, pull. The answer: each bucket's tokens per weight served by
-        the other processes since the last round (none on the first, or when it failed)."""
+    def elsewhere(self, tenant: str | None) -> float:
+        """The bucket's tokens per weight served recently by the other processes."""
+        bucket = self.bucket(tenant)
+        return max(self.served.get(bucket, 0.0) - self._mine.get(bucket, 0.0), 0.0)
+
+    async def run(self) -> None:
+        """A round every `sync_s`, forever (a background loop)."""
+        while True:
+            await asyncio.sleep(self.sync_s)
+            await self.sync()
+
+    async def sync(self) -> None:
+        """One round: push this process's charges, decay the hash, pull it whole."""
         self._pushing, self._pending = self._pending, {}
         args: list[str | float] = [self.prefix, self.half_ms, KEEP_S * 1000]
         args += [part for bucket, tokens in self._pushing.items() for part in (bucket, repr(tokens))]
@@ -125,24 +140,22 @@ class SharedFairness:
         except StateDown:
             if self._on_down is not None:
                 self._on_down()
-            return {}
+            return
         finally:
             pushed, self._pushing = self._pushing, {}
-        fresh = {bytes(flat[i]).decode(): float(flat[i + 1]) for i in range(0, len(flat), 2)}
-        elsewhere = self._elsewhere(fresh, pushed, int(now_ms))
-        self.served, self._server_ms = fresh, int(now_ms)
-        return elsewhere
+        self.served = {bytes(flat[i]).decode(): float(flat[i + 1]) for i in range(0, len(flat), 2)}
+        self._count_mine(pushed, int(now_ms))
 
-    def _elsewhere(self, fresh: dict[str, float], pushed: dict[str, float], now_ms: int) -> dict[str, float]:
-        """What the hash gained beyond this process's own push and the decay since the last round."""
-        if self._server_ms is None:
-            return {}  # no baseline: what came before this process is history, not news
-        factor = 0.5 ** (max(now_ms - self._server_ms, 0) / self.half_ms)
-        gains = {
-            bucket: value - self.served.get(bucket, 0.0) * factor - pushed.get(bucket, 0.0)
-            for bucket, value in fresh.items()
-        }
-        return {bucket: gain for bucket, gain in gains.items() if gain > FORGOTTEN}
+    def _count_mine(self, pushed: dict[str, float], now_ms: int) -> None:
+        """Decay this process's own part by the server's time since the last round, as the
+        hash was (decays compose), and add what it just pushed."""
+        since = 0 if self._server_ms is None else max(now_ms - self._server_ms, 0)
+        factor = 0.5 ** (since / self.half_ms)
+        mine = {bucket: value * factor for bucket, value in self._mine.items()}
+        for bucket, tokens in pushed.items():
+            mine[bucket] = mine.get(bucket, 0.0) + tokens
+        self._mine = {bucket: value for bucket, value in mine.items() if bucket in self.served}
+        self._server_ms = now_ms
 
     async def close(self) -> None:
         await self.state.close()

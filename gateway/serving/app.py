@@ -177,7 +177,7 @@ async def _start(state: GatewayState, plans: list[_ModelPlan], loops: Supervisor
     if shared is not None:
         loops.start("admission_leases", shared.renew)
     if state.gate.fairness is not None:
-        loops.start("admission_fairness", state.gate.share_fairness)
+        loops.start("admission_fairness", state.gate.fairness.run)
 
 
 def shared_slots(config: GatewayConfig) -> SharedSlots | None:
