@@ -244,6 +244,11 @@ class StateConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     `open` admits the request unchecked (a quota guards cost and fairness, and an outage of
     the store should not become an outage of serving), `closed` refuses it with a 503
     `state_unavailable`. Either way it is counted in `onehop_gateway_quota_unavailable_total`."""
+    fairness_sync_s: Annotated[float, Meta(gt=0, le=10)] | None = 0.2
+    """With `backend: redis` and an admission limit: how often each process pushes the tokens
+    it served to the fair queue's shared counters and reads everyone's back
+    (`gateway.edge.shared_fairness`), so fairness across tenants holds over every worker and
+    replica, within about this long. None: each process orders by its own counters only."""
 
     def __post_init__(self) -> None:
         if self.backend == "redis" and not self.url:

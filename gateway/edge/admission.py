@@ -29,11 +29,15 @@ with `Retry-After` (`reason` is the metric's label):
     503 queue_timeout  no slot within queue_timeout_s: saturated
 
 One gate per gateway process: under `--workers N` each worker has its own queue and, with
-`state.backend: memory`, its own slots.
+`state.backend: memory`, its own slots and its own counters.
 With `state.backend: redis` an admitted request also takes a lease in Redis before it is
 served (`gateway.edge.shared_slots`), so the limits hold across workers and replicas; the
 queue's wait (`queue_timeout_s`) bounds both, and a request that found no lease in it is
-refused as above (429 when its tenant's own count was full, else 503).
+refused as above (429 when its tenant's own count was full, else 503). The tokens each tenant
+is charged are shared too (`gateway.edge.shared_fairness`, every `state.fairness_sync_s`):
+a tenant's requests here are ordered as if they started later by what it was served recently
+in the other processes, and leases go across processes by priority, then to the tenant
+served less recently, everywhere.
 """
 
 from __future__ import annotations
@@ -49,7 +53,8 @@ from typing import Protocol
 
 from gateway.config import Admission
 from gateway.edge.errors import GatewayError, RateLimited, Saturated
-from gateway.edge.shared_slots import GRANTED, TENANT_FULL, SharedSlots
+from gateway.edge.shared_fairness import SharedFairness
+from gateway.edge.shared_slots import GRANTED, TENANT_FULL, Place, SharedSlots
 
 FIRST_COST = 256.0
 """Tokens charged on admission for a tenant's first request, before its mean is known."""
@@ -146,9 +151,16 @@ class _Waiter:
 
 
 class Gate:
-    def __init__(self, config: Admission, signals: Signals | None = None, shared: SharedSlots | None = None) -> None:
+    def __init__(
+        self,
+        config: Admission,
+        signals: Signals | None = None,
+        shared: SharedSlots | None = None,
+        fairness: SharedFairness | None = None,
+    ) -> None:
         self.config = config
         self.shared = shared
+        self.fairness = fairness
         self._giving_back: set[asyncio.Task[None]] = set()
         self._signals: Signals = signals if signals is not None else Quiet()
         self.capacity = config.max_concurrency
@@ -183,7 +195,7 @@ class Gate:
         claim, loop = waiter.claim, asyncio.get_running_loop()
         deadline = loop.time() + self.config.queue_timeout_s - (time.perf_counter() - waiter.since)
         while True:
-            verdict, lease = await shared.take(claim.tenant, self.capacity, claim.max_concurrency)
+            verdict, lease = await shared.take(claim.tenant, self.capacity, claim.max_concurrency, self._place(claim))
             if verdict == GRANTED:
                 return lease
             if loop.time() >= deadline:
@@ -207,6 +219,25 @@ class Gate:
             await asyncio.wait(list(self._giving_back), timeout=self.config.queue_timeout_s)
         if self.shared is not None:
             await self.shared.close()
+        if self.fairness is not None:
+            await self.fairness.close()
+
+    # ------------------------------------------------------------ fairness across processes
+
+    def _place(self, claim: Claim) -> Place | None:
+        """The request's place in the order leases are taken in across processes, if shared."""
+        if self.fairness is None:
+            return None
+        return Place(claim.priority, self.fairness.rank(claim.tenant), self.fairness.bucket(claim.tenant))
+
+    def _charge(self, tenant: str | None, tokens_per_weight: float) -> None:
+        if self.fairness is not None:
+            self.fairness.charge(tenant, tokens_per_weight)
+
+    def _elsewhere(self, tenant: str | None) -> float:
+        """Tokens per weight the tenant was served recently by the other processes: its
+        requests here are ordered as if they started that much later in virtual time."""
+        return 0.0 if self.fairness is None else self.fairness.elsewhere(tenant)
 
     # ------------------------------------------------------------ admission
 
@@ -330,9 +361,10 @@ class Gate:
 
     def _next(self) -> tuple[_Waiter, float] | None:
         """The next request to serve and its start in virtual time: the most urgent priority
-        with a request that may run, then the flow whose head starts first, then arrival."""
+        with a request that may run, then the flow whose head starts first (counting its
+        tenant's service in the other processes), then arrival."""
         for level in self._levels.values():
-            best: tuple[float, int, _Waiter] | None = None
+            best: tuple[float, int, _Waiter, float] | None = None
             for flow in level.flows.values():
                 if not flow.waiting:
                     continue
@@ -340,10 +372,11 @@ class Gate:
                 if head.future.done() or self._at_limit(head.claim, self._tenants[head.claim.tenant]):
                     continue  # cancelled (it leaves when its task runs), or its tenant is at its limit
                 start = max(level.virtual, flow.finish)
-                if best is None or (start, head.seq) < best[:2]:
-                    best = (start, head.seq, head)
+                order = start + self._elsewhere(flow.tenant)
+                if best is None or (order, head.seq) < best[:2]:
+                    best = (order, head.seq, head, start)
             if best is not None:
-                return best[2], best[0]
+                return best[2], best[3]
         return None
 
     def _grant(self, waiter: _Waiter, start: float) -> None:
@@ -353,6 +386,7 @@ class Gate:
         level.virtual = start
         waiter.charged = tenant.mean_cost
         flow.finish = start + waiter.charged / tenant.weight
+        self._charge(waiter.claim.tenant, waiter.charged / tenant.weight)
         waiter.granted = True
         flow.running += 1
         level.running += 1
@@ -388,6 +422,7 @@ class Gate:
         if tokens is not None:
             cost = float(max(tokens, 1))
             flow.finish += (cost - waiter.charged) / tenant.weight
+            self._charge(waiter.claim.tenant, (cost - waiter.charged) / tenant.weight)
             tenant.mean_cost += MEAN_SMOOTHING * (cost - tenant.mean_cost)
         self._prune(flow)
         self._dispatch()

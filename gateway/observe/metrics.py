@@ -75,7 +75,8 @@ class GatewayMetrics:
             "onehop_gateway_quota_unavailable",
             "Quota operations the shared store did not answer, by what was done: admitted (quota_on_failure: "
             "open), refused (closed, a 503), settle_retried (tried again shortly), settle_failed (given up: its "
-            "reservation stays charged).",
+            "reservation stays charged); fairness_local: a round of the fair queue's shared counters (each process "
+            "ordered by its own meanwhile).",
             ["action"], registry=r,
         )
         self.requests = Counter(

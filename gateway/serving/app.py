@@ -28,6 +28,7 @@ from wire.openai_schema import ModelCard, ModelList
 from plumbing.telemetry import Tracing, extract
 from gateway.edge.access_log import AccessLogger
 from gateway.edge.admission import Gate
+from gateway.edge.shared_fairness import SharedFairness
 from gateway.edge.shared_slots import SharedSlots
 from gateway.render.chat_template import ChatTemplateError
 from gateway.edge.auth import OWNER_KEY, TENANT_KEY, check_key, keys_from_env, load_key_file, needs_key
@@ -175,6 +176,8 @@ async def _start(state: GatewayState, plans: list[_ModelPlan], loops: Supervisor
     shared = state.gate.shared
     if shared is not None:
         loops.start("admission_leases", shared.renew)
+    if state.gate.fairness is not None:
+        loops.start("admission_fairness", state.gate.fairness.run)
 
 
 def shared_slots(config: GatewayConfig) -> SharedSlots | None:
@@ -183,6 +186,15 @@ def shared_slots(config: GatewayConfig) -> SharedSlots | None:
         tenant.max_concurrency is not None for tenant in config.tenants.values()
     )
     return SharedSlots(config.state) if config.state.backend == "redis" and limited else None
+
+
+def shared_fairness(config: GatewayConfig, slots: SharedSlots | None, metrics: GatewayMetrics) -> SharedFairness | None:
+    """The fair queue's counters in Redis where the slots are (a queue needs a limit) and
+    sharing them is not turned off; a round the server missed is counted."""
+    if slots is None or config.state.fairness_sync_s is None:
+        return None
+    missed = metrics.quota_unavailable.labels("fairness_local")
+    return SharedFairness(config.state, config.tenants, missed.inc)
 
 
 async def _lifecycle(app: web.Application, plans: list[_ModelPlan]) -> AsyncIterator[None]:
@@ -406,7 +418,8 @@ def create_app(config: GatewayConfig) -> web.Application:
                 prefill=client(model, model.prefill_engines, prefill=True) if model.prefill_engines else None,
             )
         )
-    gate = Gate(config.admission, metrics.admission, shared_slots(config))
+    slots = shared_slots(config)
+    gate = Gate(config.admission, metrics.admission, slots, shared_fairness(config, slots, metrics))
     metrics.admission.in_use(0, config.admission.max_concurrency)
     clients = [engines for plan in plans for engines in plan.clients()]
     feedback = EngineFeedback(lambda: [engines.store for engines in clients], config.feedback_interval_s)

@@ -95,11 +95,16 @@ def test_state_defaults_to_memory_and_redis_needs_a_url(tmp_path: Path) -> None:
     path.write_text(base + "state: {backend: redis, url: 'redis://cache:6379/2', timeout_s: 0.25, key_prefix: 'a:'}\n")
     state = load_config(path).state
     assert (state.backend, state.url, state.timeout_s, state.key_prefix) == ("redis", "redis://cache:6379/2", 0.25, "a:")
+    assert state.fairness_sync_s == 0.2  # shared by default; null keeps each process's own
+    path.write_text(base + "state: {backend: redis, url: 'redis://x', fairness_sync_s: null}\n")
+    assert load_config(path).state.fairness_sync_s is None
     for wrong, named in (
         ("{backend: redis}", "state.url is required"),
         ("{backend: redis, url: 'http://cache'}", "redis://"),
         ("{backend: memcached}", "backend"),
         ("{backend: redis, url: 'redis://x', timeout: 1}", "timeout"),
+        ("{backend: redis, url: 'redis://x', fairness_sync_s: 0}", "fairness_sync_s"),
+        ("{backend: redis, url: 'redis://x', fairness_sync_s: 60}", "fairness_sync_s"),
     ):
         path.write_text(base + f"state: {wrong}\n")
         with pytest.raises(ConfigError, match=named):
