@@ -21,7 +21,8 @@ output-bearing event. Per setup and N: TTFT p50 and p99 added over the direct
 stream's p50 and p99 of the same run. The client shares the machine with
 everything measured: compare the rows of one run, not runs.
 
-    .venv/bin/python scripts/bench_burst.py [--quick] [--no-routers] [--baseline REV] [--sim] [--json out.json]
+    .venv/bin/python scripts/bench_burst.py [--quick] [--no-routers] [--baseline REV] [--sim] [--workers N]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -124,7 +125,8 @@ async def burst(session: aiohttp.ClientSession, setup: Setup, cell: Cell | None,
 
 
 async def measure(
-    size: Size, *, routers: bool, baselines: tuple[str, ...], sim: bool, routes: tuple[str, ...]
+    size: Size, *, routers: bool, baselines: tuple[str, ...], sim: bool, routes: tuple[str, ...],
+    workers: tuple[int, ...] = (1,),
 ) -> dict[str, Any]:
     tokenizer_dir = ensure_tokenizer()
     binaries = ensure_routers() if routers else None
@@ -151,14 +153,17 @@ async def measure(
                 await wait_serving(session, url["upstream"], procs["upstream"], folder / "upstream.log")
                 producers = {"scripted": url["upstream"]} | ({"sim": url["engine"]} if sim else {})
                 gateways: dict[tuple[str, str], tuple[str, int]] = {}
-                for index, ((tree, root), (producer, producer_url)) in enumerate(
-                    (t, p) for t in trees.items() for p in producers.items()
+                for index, ((tree, root), (producer, producer_url), count) in enumerate(
+                    (t, p, w) for t in trees.items() for p in producers.items() for w in workers
                 ):
                     name = f"gateway{index}"
                     gateway_port = free_port()
-                    procs[name] = start_gateway(tokenizer_dir, producer_url, gateway_port, folder, name=name, root=root)
-                    gateways[tree, producer] = (f"http://127.0.0.1:{gateway_port}", procs[name].pid)
-                    await wait_ready(session, gateways[tree, producer][0], procs[name], folder / f"{name}.log")
+                    procs[name] = start_gateway(
+                        tokenizer_dir, producer_url, gateway_port, folder, name=name, root=root, workers=count
+                    )
+                    label = tree if count == 1 else f"{tree}, {count} workers"
+                    gateways[label, producer] = (f"http://127.0.0.1:{gateway_port}", procs[name].pid)
+                    await wait_ready(session, gateways[label, producer][0], procs[name], folder / f"{name}.log")
                 if binaries is not None:
                     for name in ROUTERS:
                         procs[name] = start_router(name, binaries, port[name], url["upstream"], folder)
@@ -248,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="onehop's routes to measure (repeatable; default derender)")
     parser.add_argument("--streams", type=int, action="append", default=None, help="only these burst sizes")
     parser.add_argument("--bursts", type=int, default=None, help="bursts per setup and size (default: the size's)")
+    parser.add_argument("--workers", type=int, action="append", default=None,
+                        help="onehop gateways with this many workers (repeatable; default 1)")
     parser.add_argument("--json", type=Path, default=None, help="write the raw results here")
     args = parser.parse_args(argv)
     size = QUICK if args.quick else FULL
@@ -257,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
         results = runner.run(measure(size, routers=not args.no_routers, baselines=tuple(args.baseline), sim=args.sim,
-                                     routes=tuple(args.route or ("derender",))))
+                                     routes=tuple(args.route or ("derender",)), workers=tuple(args.workers or (1,))))
     results["wall_s"] = time.monotonic() - started
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2))
