@@ -12,16 +12,17 @@ Two measurements, on `scripts/bench_render.py`'s agent sessions (40 turns reachi
 - **a miss of k turns**: turn 40 rendered by a worker whose cache last saw the
   conversation at turn 40 − k (k = 1 is the ordinary next turn on the same worker;
   "cold" is a worker that never saw it): render CPU and the tokens tokenized;
-- **two workers**: sessions played turn by turn (round-robin over sessions) through two
-  renderers, each with its own cache, as two worker processes hold them; each turn goes
-  to the session's worker, except that with probability p it comes on a new connection
-  and goes to either worker at random (p = 0: kept alive throughout; p = 1: a new
-  connection every turn). Per turn: render CPU p50/p99/mean and tokens tokenized; at the
-  end, both caches' bytes (a conversation seen by both workers is held twice).
+- **N workers** (`--workers`, 2 by default): sessions played turn by turn (round-robin
+  over sessions) through N renderers, each with its own cache, as N worker processes
+  hold them; each turn goes to the session's worker, except that with probability p it
+  comes on a new connection and goes to any worker at random (p = 0: kept alive
+  throughout; p = 1: a new connection every turn, as behind a proxy that pools its
+  connections to the gateway). Per turn: render CPU p50/p99/mean and tokens tokenized;
+  at the end, all caches' bytes (a conversation seen by several workers is held by each).
 
 CPU is the process's (it counts `tokenizers`' own threads).
 
-    .venv/bin/python scripts/bench_render_workers.py [--sessions 10] [--json out.json]
+    .venv/bin/python scripts/bench_render_workers.py [--sessions 10] [--workers 2] [--json out.json]
 """
 
 from __future__ import annotations
@@ -95,11 +96,11 @@ def run_misses(workload: Workload) -> list[dict[str, Any]]:
     return rows
 
 
-def run_two_workers(workload: Workload, sessions: int, reconnect: float, seed: int) -> dict[str, Any]:
-    """Every session's 40 turns, round-robin over sessions, through two workers' caches."""
-    workers = [Counted() for _ in range(WORKERS)]
+def run_workers(workload: Workload, count: int, sessions: int, reconnect: float, seed: int) -> dict[str, Any]:
+    """Every session's 40 turns, round-robin over sessions, through `count` workers' caches."""
+    workers = [Counted() for _ in range(count)]
     rng = random.Random(f"connections {seed} {reconnect}")
-    home = [session % WORKERS for session in range(sessions)]
+    home = [session % count for session in range(sessions)]
     cpu: list[float] = []
     tokenized: list[int] = []
     moved = 0
@@ -107,13 +108,14 @@ def run_two_workers(workload: Workload, sessions: int, reconnect: float, seed: i
         for turn in range(1, TURNS + 1):
             for session in range(sessions):
                 if turn > 1 and rng.random() < reconnect:
-                    chosen = rng.randrange(WORKERS)  # the kernel's pick for a new connection
+                    chosen = rng.randrange(count)  # the kernel's pick for a new connection
                     moved += chosen != home[session]
                     home[session] = chosen
                 spent, _, new = workers[home[session]].render(workload, session, turn)
                 cpu.append(spent)
                 tokenized.append(new)
         return {
+            "workers": count,
             "reconnect": reconnect,
             "sessions": sessions,
             "moved": moved,
@@ -138,10 +140,10 @@ def report(results: dict[str, Any]) -> Iterator[str]:
         label = "never (cold)" if missed == "cold" else f"{missed} turn{'s' if missed != 1 else ''} ago"
         yield f"| {label} | {row['cpu_ms']:.1f} ms | {row['wall_ms']:.1f} ms | {row['tokenized']:,} |"
     yield ""
-    sessions = results["two_workers"][0]["sessions"]
-    yield f"| two workers, {sessions} sessions × {TURNS} turns: a turn on a new connection | turns that changed worker | render per turn, p50 (CPU) | p99 | mean | tokens tokenized per turn | both caches |"  # fmt: skip
+    first = results["workers"][0]
+    yield f"| {first['workers']} workers, {first['sessions']} sessions × {TURNS} turns: a turn on a new connection | turns that changed worker | render per turn, p50 (CPU) | p99 | mean | tokens tokenized per turn | all caches |"  # fmt: skip
     yield "|---|---:|---:|---:|---:|---:|---:|"
-    for row in results["two_workers"]:
+    for row in results["workers"]:
         label = {0.0: "never (kept alive)", 1.0: "every turn"}.get(row["reconnect"], f"{row['reconnect']:.0%} of turns")
         yield (f"| {label} | {row['moved']} | {row['cpu_p50_ms']:.1f} ms | {row['cpu_p99_ms']:.1f} ms | "
                f"{row['cpu_mean_ms']:.1f} ms | {row['tokenized_mean']:,.0f} | {row['cache_mb']:.0f} MiB |")  # fmt: skip
@@ -150,12 +152,13 @@ def report(results: dict[str, Any]) -> Iterator[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--sessions", type=int, default=10)
+    parser.add_argument("--workers", type=int, default=WORKERS)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     workload = Workload(args.seed)
     results: dict[str, Any] = {"commit": _commit(), "machine": _machine(), "misses": run_misses(workload)}
-    results["two_workers"] = [run_two_workers(workload, args.sessions, p, args.seed) for p in RECONNECT]
+    results["workers"] = [run_workers(workload, args.workers, args.sessions, p, args.seed) for p in RECONNECT]
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     print("\n".join(report(results)))
