@@ -13,19 +13,26 @@ Connections are bounded in time too (`ConnectionLimits`, from the app's
 `keepalive_s` (aiohttp's own default is 3,630 s: 1,100 idle sockets once
 locked every new client out), and a connection that starts a request but has
 not sent its complete headers within `header_s` is closed (a slow-header
-client holds a socket and a parser buffer for free otherwise).
+client holds a socket and a parser buffer for free otherwise). Every answer on a
+connection that stays open says so in `Keep-Alive: timeout=N` (whole seconds of
+`keepalive_s`): Node's fetch (undici) keeps an idle connection 4 s unless the
+server names its own bound (then up to 10 minutes, less a second of margin), so
+without it a Node agent opens a new connection for every turn that follows a tool
+run of more than 4 s, and under `--workers N` lands on a random worker
+(docs/gateway.md: the render cache under several workers).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import web
+from aiohttp import HttpVersion11, hdrs, web
 from aiohttp.web_protocol import RequestHandler
 
 from wire.openai_schema import ENCODER, ErrorInfo, ErrorResponse
@@ -56,6 +63,27 @@ class ConnectionLimits:
 
 CONNECTION_LIMITS = web.AppKey("onehop_connection_limits", ConnectionLimits)
 """The app's connection time bounds; without it, `ConnectionLimits()`'s defaults."""
+
+
+def keepalive_header(keepalive_s: float) -> str:
+    """The `Keep-Alive` value for an idle bound of `keepalive_s`: whole seconds, rounded down, so a
+    client never counts on more than the server keeps (0: do not reuse it)."""
+    return f"timeout={math.floor(keepalive_s)}"
+
+
+async def advertise_keepalive(request: web.Request, response: web.StreamResponse) -> None:
+    """`on_response_prepare`: name the idle bound on every answer whose connection stays open."""
+    if _stays_open(request, response):
+        limits = request.app.get(CONNECTION_LIMITS, ConnectionLimits())
+        response.headers[hdrs.KEEP_ALIVE] = keepalive_header(limits.keepalive_s)
+
+
+def _stays_open(request: web.Request, response: web.StreamResponse) -> bool:
+    """What aiohttp has just written into the headers (`keep_alive` is settled before this signal)."""
+    connection = response.headers.get(hdrs.CONNECTION, "").lower()
+    if request.version < HttpVersion11:  # HTTP/1.0 closes unless both sides said keep-alive
+        return connection == "keep-alive"
+    return bool(response.keep_alive) and connection != "close"
 
 _TYPES = {400: "BadRequestError", 408: "RequestTimeoutError", 413: "PayloadTooLargeError", 431: "BadRequestError"}
 
@@ -138,12 +166,14 @@ class _JSONErrorServer(web.Server):
 
 
 class Runner(web.AppRunner):
-    """`web.AppRunner` whose connections answer aiohttp's own errors as JSON and keep the
-    app's `ConnectionLimits`."""
+    """`web.AppRunner` whose connections answer aiohttp's own errors as JSON and keep (and
+    advertise) the app's `ConnectionLimits`."""
 
     async def _make_server(self) -> web.Server:
         limits = self.app.get(CONNECTION_LIMITS, ConnectionLimits())
         self._kwargs.setdefault("keepalive_timeout", limits.keepalive_s)  # the connections' own setting
+        if not self.app.frozen:  # the app's signals close when it starts (in the call below)
+            self.app.on_response_prepare.append(advertise_keepalive)
         server = await super()._make_server()
         # Built by aiohttp itself (its signature changes between releases); only the
         # connection factory differs, and that subclass adds no state of its own.

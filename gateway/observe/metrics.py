@@ -92,6 +92,13 @@ class GatewayMetrics:
             "Gateway time per request in each stage: render, policy, derender (the derender's own compute).",
             ["stage"], buckets=_STAGE_BUCKETS, registry=r,
         )
+        self.render_cache_tokens = Counter(
+            "onehop_gateway_render_cache_tokens",
+            "Prompt tokens rendered, by result: hit (taken from the worker's turn cache), miss (tokenized).",
+            ["result"], registry=r,
+        )
+        self._cache_hits = self.render_cache_tokens.labels("hit")
+        self._cache_misses = self.render_cache_tokens.labels("miss")
         self.derender_cpu = Counter(
             "onehop_gateway_derender_cpu_seconds",
             "Gateway CPU spent derendering engine output, by route.",
@@ -217,6 +224,14 @@ class GatewayMetrics:
             "1 while the KV cache index has lost events of an engine (its entries were dropped), else 0.",
             ["engine"], registry=r, multiprocess_mode="livemax",
         )
+
+    def render_cache(self, hits: int, tokenized: int) -> None:
+        """A render's tokens from the turn cache and tokenized (`LocalRenderer(on_cache=...)`, on its threads:
+        prometheus-client's values take their own lock)."""
+        if hits:
+            self._cache_hits.inc(hits)
+        if tokenized:
+            self._cache_misses.inc(tokenized)
 
     def kv_ignored(self, engine: str, reason: str) -> None:
         """A stored event the KV cache index did not index (`KVIndex(on_ignored=...)`)."""

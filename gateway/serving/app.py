@@ -100,7 +100,7 @@ def _longest_token(vocab: TokenVocab) -> int:
     return max(1, max(map(len, pieces), default=1), *map(len, vocab.added_text.values()))
 
 
-async def _runtime(plan: _ModelPlan, limits: Limits) -> ModelRuntime:
+async def _runtime(plan: _ModelPlan, limits: Limits, metrics: GatewayMetrics) -> ModelRuntime:
     """Load what serving the model needs (off the loop: tokenizer files are large)."""
     config = plan.config
     try:
@@ -111,6 +111,7 @@ async def _runtime(plan: _ModelPlan, limits: Limits) -> ModelRuntime:
                 large_chars=limits.large_render_chars,
                 large_workers=limits.large_render_workers,
                 cache_bytes=limits.render_cache_bytes,
+                on_cache=metrics.render_cache,
             )
         )
     except (TokenizerFolderError, ChatTemplateError) as exc:
@@ -164,7 +165,7 @@ async def _start(state: GatewayState, plans: list[_ModelPlan], loops: Supervisor
         state.key_file = keys
         loops.start("key_file", lambda: keys.watch(config.auth.poll_s))
     for plan in plans:
-        runtime = await _runtime(plan, config.limits)
+        runtime = await _runtime(plan, config.limits, state.metrics)
         for name in plan.config.names():
             state.models[name] = runtime
         state.patterns += [(re.compile(fnmatch.translate(alias)), runtime) for alias in plan.config.patterns()]

@@ -86,6 +86,34 @@ async def test_engine_closes_idle_and_slow_header_connections(qwen3_tokenizer_di
         await _half_header_is_cut(engine_url)
 
 
+async def _head(base: str, request: bytes) -> bytes:
+    """The response head to `request`, sent alone on a fresh connection."""
+    reader, writer = await asyncio.open_connection(*_address(base))
+    try:
+        writer.write(request)
+        await writer.drain()
+        async with asyncio.timeout(GUARD_S):
+            return (await reader.readuntil(b"\r\n\r\n")).lower()
+    finally:
+        writer.close()
+
+
+async def test_an_answer_on_a_kept_connection_names_the_idle_bound(qwen3_tokenizer_dir: Path) -> None:
+    """Node's fetch (undici) drops an idle connection after 4 s unless the server names a longer
+    bound: an agent's next turn after a tool run would otherwise come on a new connection (and,
+    under `--workers N`, to a worker that has not cached its conversation)."""
+    idle = Timeouts(keepalive_s=75.9)
+    async with engine_server(qwen3_tokenizer_dir) as (engine_url, _), gateway_server(
+        qwen3_tokenizer_dir, engine_url, timeouts=idle
+    ) as (base, _):
+        kept = await _head(base, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert b"\r\nkeep-alive: timeout=75\r\n" in kept, kept  # whole seconds, never more than kept
+        closing = await _head(base, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert b"connection: close" in closing and b"keep-alive:" not in closing, closing
+        old_client = await _head(base, b"GET /health HTTP/1.0\r\n\r\n")
+        assert b"keep-alive:" not in old_client, old_client
+
+
 # ------------------------------------------------------------ 2 and 3. refused from the headers
 
 

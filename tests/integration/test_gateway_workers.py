@@ -1,6 +1,7 @@
 """`onehop gateway --workers 2`: a real supervisor and two worker processes on one port,
 in front of a real sim engine (and, sharing state, a real `redis-server`). Every request goes on a new connection, so the kernel's
-SO_REUSEPORT hashing picks a worker each time (40 requests all on one worker: 2^-39)."""
+SO_REUSEPORT hashing picks a worker each time (40 requests all on one worker: 2^-39), except
+where a test keeps one connection alive on purpose."""
 
 from __future__ import annotations
 
@@ -11,17 +12,20 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import aiohttp
+import msgspec
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.render.local import LocalRenderer
 from tests.support.engine import engine_server
 from tests.support.redis_server import redis_server
+from wire.openai_schema import ChatCompletionRequest
 
 # A long scenario (kills, crashes, hundreds of streams): kept out of the default suite, run
 # by CI's `-m slow` stage.
@@ -281,3 +285,95 @@ async def test_two_worker_processes_sharing_redis_hold_one_quota_and_one_respons
                         assert response.status == 200, await response.text()
                         continued.append(response.headers.get("onehop-worker"))
             assert set(continued) == {"0", "1"}
+
+
+def _turns(topic: str, count: int) -> Iterator[dict[str, object]]:
+    """The chat bodies of one conversation of `count` turns, each adding a few hundred tokens."""
+    messages: list[dict[str, str]] = [{"role": "system", "content": f"You review {topic}. " + "Be brief. " * 30}]
+    for turn in range(count):
+        words = " ".join(f"{topic}{turn}x{index}" for index in range(60))
+        messages.append({"role": "user", "content": f"Turn {turn} of the {topic} review: {words}"})
+        yield {"model": "sim", "messages": list(messages), "max_tokens": 2}
+        messages.append({"role": "assistant", "content": f"Noted {topic} {turn}: " + "fine. " * 40})
+
+
+def _prompt_tokens(tokenizer_dir: Path, bodies: list[dict[str, object]]) -> list[int]:
+    """Each body's prompt length rendered here with no cache at all: what either worker must send."""
+    renderer = LocalRenderer(tokenizer_dir, workers=1, cache_bytes=0)
+    try:
+        return [len(renderer.chat_sync(msgspec.convert(body, ChatCompletionRequest))) for body in bodies]
+    finally:
+        renderer.close()
+
+
+async def _cache_tokens(base: str) -> tuple[float, float]:
+    """(hit, miss) of `onehop_gateway_render_cache_tokens_total`, summed over both workers."""
+    async with (
+        aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session,
+        session.get(base + "/metrics") as response,
+    ):
+        text = await response.text()
+    counts = {"hit": 0.0, "miss": 0.0}
+    for family in text_string_to_metric_families(text):
+        if family.name == "onehop_gateway_render_cache_tokens":
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    counts[sample.labels["result"]] += sample.value
+    return counts["hit"], counts["miss"]
+
+
+async def _chat(session: aiohttp.ClientSession, base: str, body: dict[str, object]) -> tuple[int, str]:
+    """One turn: the prompt tokens the engine was sent, and the worker that rendered them."""
+    async with session.post(base + "/v1/chat/completions", json=body) as response:
+        assert response.status == 200, await response.text()
+        usage = (await response.json())["usage"]
+        return usage["prompt_tokens"], response.headers["onehop-worker"]
+
+
+async def test_a_conversation_keeps_its_worker_on_one_connection_and_pays_only_unseen_turns_on_new_ones(
+    qwen3_tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """Issue #32 item 3. Each worker has its own turn cache. (i) An agent that keeps its
+    connection alive between turns stays on one worker, which tokenizes only each turn's new
+    messages; (ii) a client that opens a new connection per turn lands on either worker, and a
+    worker tokenizes only the turns it has not seen since it last served the conversation.
+    Either way the engine is sent the same prompts as a render with no cache."""
+    kept_bodies, fresh_bodies = list(_turns("parser", 12)), list(_turns("scheduler", 24))
+    kept_expected = _prompt_tokens(qwen3_tokenizer_dir, kept_bodies)
+    fresh_expected = _prompt_tokens(qwen3_tokenizer_dir, fresh_bodies)
+    config = tmp_path / "gateway.yaml"
+    async with engine_server(qwen3_tokenizer_dir) as (engine_url, _):
+        config.write_text(yaml.safe_dump({
+            "model": "sim", "tokenizer": str(qwen3_tokenizer_dir), "engines": [{"url": engine_url}],
+            "host": "127.0.0.1", "port": _free_port(),
+        }))
+        async with _workers(config, tmp_path / "gateway.log") as (base, _):
+            # (i) One kept-alive connection: one worker; every earlier turn comes from its cache.
+            workers = set()
+            async with aiohttp.ClientSession() as session:
+                for turn, body in enumerate(kept_bodies):
+                    hit, miss = await _cache_tokens(base)
+                    prompt, worker = await _chat(session, base, body)
+                    workers.add(worker)
+                    after_hit, after_miss = await _cache_tokens(base)
+                    assert prompt == kept_expected[turn]
+                    earlier = kept_expected[turn - 1] if turn else 0
+                    assert (after_hit - hit, after_miss - miss) == (earlier, prompt - earlier), turn
+            assert len(workers) == 1
+
+            # (ii) A new connection per turn: both workers; each pays the turns new to it.
+            last_seen: dict[str, int] = {}
+            for turn, body in enumerate(fresh_bodies):
+                hit, miss = await _cache_tokens(base)
+                async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+                    prompt, worker = await _chat(session, base, body)
+                after_hit, after_miss = await _cache_tokens(base)
+                assert prompt == fresh_expected[turn]
+                seen = last_seen.get(worker)
+                unseen = prompt - (fresh_expected[seen] if seen is not None else 0)
+                assert after_hit - hit + after_miss - miss == prompt, turn
+                assert after_miss - miss <= unseen, (turn, worker, seen)
+                if seen is not None:  # exactly the turns since: the rest of the prompt is in its cache
+                    assert after_miss - miss == unseen, (turn, worker, seen)
+                last_seen[worker] = turn
+            assert set(last_seen) == {"0", "1"}

@@ -203,3 +203,23 @@ def test_a_zero_budget_keeps_nothing_and_renders_the_same() -> None:
         assert len(renderer.turn_cache) == 0 and renderer.cached_bytes == 0
     finally:
         renderer.close()
+
+
+def test_each_render_reports_its_tokens_from_the_cache_and_tokenized() -> None:
+    """What `onehop_gateway_render_cache_tokens_total` counts: a new turn tokenizes only what the
+    previous turn did not have; everything else comes from the cache."""
+    reports: list[tuple[int, int]] = []
+    renderer = LocalRenderer(ensure_tokenizer(), workers=1, on_cache=lambda hits, misses: reports.append((hits, misses)))
+    try:
+        system = {"role": "system", "content": "You are terse. " + "Rules. " * 40}
+        messages: list[dict[str, Any]] = [system, {"role": "user", "content": "First question, about caches."}]
+        first = msgspec.convert({"model": "m", "messages": messages}, ChatCompletionRequest)
+        before = len(renderer.chat_sync(first))
+        messages += [{"role": "assistant", "content": "An answer."}, {"role": "user", "content": "A second one."}]
+        second = msgspec.convert({"model": "m", "messages": messages}, ChatCompletionRequest)
+        after = len(renderer.chat_sync(second))
+        renderer.encode_sync("plain text", add_special_tokens=True)  # not cut into turns: all of it tokenized
+        plain = len(renderer.tokenizer.encode("plain text", add_special_tokens=True).ids)
+        assert reports == [(0, before), (before, after - before), (0, plain)]
+    finally:
+        renderer.close()
