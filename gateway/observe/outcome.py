@@ -63,7 +63,9 @@ class Tally:
     fan-out records its merged sum, not its legs).
     """
 
-    __slots__ = ("client_gone", "engine", "finish_reasons", "model", "reason", "request_id", "route", "tokens")
+    __slots__ = (
+        "client_gone", "engine", "finish_reasons", "model", "reason", "request_id", "route", "stream_error", "tokens"
+    )
 
     def __init__(self) -> None:
         self.request_id: str | None = None
@@ -78,10 +80,17 @@ class Tally:
         """The client left mid-answer (counted as a 499 and a disconnect, not as the status it was sent)."""
         self.finish_reasons: tuple[str | None, ...] = ()
         self.tokens: Tokens | None = None
+        self.stream_error: tuple[int, str] | None = None
+        """The status and type of the error a stream ended with after its 200 headers (in-band)."""
 
     def record(self, finish_reasons: Sequence[str | None], tokens: Tokens) -> None:
         self.finish_reasons = tuple(finish_reasons)
         self.tokens = tokens
+
+    def fail(self, status: int, error: str) -> None:
+        """The stream broke after its first byte: the client got an error event, not the end of its
+        answer, so the outcome is a failure with that error's status, not the 200 its headers said."""
+        self.stream_error = (status, error)
 
 
 class Outcome(msgspec.Struct, frozen=True, kw_only=True):
@@ -97,9 +106,12 @@ class Outcome(msgspec.Struct, frozen=True, kw_only=True):
     route: str
     """The route taken (derender, text, tokens, tokens-remote) or `none` when none was."""
     status: int
-    """The HTTP status sent; `CLIENT_GONE` when the client left before the answer was complete."""
+    """The HTTP status sent; `CLIENT_GONE` when the client left before the answer was complete; the
+    error's status when a stream ended with an error event after its 200 headers (`stream_error`)."""
     error: str | None
     """The error's type (`error.type`) when the answer was an error."""
+    stream_error: bool = False
+    """The error came in-band, after the stream's 200 headers (a client that left is not one)."""
     finish_reasons: tuple[str | None, ...]
     tokens: Tokens | None
     """None when no answer was produced (a refusal, or a cut before the engine said)."""

@@ -181,6 +181,7 @@ class Responder:
                     raise error from exc
                 rid = self._ctx.request_id
                 log.error("stream %s failed after its first byte: %s", rid, error.message, exc_info=unexpected(exc))
+                self._ctx.tally.fail(error.status, type(error).__name__)
                 tail = end(error)
             if stream is None:
                 stream = await self._open()
