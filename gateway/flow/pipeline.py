@@ -136,6 +136,7 @@ def checked(
     server.set_attribute("gen_ai.response.id", ctx.request_id)
     if state.tracing.record_content and server.is_recording():
         server.set_attribute("gen_ai.input.messages", endpoint.content(body))
+        ctx.tally.content = []  # the answer is kept as sent, for `gen_ai.output.messages`
     return ctx, sampling
 
 

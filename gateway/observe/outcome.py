@@ -64,7 +64,16 @@ class Tally:
     """
 
     __slots__ = (
-        "client_gone", "engine", "finish_reasons", "model", "reason", "request_id", "route", "stream_error", "tokens"
+        "client_gone",
+        "content",
+        "engine",
+        "finish_reasons",
+        "model",
+        "reason",
+        "request_id",
+        "route",
+        "stream_error",
+        "tokens",
     )
 
     def __init__(self) -> None:
@@ -82,6 +91,8 @@ class Tally:
         self.tokens: Tokens | None = None
         self.stream_error: tuple[int, str] | None = None
         """The status and type of the error a stream ended with after its 200 headers (in-band)."""
+        self.content: list[bytes] | None = None
+        """Under `tracing.record_content` only: the answer's bytes as they went to the client."""
 
     def record(self, finish_reasons: Sequence[str | None], tokens: Tokens) -> None:
         self.finish_reasons = tuple(finish_reasons)
@@ -116,6 +127,8 @@ class Outcome(msgspec.Struct, frozen=True, kw_only=True):
     tokens: Tokens | None
     """None when no answer was produced (a refusal, or a cut before the engine said)."""
     duration_s: float
+    content: bytes | None = None
+    """The answer as the client got it (body or SSE stream), kept only under `tracing.record_content`."""
     span: Span
     """The request's server span, for the subscriber that describes it."""
 

@@ -29,6 +29,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from plumbing.telemetry import record_error
 from gateway.edge.context import Edge
+from gateway.observe.content import output_messages
 from gateway.observe.metrics import GatewayMetrics, LocalHistogram
 from gateway.observe.outcome import Outcome, Tally, Tokens
 from gateway.serving.state import GatewayState
@@ -128,6 +129,9 @@ def describe_outcome(outcome: Outcome) -> None:
     if outcome.tokens is not None:
         attributes["gen_ai.response.finish_reasons"] = [reason or "" for reason in outcome.finish_reasons]
         attributes.update(usage_attributes(outcome.tokens))
+    if outcome.content is not None and outcome.status < 400:  # `tracing.record_content`
+        reasons = outcome.finish_reasons
+        attributes["gen_ai.output.messages"] = output_messages(outcome.endpoint, outcome.content, reasons)
     if outcome.error is not None:
         attributes["error.type"] = outcome.error
         if outcome.stream_error:

@@ -271,6 +271,8 @@ async def observe_middleware(request: web.Request, handler: Handler) -> web.Stre
             response = await handler(request)
             if not tally.client_gone:  # one that left mid-stream did not get the 200 it was sent
                 status = response.status
+            if tally.content is not None and isinstance(response, web.Response) and isinstance(response.body, bytes):
+                tally.content.append(response.body)  # a whole answer (a stream's frames were kept as sent)
             return response
         finally:
             state.metrics.in_flight.labels(endpoint).dec()
@@ -297,6 +299,7 @@ def _outcome(request: web.Request, endpoint: str, status: int, duration_s: float
         finish_reasons=answered.finish_reasons,
         tokens=answered.tokens,
         duration_s=duration_s,
+        content=b"".join(answered.content) if answered.content is not None else None,
         span=span,
     )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -144,12 +145,26 @@ async def test_span_tree_crosses_gateway_and_engine(qwen3_tokenizer_dir: Path) -
     assert not any(k.startswith("gen_ai.input") or k.startswith("gen_ai.output") for s in receiver.spans for k in s.attributes)
 
 
-async def test_prompt_text_only_with_the_opt_in(qwen3_tokenizer_dir: Path) -> None:
+async def test_prompt_and_completion_text_only_with_the_opt_in(qwen3_tokenizer_dir: Path) -> None:
     async with otlp_receiver() as receiver:
-        await _run(qwen3_tokenizer_dir, receiver, record_content=True)
+        streamed, whole = await _run(qwen3_tokenizer_dir, receiver, record_content=True)
     served = [s for s in _server_spans(receiver) if s.attributes["http.response.status_code"] == 200]
     assert len(served) == 2
     assert all(SECRET in s.attributes["gen_ai.input.messages"] for s in served)
+    # The completion as the client got it (GenAI's output messages: one per choice, in parts).
+    deltas = [chunk.choices[0].delta for chunk in streamed if chunk.choices]
+    told = [
+        ("".join(getattr(d, "reasoning", None) or "" for d in deltas), "".join(d.content or "" for d in deltas)),
+        (getattr(whole.choices[0].message, "reasoning", None) or "", whole.choices[0].message.content or ""),
+    ]
+    for span, (reasoning, text), finish in zip(
+        served, told, [streamed[-1].choices[0].finish_reason, whole.choices[0].finish_reason], strict=True
+    ):
+        (message,) = json.loads(span.attributes["gen_ai.output.messages"])
+        assert (message["role"], message["finish_reason"]) == ("assistant", finish)
+        parts = {part["type"]: part["content"] for part in message["parts"]}
+        assert (parts.get("reasoning", ""), parts.get("text", "")) == (reasoning, text)
+        assert reasoning or text
 
 
 async def test_a_callers_traceparent_is_continued(qwen3_tokenizer_dir: Path) -> None:
