@@ -371,7 +371,11 @@ async def handle_generate(http: web.Request) -> web.StreamResponse:
         set_status_on_exception=False,
     ) as span:
         if span.is_recording():
-            span.set_attributes({"http.request.method": "POST", "http.route": GENERATE_PATH})
+            # The gateway's server span is the request's one LLM call; this one is a step of it
+            # (OpenInference `CHAIN`, and no `gen_ai.*` names, which trace UIs map to an LLM call).
+            span.set_attributes(
+                {"http.request.method": "POST", "http.route": GENERATE_PATH, "openinference.span.kind": "CHAIN"}
+            )
             if session := http.headers.get(SESSION_HEADER):  # the gateway's key, bounded there
                 span.set_attribute("session.id", session[:128])
         try:
@@ -404,7 +408,7 @@ async def _generate(http: web.Request, state: EngineState, span: Span) -> web.St
             {
                 "onehop.request_id": http[REQUEST_ID_KEY],
                 "onehop.output_mode": request.output_mode,
-                "gen_ai.request.model": state.model,
+                "onehop.engine.model": state.model,
                 "onehop.priority": request.priority,
             }
         )
@@ -454,9 +458,9 @@ def _describe(span: Span, writer: OutputWriter, times: _Times, aborted: bool) ->
     """The request's outcome and timings on its server span."""
     summary = writer.summary()
     attributes: dict[str, Any] = {
-        "gen_ai.usage.input_tokens": summary.prompt_tokens,
-        "gen_ai.usage.output_tokens": summary.completion_tokens,
-        "gen_ai.response.finish_reasons": [reason or "" for reason in summary.finish_reasons],
+        "onehop.engine.input_tokens": summary.prompt_tokens,
+        "onehop.engine.output_tokens": summary.completion_tokens,
+        "onehop.engine.finish_reasons": [reason or "" for reason in summary.finish_reasons],
         "onehop.engine.output_cpu_s": times.output_s,
         "onehop.aborted": aborted,
     }
@@ -604,6 +608,7 @@ async def _stream(
     payloads = _drive(state.metrics, request, writer, outputs, times)
     try:
         await response.prepare(http)  # a client that already left fails here
+        failed: EngineHTTPError | None = None
         try:
             async with contextlib.aclosing(payloads):
                 async for payload in payloads:
@@ -611,13 +616,17 @@ async def _stream(
         except ConnectionResetError:
             raise  # the client is gone: nothing more can be sent
         except EngineHTTPError as exc:
-            await response.write(writer.error_frame(exc))
+            failed = exc
         except Exception as exc:  # after the first byte, errors travel in-band
-            error = as_http_error(exc)
-            log_failure(http, error, exc)
-            await response.write(writer.error_frame(error))
+            failed = as_http_error(exc)
+            log_failure(http, failed, exc)
+        if failed is not None:
+            await response.write(writer.error_frame(failed))
+        summary = writer.summary()
+        if failed is not None:  # the gateway relaying these bytes counts the request as failed
+            summary.error_status = failed.status
         trailer = (
-            SUMMARY_COMMENT + encode(writer.summary()) + b"\n\n"
+            SUMMARY_COMMENT + encode(summary) + b"\n\n"
             + CPU_COMMENT + str(round(times.output_s * 1e6)).encode() + b"\n\n"
         )
         await response.write(trailer + DONE)

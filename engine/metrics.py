@@ -25,8 +25,12 @@ from prometheus_client.utils import floatToGoString
 
 from engine.backends.base import PrefixCacheStats
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-_GAP_BUCKETS = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+# Finer from 10 to 50 ms: typical times to first token and decode steps fall there (issue #33).
+_LATENCY_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_GAP_BUCKETS = (
+    1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 1,
+    2.5,
+)
 _CPU_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1)
 
 

@@ -1,7 +1,9 @@
 """`onehop serve`: the gateway and an engine in one process — the main job.
 
 The engine listens on a private loopback port chosen by the OS; the gateway
-is configured to use it, exactly as it would use a remote engine pool.
+is configured to use it, exactly as it would use a remote engine pool. The
+gateway's /metrics serves the engine's metrics after its own, so one scrape
+target has both.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import msgspec
 from aiohttp import web
 
 from engine.app import create_app as create_engine_app
+from engine.state import ENGINE
 from plumbing.http_server import Runner, new_event_loop
 from engine.config import EngineConfig
 from gateway.edge.access_log import AccessLogger
@@ -47,7 +50,8 @@ async def embedded(
     # The engine is told the gateway's model name: left to itself the simulator answers as
     # `sim` and vLLM as the hub name, and the gateway refuses an engine serving another model.
     engine = msgspec.structs.replace(engine, served_model_name=served_name(engine))
-    engine_runner = Runner(create_engine_app(engine), handler_cancellation=True, access_log=None)
+    engine_app = create_engine_app(engine)
+    engine_runner = Runner(engine_app, handler_cancellation=True, access_log=None)
     await engine_runner.setup()
     engine_site = web.TCPSite(engine_runner, "127.0.0.1", 0)
     await engine_site.start()
@@ -71,7 +75,9 @@ async def embedded(
         reasoning_field=engine.reasoning_field,
         tracing=engine.tracing,  # one setting for both; each exports as its own service
     )
-    gateway_runner = Runner(create_gateway_app(config), handler_cancellation=True, access_log_class=AccessLogger)
+    # The engine's port is private: its metrics are served on the gateway's /metrics.
+    gateway_app = create_gateway_app(config, also_metrics=[engine_app[ENGINE].metrics.render])
+    gateway_runner = Runner(gateway_app, handler_cancellation=True, access_log_class=AccessLogger)
     try:
         await gateway_runner.setup()
         site = web.TCPSite(gateway_runner, host, port)

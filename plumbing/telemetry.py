@@ -95,6 +95,22 @@ def extract(headers: Mapping[str, str]) -> Context:
     return TRACEPARENT.extract(headers)
 
 
+def traceresponse(span: Span) -> str | None:
+    """W3C Trace Context Level 2's `traceresponse` header value naming `span` (version, trace id,
+    span id, flags: `00-<32 hex>-<16 hex>-<2 hex>`), so a client can find its request's trace;
+    None for a span of no trace (tracing off). A span sampled out still names its trace (flags 00)."""
+    context = span.get_span_context()
+    if not context.is_valid:
+        return None
+    return f"00-{context.trace_id:032x}-{context.span_id:016x}-{context.trace_flags:02x}"
+
+
+def trace_id(span: Span) -> str | None:
+    """The 32 hex digits of `span`'s trace, None for a span of no trace (tracing off)."""
+    context = span.get_span_context()
+    return f"{context.trace_id:032x}" if context.is_valid else None
+
+
 def record_error(span: Span, exc: BaseException, *, kind: str | None = None) -> None:
     """Mark a span failed with OpenTelemetry's `error.type` (the exception class unless given)."""
     if not span.is_recording():

@@ -618,6 +618,9 @@ class EngineSummary(Struct, kw_only=True):
     # Added later: an engine that does not send them reads as zeros.
     cached_tokens: int = 0
     reasoning_tokens: int = 0
+    error_status: int | None = None
+    """Streams: the status of the error event the engine ended the stream with after its first
+    byte (None: it ended whole), so a gateway relaying the bytes counts the request as failed."""
 
 
 SUMMARY_HEADER = "onehop-engine-summary"

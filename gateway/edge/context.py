@@ -26,7 +26,7 @@ from opentelemetry.trace import INVALID_SPAN, Span
 from gateway.edge.auth import TENANT_KEY, owner
 from gateway.edge.quota import Decision
 from gateway.upstream.engine_client import Target
-from gateway.observe.outcome import Tally
+from gateway.observe.outcome import Outcome, Tally
 from gateway.serving.runtime import ModelRuntime
 
 SPAN_KEY = web.RequestKey("onehop_span", Span)
@@ -35,6 +35,8 @@ STARTED_KEY = web.RequestKey("onehop_started", float)
 """perf_counter() at the request's arrival, for time to first token and the stream deadline."""
 TALLY_KEY = web.RequestKey("onehop_tally", Tally)
 """What the request became, for its outcome event and its answer's headers."""
+OUTCOME_KEY = web.RequestKey("onehop_outcome", Outcome)
+"""The request's outcome, once emitted: what its access log line reports."""
 QUOTA_KEY = web.RequestKey("onehop_quota", Decision)
 """The tenant quota's decision for an admitted request, for its answer's rate-limit headers."""
 

@@ -176,8 +176,8 @@ def charged(outcome: Outcome, prompt: int) -> int | None:
     tokens = outcome.tokens
     if tokens is not None:
         return tokens.prompt + tokens.completion
-    if outcome.status >= 400 and not outcome.client_gone:
-        return prompt
+    if outcome.status >= 400 and not outcome.client_gone and not outcome.stream_error:
+        return prompt  # refused or failed before the first byte: no completion was sent
     return None
 
 

@@ -108,7 +108,7 @@ def checked(
     """The checks that cost little, before an admission slot is taken: the request's context
     and its engine sampling parameters."""
     server = edge.span
-    describe_model(server, endpoint.name, request.model)
+    describe_model(server, request.model)
     session = session_key(edge.headers, request)
     if session is not None:
         server.set_attribute("session.id", session)
@@ -136,6 +136,7 @@ def checked(
     server.set_attribute("gen_ai.response.id", ctx.request_id)
     if state.tracing.record_content and server.is_recording():
         server.set_attribute("gen_ai.input.messages", endpoint.content(body))
+        ctx.tally.content = []  # the answer is kept as sent, for `gen_ai.output.messages`
     return ctx, sampling
 
 

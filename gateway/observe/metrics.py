@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client import (
@@ -28,8 +28,14 @@ from gateway.observe.outcome import Outcome
 
 _MULTIPROCESS_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
-_GAP_BUCKETS = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+# Finer from 10 to 50 ms: typical times to first token and between tokens fall there (issue #33).
+_LATENCY_BUCKETS = (
+    0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120
+)
+_GAP_BUCKETS = (
+    1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 1,
+    2.5,
+)
 _STAGE_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.5)
 STAGES = ("render", "policy", "derender")
 _WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -47,6 +53,9 @@ class GatewayMetrics:
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
     tenants: frozenset[str] = frozenset()
     """The tenant names that are label values of their own (the config's `tenants:`)."""
+    also: tuple[Callable[[], bytes], ...] = ()
+    """Other exposition served on this /metrics after the gateway's own (`onehop serve`: its
+    embedded engine's, whose own port is private), each a scrape's text."""
 
     def __post_init__(self) -> None:
         r = self.registry
@@ -80,8 +89,15 @@ class GatewayMetrics:
             ["action"], registry=r,
         )
         self.requests = Counter(
-            "onehop_gateway_requests", "OpenAI requests by endpoint, route, model and HTTP status.",
+            "onehop_gateway_requests",
+            "API requests by endpoint, route, model and status (499: the client left; a stream that ended "
+            "with an error event after its 200 headers: that error's status).",
             ["endpoint", "route", "model", "status"], registry=r,
+        )
+        self.stream_errors = Counter(
+            "onehop_gateway_stream_errors",
+            "Streams that ended with an error event after their 200 headers, by endpoint, route and error type.",
+            ["endpoint", "route", "error"], registry=r,
         )
         self.in_flight = Gauge(
             "onehop_gateway_in_flight_requests", "Requests being served now.", ["endpoint"],
@@ -190,9 +206,10 @@ class GatewayMetrics:
         )
         self.tokens = Counter(
             "onehop_gateway_tokens",
-            "Tokens of the answered requests, by model and kind: prompt, cached (of the prompt, from the engine's "
-            "prefix cache), completion, reasoning (of the completion).",
-            ["model", "kind"], registry=r,
+            "Tokens of the answered requests, as the client was told them, by model, endpoint, route and kind: "
+            "prompt, cached (of the prompt, from the engine's prefix cache), completion, reasoning (of the "
+            "completion).",
+            ["model", "endpoint", "route", "kind"], registry=r,
         )
         self.circuit_open = Gauge(
             "onehop_gateway_engine_circuit_open", "1 while an engine's circuit breaker is open, else 0.", ["engine"],
@@ -238,12 +255,15 @@ class GatewayMetrics:
         self.kv_event_errors.labels(engine, reason).inc()
 
     def record(self, outcome: Outcome) -> None:
-        """A request's outcome: its count, duration, disconnect and tokens (subscribed in `gateway.serving.app`)."""
-        model = outcome.model or "none"
-        self.requests.labels(outcome.endpoint, outcome.route, model, str(outcome.status)).inc()
-        self.e2e.labels(outcome.route).observe(outcome.duration_s)
+        """A request's outcome: its count, duration, disconnect or stream error, and tokens
+        (subscribed in `gateway.serving.app`)."""
+        model, endpoint, route = outcome.model or "none", outcome.endpoint, outcome.route
+        self.requests.labels(endpoint, route, model, str(outcome.status)).inc()
+        self.e2e.labels(route).observe(outcome.duration_s)
         if outcome.client_gone:
-            self.disconnects.labels(outcome.route).inc()
+            self.disconnects.labels(route).inc()
+        if outcome.stream_error:
+            self.stream_errors.labels(endpoint, route, outcome.error or "unknown").inc()
         tokens = outcome.tokens
         if tokens is not None:
             for kind, count in (
@@ -253,7 +273,7 @@ class GatewayMetrics:
                 ("reasoning", tokens.reasoning),
             ):
                 if count:
-                    self.tokens.labels(model, kind).inc(count)
+                    self.tokens.labels(model, endpoint, route, kind).inc(count)
 
     def tenant_label(self, tenant: str | None) -> str:
         return tenant if tenant is not None and tenant in self.tenants else OTHER_TENANTS
@@ -277,10 +297,12 @@ class GatewayMetrics:
     def render(self) -> bytes:
         folder = os.environ.get(_MULTIPROCESS_ENV)
         if folder is None:
-            return generate_latest(self.registry)
-        every_worker = CollectorRegistry()
-        MultiProcessCollector(every_worker, path=folder)  # type: ignore[no-untyped-call]  # unannotated upstream
-        return generate_latest(every_worker)
+            own = generate_latest(self.registry)
+        else:
+            every_worker = CollectorRegistry()
+            MultiProcessCollector(every_worker, path=folder)  # type: ignore[no-untyped-call]  # unannotated upstream
+            own = generate_latest(every_worker)
+        return b"".join([own, *(render() for render in self.also)]) if self.also else own
 
 
 class LocalHistogram:

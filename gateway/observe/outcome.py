@@ -72,7 +72,19 @@ class Tally:
     fan-out records its merged sum, not its legs).
     """
 
-    __slots__ = ("client_gone", "cut", "engine", "finish_reasons", "model", "reason", "request_id", "route", "tokens")
+    __slots__ = (
+        "client_gone",
+        "content",
+        "cut",
+        "engine",
+        "finish_reasons",
+        "model",
+        "reason",
+        "request_id",
+        "route",
+        "stream_error",
+        "tokens",
+    )
 
     def __init__(self) -> None:
         self.request_id: str | None = None
@@ -90,10 +102,19 @@ class Tally:
         self.cut: asyncio.Future[Tokens | None] | None = None
         """When the client left and its engine requests were aborted: what they used, as the
         engines' abort answers say (None inside when one did not)."""
+        self.stream_error: tuple[int, str] | None = None
+        """The status and type of the error a stream ended with after its 200 headers (in-band)."""
+        self.content: list[bytes] | None = None
+        """Under `tracing.record_content` only: the answer's bytes as they went to the client."""
 
     def record(self, finish_reasons: Sequence[str | None], tokens: Tokens) -> None:
         self.finish_reasons = tuple(finish_reasons)
         self.tokens = tokens
+
+    def fail(self, status: int, error: str) -> None:
+        """The stream broke after its first byte: the client got an error event, not the end of its
+        answer, so the outcome is a failure with that error's status, not the 200 its headers said."""
+        self.stream_error = (status, error)
 
 
 class Outcome(msgspec.Struct, frozen=True, kw_only=True):
@@ -109,13 +130,18 @@ class Outcome(msgspec.Struct, frozen=True, kw_only=True):
     route: str
     """The route taken (derender, text, tokens, tokens-remote) or `none` when none was."""
     status: int
-    """The HTTP status sent; `CLIENT_GONE` when the client left before the answer was complete."""
+    """The HTTP status sent; `CLIENT_GONE` when the client left before the answer was complete; the
+    error's status when a stream ended with an error event after its 200 headers (`stream_error`)."""
     error: str | None
     """The error's type (`error.type`) when the answer was an error."""
+    stream_error: bool = False
+    """The error came in-band, after the stream's 200 headers (a client that left is not one)."""
     finish_reasons: tuple[str | None, ...]
     tokens: Tokens | None
     """None when no answer was produced (a refusal, or a cut before the engine said)."""
     duration_s: float
+    content: bytes | None = None
+    """The answer as the client got it (body or SSE stream), kept only under `tracing.record_content`."""
     span: Span
     cut: asyncio.Future[Tokens | None] | None = None
     """A client cut's engine usage, known once the aborts are answered (`Tally.cut`): a

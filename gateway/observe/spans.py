@@ -1,10 +1,15 @@
 """What the gateway records about each request: its spans and its stream timings.
 
-    chat {model}                server span (GenAI conventions), opened by the middleware
+    chat {model}                server span, opened by the middleware: the request's one LLM
+    │                           call (GenAI conventions and OpenInference's `LLM` kind)
     ├── render                  chat template + tokenize
     ├── policy                  route decision, with the rule or cost comparison
-    ├── engine.generate         client span; `traceparent` → the engine's server span
-    └── derender                text and token routes: the stateful derender's work
+    └── engine.generate         client span; `traceparent` → the engine's server span (a `CHAIN`)
+
+The server span is named by the served model (a bounded set: a name the client made up is
+not a span name) and described from the request's outcome: its usage, finish reasons and
+status, in both conventions, so an LLM trace UI counts each request's tokens once. The text
+and token routes' derender work, interleaved with the stream, is `onehop.derender.*` on it.
 
 Spans are explicit (each helper takes the span it writes to), so code that
 runs inside the engine request never writes to the wrong one. With tracing
@@ -24,12 +29,16 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from plumbing.telemetry import record_error
 from gateway.edge.context import Edge
+from gateway.observe.content import output_messages
 from gateway.observe.metrics import GatewayMetrics, LocalHistogram
 from gateway.observe.outcome import Outcome, Tally, Tokens
 from gateway.serving.state import GatewayState
 
 OPERATIONS = {"chat": "chat", "completions": "text_completion", "responses": "chat", "messages": "chat"}
 """gen_ai.operation.name of each endpoint."""
+PROVIDER = "onehop"
+"""`gen_ai.provider.name` and OpenInference's `llm.provider`: who answered (the conventions'
+well-known values name hosted services; a self-hosted gateway names itself)."""
 
 
 @contextmanager
@@ -57,10 +66,24 @@ def measured(state: GatewayState, name: str, parent: Span) -> Iterator[Span]:
     state.metrics.stage_seconds.labels(name).observe(time.perf_counter() - started)
 
 
-def describe_model(span: Span, operation: str, model: str | None) -> None:
-    """The model the request names, on the server span (GenAI: named `{operation} {model}`)."""
+def describe_arrival(span: Span, operation: str, method: str, path: str) -> None:
+    """A request's server span as it opens: the LLM call it is, in both conventions."""
+    if span.is_recording():
+        span.set_attributes(
+            {
+                "gen_ai.operation.name": operation,
+                "gen_ai.provider.name": PROVIDER,
+                "openinference.span.kind": "LLM",
+                "llm.provider": PROVIDER,
+                "http.request.method": method,
+                "url.path": path,
+            }
+        )
+
+
+def describe_model(span: Span, model: str | None) -> None:
+    """The model the request names, as sent (the span's name waits for a served one: `describe_outcome`)."""
     if span.is_recording() and model is not None:
-        span.update_name(f"{OPERATIONS[operation]} {model}")
         span.set_attribute("gen_ai.request.model", model)
 
 
@@ -76,7 +99,7 @@ def describe_request(
 ) -> None:
     if not span.is_recording():
         return
-    attributes: dict[str, Any] = {"onehop.stream": stream}
+    attributes: dict[str, Any] = {"onehop.stream": stream, "gen_ai.request.stream": stream}
     for key, value in (
         ("gen_ai.request.max_tokens", max_tokens),
         ("gen_ai.request.temperature", temperature),
@@ -90,28 +113,51 @@ def describe_request(
 
 
 def describe_outcome(outcome: Outcome) -> None:
-    """The outcome on the request's server span: GenAI usage and finish reasons, route, status."""
+    """The outcome on the request's server span: its name (by the served model), the model, usage
+    and finish reasons in GenAI's and OpenInference's names, route, status."""
     span = outcome.span
     if not span.is_recording():
         return
     attributes: dict[str, Any] = {"onehop.route": outcome.route}
+    if outcome.model is not None:  # a served model's name: bounded, unlike what a client may send
+        span.update_name(f"{OPERATIONS[outcome.endpoint]} {outcome.model}")
+        attributes["gen_ai.response.model"] = attributes["llm.model_name"] = outcome.model
     if outcome.client_gone:
         attributes["onehop.client_disconnected"] = True
     else:
         attributes["http.response.status_code"] = outcome.status
     if outcome.tokens is not None:
         attributes["gen_ai.response.finish_reasons"] = [reason or "" for reason in outcome.finish_reasons]
-        attributes["gen_ai.usage.input_tokens"] = outcome.tokens.prompt
-        attributes["gen_ai.usage.output_tokens"] = outcome.tokens.completion
-        if outcome.tokens.cached:
-            attributes["gen_ai.usage.cache_read.input_tokens"] = outcome.tokens.cached
-        if outcome.tokens.reasoning:
-            attributes["onehop.usage.reasoning_tokens"] = outcome.tokens.reasoning
+        attributes.update(usage_attributes(outcome.tokens))
+    if outcome.content is not None and outcome.status < 400:  # `tracing.record_content`
+        reasons = outcome.finish_reasons
+        attributes["gen_ai.output.messages"] = output_messages(outcome.endpoint, outcome.content, reasons)
     if outcome.error is not None:
         attributes["error.type"] = outcome.error
+        if outcome.stream_error:
+            attributes["onehop.stream_error"] = True
         if outcome.status >= 500 and not outcome.client_gone:
             span.set_status(Status(StatusCode.ERROR))
     span.set_attributes(attributes)
+
+
+def usage_attributes(tokens: Tokens) -> dict[str, int]:
+    """A request's tokens in GenAI's names and OpenInference's (which trace UIs such as Phoenix
+    sum per project: only this span carries them, so each request counts once)."""
+    attributes = {
+        "gen_ai.usage.input_tokens": tokens.prompt,
+        "gen_ai.usage.output_tokens": tokens.completion,
+        "llm.token_count.prompt": tokens.prompt,
+        "llm.token_count.completion": tokens.completion,
+        "llm.token_count.total": tokens.prompt + tokens.completion,
+    }
+    if tokens.cached:
+        attributes["gen_ai.usage.cache_read.input_tokens"] = tokens.cached
+        attributes["llm.token_count.prompt_details.cache_read"] = tokens.cached
+    if tokens.reasoning:
+        attributes["onehop.usage.reasoning_tokens"] = tokens.reasoning
+        attributes["llm.token_count.completion_details.reasoning"] = tokens.reasoning
+    return attributes
 
 
 def record_derender(tally: Tally, derender: Any) -> None:
@@ -165,8 +211,9 @@ class DerenderWork:
     CPU is thread time over `begin()`/`end()` pairs around the engine reads it
     times: the first read is timed whole (it carries the head), the second and then one in
     `CPU_SAMPLE_EVERY` are samples, and the reads between count at the samples'
-    mean. `finish()` puts it on the `derender` span, the stage histogram and the
-    per-route counter, and the client-visible outcome on the server span.
+    mean. `finish()` puts it on the stage histogram, the per-route counter and the server
+    span (`onehop.derender.*`: the work is spread over the stream, so a span of its own would
+    time the stream, not the derender), and the client-visible answer on the tally.
     """
 
     __slots__ = (
@@ -190,9 +237,7 @@ class DerenderWork:
         self._first = True
         self._first_s = self._sampled_s = self._mark = 0.0
         self._sampled = self._untimed = self._countdown = 0
-        self._span: Span | None = None
-        if ctx.span.is_recording():
-            self._span = state.tracing.tracer.start_span("derender", context=trace.set_span_in_context(ctx.span))
+        self._span = ctx.span
 
     def begin(self) -> bool:
         """A read's derender starts; True when it is timed (`end()` then follows it)."""
@@ -232,8 +277,5 @@ class DerenderWork:
         metrics.stage_seconds.labels("derender").observe(cpu_s)
         if derender is not None:
             record_derender(self._tally, derender)
-        if self._span is not None:
-            self._span.set_attributes(
-                {"onehop.route": self._route, "onehop.derender.cpu_s": cpu_s, "onehop.derender.chunks": self.chunks}
-            )
-            self._span.end()
+        if self._span.is_recording():
+            self._span.set_attributes({"onehop.derender.cpu_s": cpu_s, "onehop.derender.chunks": self.chunks})

@@ -337,8 +337,11 @@ class EngineEvents:
             raise self._broken
         if not self.done:
             raise EngineFailed("the engine stream ended before [DONE]")
-        if self.summary is not None:
-            self._tally.record(self.summary.finish_reasons, Tokens.of_summary(self.summary))
+        summary = self.summary
+        if summary is not None:
+            self._tally.record(summary.finish_reasons, Tokens.of_summary(summary))
+            if summary.error_status is not None:  # its error event went to the client as it came
+                self._tally.fail(EngineFailed.status, EngineFailed.__name__)
         return await self._presenting.release() if self._presenting is not None else b""
 
 

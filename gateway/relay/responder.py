@@ -46,6 +46,7 @@ class ClientStream:
         "_chunked",
         "_direct",
         "_high",
+        "_kept",
         "_protocol",
         "_stall_s",
         "_timer",
@@ -70,6 +71,12 @@ class ClientStream:
         """Bytes `write_now` put on the transport itself (aiohttp's writer counts them at the end)."""
         transport = http.transport
         self._watch = ClientWatch(transport, stall_s, self._stalled) if transport is not None else None
+        self._kept: list[bytes] | None = None
+        """Every write, under `tracing.record_content` (`keep`)."""
+
+    def keep(self, kept: list[bytes] | None) -> None:
+        """Append everything written from now on to `kept` (None: keep nothing)."""
+        self._kept = kept
 
     async def _write(self, data: bytes) -> None:
         try:
@@ -87,6 +94,8 @@ class ClientStream:
     async def send(self, data: bytes) -> None:
         await self._write(data)
         self._timer.wrote()
+        if self._kept is not None:
+            self._kept.append(data)
 
     def write_now(self, data: bytes) -> bool:
         """Write `data` without waiting, framed as aiohttp's writer would (the response is never
@@ -102,6 +111,8 @@ class ClientStream:
             transport.write(data)
         self._direct += len(data)
         self._timer.wrote()
+        if self._kept is not None:
+            self._kept.append(data)
         return True
 
     def finished(self) -> None:
@@ -115,6 +126,8 @@ class ClientStream:
         self._writer.output_size += self._direct  # the access log's body size
         self._direct = 0
         await self._write(tail)
+        if self._kept is not None:
+            self._kept.append(tail)
         try:
             await self.response.write_eof()  # waits for the client too, under the watch
         except ConnectionResetError as exc:
@@ -181,6 +194,7 @@ class Responder:
                     raise error from exc
                 rid = self._ctx.request_id
                 log.error("stream %s failed after its first byte: %s", rid, error.message, exc_info=unexpected(exc))
+                self._ctx.tally.fail(error.status, type(error).__name__)
                 tail = end(error)
             if stream is None:
                 stream = await self._open()
@@ -197,7 +211,9 @@ class Responder:
         except ConnectionResetError as exc:  # it left before the headers went out
             raise ClientGone(response) from exc
         timer = StreamTimer(self._ctx, self._metrics, self._ctx.routed.route)
-        return ClientStream(self._http, response, timer, self._timeouts.client_write_s)
+        stream = ClientStream(self._http, response, timer, self._timeouts.client_write_s)
+        stream.keep(self._ctx.tally.content)
+        return stream
 
     def _deadline(self) -> float | None:
         """The request's deadline (`stream_deadline_s` from its arrival) on the loop's clock."""

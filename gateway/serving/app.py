@@ -13,7 +13,7 @@ import logging
 import re
 import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -25,7 +25,7 @@ from derender.vocab import TokenVocab, vocab_for
 from derender.parsers import REASONING_PARSERS, TOOL_PARSERS, UnknownParser, bind_reasoning, check_tool_markers
 from derender.parsers.detect import resolve
 from wire.openai_schema import ModelCard, ModelList
-from plumbing.telemetry import Tracing, extract
+from plumbing.telemetry import Tracing, extract, traceresponse
 from gateway.edge.access_log import AccessLogger
 from gateway.edge.admission import Gate
 from gateway.edge.shared_fairness import SharedFairness
@@ -45,8 +45,8 @@ from gateway.edge.errors import (
 )
 from gateway.edge.quota_headers import quota_headers
 from gateway.routing.feedback import EngineFeedback
-from gateway.edge.context import QUOTA_KEY, SPAN_KEY, STARTED_KEY, TALLY_KEY
-from gateway.observe.spans import OPERATIONS, describe_outcome
+from gateway.edge.context import OUTCOME_KEY, QUOTA_KEY, SPAN_KEY, STARTED_KEY, TALLY_KEY
+from gateway.observe.spans import OPERATIONS, describe_arrival, describe_outcome
 from gateway.observe.outcome import CLIENT_GONE, Outcome, Tally
 from gateway.serving.memory import release_freed_memory
 from gateway.flow.lookups import handle_count_tokens, handle_delete_response, handle_get_response, handle_input_tokens
@@ -71,12 +71,15 @@ log = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode
 ROUTE_RESPONSE_HEADER = "onehop-route"
 POLICY_RESPONSE_HEADER = "onehop-policy"
+"""Why the route was chosen: the rule, the cost comparison, or the override."""
 ENGINE_RESPONSE_HEADER = "onehop-engine"
 """With `policy_header`: the engine routing chose (its URL), beside why."""
 REQUEST_ID_HEADER = "X-Request-Id"
 """The answer's id on every chat and completions response, errors included (as vLLM's
 `--enable-request-id-headers` sends it)."""
-"""Why the route was chosen: the rule, the cost comparison, or the override."""
+TRACERESPONSE_HEADER = "traceresponse"
+"""With tracing on, every API answer (errors and streams included) names its trace and server
+span (W3C Trace Context Level 2), so a client can find the trace of its request."""
 
 
 @dataclass(frozen=True)
@@ -276,26 +279,27 @@ async def observe_middleware(request: web.Request, handler: Handler) -> web.Stre
         set_status_on_exception=False,
     ) as span:
         request[SPAN_KEY] = span
-        if span.is_recording():
-            span.set_attributes(
-                {
-                    "gen_ai.operation.name": operation,
-                    "http.request.method": request.method,
-                    "url.path": request.path,
-                }
-            )
+        describe_arrival(span, operation, request.method, request.path)
         try:
             response = await handler(request)
             if not tally.client_gone:  # one that left mid-stream did not get the 200 it was sent
                 status = response.status
+            if tally.content is not None and isinstance(response, web.Response) and isinstance(response.body, bytes):
+                tally.content.append(response.body)  # a whole answer (a stream's frames were kept as sent)
             return response
         finally:
             state.metrics.in_flight.labels(endpoint).dec()
-            state.outcomes.emit(_outcome(request, endpoint, status, time.perf_counter() - started, span))
+            outcome = _outcome(request, endpoint, status, time.perf_counter() - started, span)
+            request[OUTCOME_KEY] = outcome
+            state.outcomes.emit(outcome)
 
 
 def _outcome(request: web.Request, endpoint: str, status: int, duration_s: float, span: Span) -> Outcome:
     answered = request[TALLY_KEY]
+    error = request.get(ERROR_KEY)
+    broken = answered.stream_error if status != CLIENT_GONE else None
+    if broken is not None:  # its headers said 200; its answer ended in an error event
+        status, error = broken
     return Outcome(
         request_id=answered.request_id,
         endpoint=endpoint,
@@ -303,10 +307,12 @@ def _outcome(request: web.Request, endpoint: str, status: int, duration_s: float
         tenant=request.get(TENANT_KEY),
         route=answered.route or "none",
         status=status,
-        error=request.get(ERROR_KEY),
+        error=error,
+        stream_error=broken is not None,
         finish_reasons=answered.finish_reasons,
         tokens=answered.tokens,
         duration_s=duration_s,
+        content=b"".join(answered.content) if answered.content is not None else None,
         span=span,
         cut=answered.cut,
     )
@@ -316,6 +322,9 @@ async def _answer_headers(request: web.Request, response: web.StreamResponse) ->
     tally = request.get(TALLY_KEY)
     if tally is None:
         return
+    trace = traceresponse(request[SPAN_KEY])
+    if trace is not None:
+        response.headers[TRACERESPONSE_HEADER] = trace
     if tally.request_id is not None:
         response.headers[REQUEST_ID_HEADER] = tally.request_id
     if tally.route is not None:
@@ -353,7 +362,9 @@ def resolve_parsers(model: ModelConfig) -> tuple[ModelConfig, bool]:
     return msgspec.structs.replace(model, reasoning_parser=found.reasoning, tool_parser=found.tool), local
 
 
-def create_app(config: GatewayConfig) -> web.Application:
+def create_app(config: GatewayConfig, *, also_metrics: Sequence[Callable[[], bytes]] = ()) -> web.Application:
+    """The gateway for `config`; `also_metrics` are served on its /metrics after its own (an
+    engine in the same process, whose own port is private)."""
     # Outermost first: every answer (401 and 429 included) is observed and in OpenAI's shape.
     middlewares = [observe_middleware, gateway_error_middleware, auth_middleware]
     app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
@@ -362,7 +373,7 @@ def create_app(config: GatewayConfig) -> web.Application:
         keepalive_s=config.timeouts.keepalive_s, header_s=config.timeouts.client_header_s
     )
     tracing = Tracing(config.tracing, "onehop-gateway")
-    metrics = GatewayMetrics(tenants=frozenset(config.tenants) - {"*"})
+    metrics = GatewayMetrics(tenants=frozenset(config.tenants) - {"*"}, also=tuple(also_metrics))
 
     def client(
         model: ModelConfig, members: list[EngineEndpoint], *, prefill: bool = False, mode: Mode | None = None

@@ -12,7 +12,9 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.metrics import EngineMetrics
+from gateway.config import EngineEndpoint, GatewayConfig
 from gateway.observe.metrics import GatewayMetrics
+from onehop.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[3]
 DASHBOARD = ROOT / "configs" / "grafana" / "onehop-dashboard.json"
@@ -106,10 +108,38 @@ def test_checker_reports_a_made_up_metric() -> None:
     ) == {"onehop_gateway_stage_seconds_total", "onehop_engine_output_tokens_bucket"}
 
 
-def test_prometheus_example_scrapes_both_processes() -> None:
+def test_prometheus_example_scrapes_the_defaults_every_five_seconds() -> None:
+    """Its targets are where `onehop serve`, `onehop gateway` and `onehop engine` listen by default,
+    so it works unedited for the one-command start and the two-process setup."""
     config = yaml.safe_load(PROMETHEUS.read_text(encoding="utf-8"))
+    assert config["global"]["scrape_interval"] == "5s"
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
     assert set(jobs) >= {"onehop-gateway", "onehop-engine"}
-    for name, target in (("onehop-gateway", "127.0.0.1:8000"), ("onehop-engine", "127.0.0.1:8100")):
+    parser = build_parser()
+    serve, engine = parser.parse_args(["serve"]), parser.parse_args(["engine", "--model", "unused"])
+    gateway = GatewayConfig(model="m", tokenizer="unused", engines=[EngineEndpoint(url="http://127.0.0.1:9")])
+    for name, targets in (
+        ("onehop-gateway", {f"{serve.host}:{serve.port}", f"{gateway.host}:{gateway.port}"}),
+        ("onehop-engine", {f"{engine.host}:{engine.port}"}),
+    ):
         assert jobs[name]["metrics_path"] == "/metrics"
-        assert target in jobs[name]["static_configs"][0]["targets"]
+        assert targets <= set(jobs[name]["static_configs"][0]["targets"])
+
+
+def test_panels_without_series_show_zero() -> None:
+    """Grafana's "No data" reads as broken; a quiet gateway shows 0. The stats, one series each,
+    also answer 0 through Prometheus' API (`or vector(0)`)."""
+    for panel in _panels(_dashboard()["panels"]):
+        assert panel["fieldConfig"]["defaults"]["noValue"] == "0", panel["title"]
+        if panel["type"] == "stat":
+            for target in panel["targets"]:
+                assert target["expr"].endswith(" or vector(0)"), panel["title"]
+
+
+def test_stream_errors_are_in_the_5xx_ratio_and_on_a_panel() -> None:
+    """A stream that broke after its 200 headers counts under its error's status (so in the 5xx
+    ratio) and in `onehop_gateway_stream_errors_total`, which has its own series."""
+    exprs = _exprs()
+    assert any('status=~"5.."' in expr for expr in exprs)
+    assert any("sum by (endpoint, route, error) (rate(onehop_gateway_stream_errors_total" in expr for expr in exprs)
+    assert any("sum by (endpoint, route, kind) (rate(onehop_gateway_tokens_total" in expr for expr in exprs)

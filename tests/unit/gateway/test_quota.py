@@ -6,6 +6,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from pathlib import Path
 
+import msgspec
 import pytest
 from opentelemetry.trace import INVALID_SPAN
 
@@ -166,4 +167,6 @@ def test_a_request_pays_its_usage_else_its_prompt_on_an_error_else_its_reservati
     assert charged(_outcome(200, Tokens(prompt=10, cached=4, completion=5)), prompt=10) == 15
     assert charged(_outcome(503, None), prompt=10) == 10  # refused before the first byte
     assert charged(_outcome(CLIENT_GONE, None), prompt=10) is None  # left mid-stream: the reservation stands
-    assert charged(_outcome(200, None), prompt=10) is None  # a stream that failed mid-way
+    # A stream that failed mid-way (counted under its error's status): part of its completion was sent.
+    failed = msgspec.structs.replace(_outcome(502, None), error="EngineDied", stream_error=True)
+    assert charged(failed, prompt=10) is None
