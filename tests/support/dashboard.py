@@ -23,13 +23,13 @@ class Query:
     """As Prometheus takes it: Grafana's variables substituted."""
 
 
-def for_prometheus(expr: str) -> str:
-    """`$__rate_interval` and the other range variables become `RANGE`; a template variable
+def for_prometheus(expr: str, rate_range: str = RANGE) -> str:
+    """`$__rate_interval` and the other range variables become `rate_range`; a template variable
     (`$model` in `model=~"$model"`) becomes `.*`, as Grafana's "All" does."""
 
     def value(match: re.Match[str]) -> str:
         name = match.group(1) or match.group(2)
-        return RANGE if name in _RANGES else ".*"
+        return rate_range if name in _RANGES else ".*"
 
     return _VARIABLE.sub(value, expr)
 
@@ -40,11 +40,11 @@ def _panels(panels: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
         yield from _panels(panel.get("panels", []))  # a row's collapsed panels
 
 
-def dashboard_queries(path: Path = DASHBOARD) -> list[Query]:
+def dashboard_queries(path: Path = DASHBOARD, *, rate_range: str = RANGE) -> list[Query]:
     """Every target's `expr` of every panel (rows' panels included), in the file's order."""
     board = json.loads(path.read_text())
     return [
-        Query(panel.get("title", ""), for_prometheus(target["expr"]))
+        Query(panel.get("title", ""), for_prometheus(target["expr"], rate_range))
         for panel in _panels(board["panels"])
         for target in panel.get("targets", [])
         if target.get("expr")
