@@ -88,6 +88,7 @@ def graph_url(prometheus: Prometheus, expr: str, seconds: float) -> str:
 def screenshot(chromium: str, url: str, out: Path, size: tuple[int, int]) -> None:
     args = [
         chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", f"--window-size={size[0]},{size[1]}",
+        "--force-prefers-reduced-motion",  # else Phoenix's trace drawer is caught sliding in, half see-through
         f"--virtual-time-budget={CHROMIUM_BUDGET_MS}", f"--screenshot={out}", url,
     ]  # fmt: skip
     subprocess.run(args, check=True, capture_output=True, timeout=120)
