@@ -21,6 +21,8 @@ class Query:
     panel: str
     expr: str
     """As Prometheus takes it: Grafana's variables substituted."""
+    no_value: str | None = None
+    """What the panel shows while its queries return no series (`noValue`; None: "No data")."""
 
 
 def for_prometheus(expr: str, rate_range: str = RANGE) -> str:
@@ -44,7 +46,11 @@ def dashboard_queries(path: Path = DASHBOARD, *, rate_range: str = RANGE) -> lis
     """Every target's `expr` of every panel (rows' panels included), in the file's order."""
     board = json.loads(path.read_text())
     return [
-        Query(panel.get("title", ""), for_prometheus(target["expr"], rate_range))
+        Query(
+            panel.get("title", ""),
+            for_prometheus(target["expr"], rate_range),
+            panel.get("fieldConfig", {}).get("defaults", {}).get("noValue"),
+        )
         for panel in _panels(board["panels"])
         for target in panel.get("targets", [])
         if target.get("expr")
