@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.support.ports import free_port
+from tests.support.ports import free_port, until_answering
 from tests.support.waiting import POLL_S
 
 REQUIRED_ENV = "ONEHOP_REQUIRE_PHOENIX"
@@ -123,25 +122,11 @@ async def phoenix_server(folder: Path) -> AsyncIterator[Phoenix]:
     try:
         async with aiohttp.ClientSession() as session:
             url = f"http://127.0.0.1:{port}"
-            await _healthy(session, url, process, folder)
+            await until_answering(
+                session, url + "/healthz", process, folder / "phoenix.log", within_s=START_S, every_s=POLL_S * 20, error=PhoenixError
+            )
             yield Phoenix(url, session)
     finally:
         process.terminate()
         await asyncio.to_thread(process.wait)
 
-
-async def _healthy(session: aiohttp.ClientSession, url: str, process: subprocess.Popen[bytes], folder: Path) -> None:
-    """Until `/healthz` answers 200 (or it exits, showing its log)."""
-    deadline = time.monotonic() + START_S
-    while True:
-        if process.poll() is not None:
-            raise PhoenixError(f"phoenix exited: {(folder / 'phoenix.log').read_text()[-3000:]}")
-        try:
-            async with session.get(url + "/healthz") as resp:
-                if resp.status == 200:
-                    return
-        except aiohttp.ClientError:
-            pass
-        if time.monotonic() >= deadline:
-            raise PhoenixError(f"phoenix did not come up at {url} in {START_S} s")
-        await asyncio.sleep(POLL_S * 20)  # polling its port: it says nothing when it is ready

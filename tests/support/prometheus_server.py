@@ -22,7 +22,7 @@ import aiohttp
 import pytest
 import yaml
 
-from tests.support.ports import free_port
+from tests.support.ports import free_port, until_answering
 from tests.support.waiting import POLL_S
 
 REQUIRED_ENV = "ONEHOP_REQUIRE_PROMETHEUS"
@@ -122,25 +122,11 @@ async def prometheus_server(folder: Path, targets: Mapping[str, str]) -> AsyncIt
     try:
         async with aiohttp.ClientSession() as session:
             url = f"http://127.0.0.1:{port}"
-            await _ready(session, url, process, folder)
+            await until_answering(
+                session, url + "/-/ready", process, folder / "prometheus.log", within_s=START_S, every_s=POLL_S * 10, error=PrometheusError
+            )
             yield Prometheus(url, session, len(targets))
     finally:
         process.terminate()
         await asyncio.to_thread(process.wait)
 
-
-async def _ready(session: aiohttp.ClientSession, url: str, process: subprocess.Popen[bytes], folder: Path) -> None:
-    """Until `/-/ready` answers 200 (or it exits, showing its log)."""
-    deadline = time.monotonic() + START_S
-    while True:
-        if process.poll() is not None:
-            raise PrometheusError(f"prometheus exited: {(folder / 'prometheus.log').read_text()[-2000:]}")
-        try:
-            async with session.get(url + "/-/ready") as resp:
-                if resp.status == 200:
-                    return
-        except aiohttp.ClientError:
-            pass
-        if time.monotonic() >= deadline:
-            raise PrometheusError(f"prometheus did not get ready at {url} in {START_S} s")
-        await asyncio.sleep(POLL_S * 10)  # polling its port: it says nothing when it is ready
