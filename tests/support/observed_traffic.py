@@ -180,12 +180,7 @@ class Traffic:
             model=MODEL, messages=messages, max_tokens=16, stream=stream,
             extra_headers={"onehop-route": route, **(headers or {})}, **extra,
         )  # fmt: skip
-        answer = raw.parse()
-        if stream:
-            chunks = [chunk async for chunk in answer]  # type: ignore[union-attr]
-            usage = next(chunk.usage for chunk in reversed(chunks) if chunk.usage is not None)
-        else:
-            usage = answer.usage  # type: ignore[union-attr]
+        usage = await _usage_of(raw.parse(), stream)
         return self.book("chat", tenant, raw.status_code, raw.headers, chat_usage(usage))
 
     async def completion(self, tenant: str, route: str, *, stream: bool, headers: Mapping[str, str] | None = None) -> Sent:
@@ -195,12 +190,7 @@ class Traffic:
             model=MODEL, prompt="Once upon a time", max_tokens=12, stream=stream,
             extra_headers={"onehop-route": route, **(headers or {})}, **extra,
         )  # fmt: skip
-        answer = raw.parse()
-        if stream:
-            chunks = [chunk async for chunk in answer]  # type: ignore[union-attr]
-            usage = next(chunk.usage for chunk in reversed(chunks) if chunk.usage is not None)
-        else:
-            usage = answer.usage  # type: ignore[union-attr]
+        usage = await _usage_of(raw.parse(), stream)
         return self.book("completions", tenant, raw.status_code, raw.headers, chat_usage(usage))
 
     async def response(self, tenant: str, route: str, *, stream: bool, headers: Mapping[str, str] | None = None) -> Sent:
@@ -293,3 +283,11 @@ class Traffic:
             raw = await resp.read()
             # The client saw a 200 and then an error: the gateway must count it as a failure.
             return self.book("chat", tenant, 502, resp.headers, None), raw
+
+
+async def _usage_of(answer: Any, stream: bool) -> Any:
+    """The usage an answer carried: a whole answer's own, or a stream's last chunk that has one."""
+    if not stream:
+        return answer.usage
+    chunks = [chunk async for chunk in answer]
+    return next(chunk.usage for chunk in reversed(chunks) if chunk.usage is not None)
