@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -70,6 +71,11 @@ INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
 """The chat finish reasons that leave a response incomplete, with OpenAI's reason for each."""
 
 
+def _callee_of(callees: Mapping[str, Callee], flat: str) -> Callee:
+    """The tool a model's flat function name calls (a plain function when the request named none)."""
+    return callees.get(flat) or Callee(flat)
+
+
 class ResponsesAssembler:
     """One answer's Responses events as SSE frames (`feed` each chat chunk, then `end`), or
     its whole Response (`whole`). `response` is the finished Response once either is done."""
@@ -77,7 +83,9 @@ class ResponsesAssembler:
     def __init__(self, present: ResponsesPresent) -> None:
         self._template = present.response
         self._callees = present.callees
-        self._output = _StreamedOutput(self.callee, present.text_call)
+        # Not `self.callee`: the output is this assembler's, and an output holding its assembler
+        # is a reference cycle, left to the cyclic collector with the whole answer.
+        self._output = _StreamedOutput(partial(_callee_of, present.callees), present.text_call)
         self._text_call = present.text_call
         self._opened = False
         self._finish = "stop"
@@ -87,7 +95,7 @@ class ResponsesAssembler:
         self.response: dict[str, Any] | None = None
 
     def callee(self, flat: str) -> Callee:
-        return self._callees.get(flat) or Callee(flat)
+        return _callee_of(self._callees, flat)
 
     def feed(self, chunk: ChatCompletionChunk) -> bytes:  # hot: once per chunk
         events = self._opening()

@@ -437,6 +437,7 @@ class Gate:
             del level.flows[flow.tenant]
         if not level.waiting and not level.running and self._levels.get(level.priority) is level:
             del self._levels[level.priority]
+            level.flows.clear()  # a flow names its level: left, the pair would wait for the cyclic collector
 
     def waiting_at(self, priority: int) -> int:
         """Requests of this priority waiting now."""

@@ -275,6 +275,9 @@ async def gateway_error_middleware(request: web.Request, handler: Handler) -> we
     response = web.Response(status=error.status, body=body, content_type="application/json", headers=error.headers)
     if error.close_connection:
         response.force_close()
+    # The error's traceback holds this frame, whose `error` holds the error: kept, that cycle
+    # would keep the request and everything it made until the cyclic collector ran.
+    del error
     return response
 
 

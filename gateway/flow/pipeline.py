@@ -42,6 +42,7 @@ from gateway.edge.priority import asked, effective
 from gateway.upstream.disagg import prefill
 from gateway.flow.endpoints import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Answer, Endpoint
 from gateway.upstream.engine_request import generate_body
+from gateway.upstream.engine_client import Target
 from gateway.upstream.engine_stream import EngineAnswer
 from gateway.edge.errors import (
     REQUEST_ID_KEY,
@@ -57,7 +58,7 @@ from gateway.observe.spans import DerenderWork, describe_model, describe_request
 from gateway.observe.outcome import Tokens
 from gateway.relay.engine import Presenting, encoded
 from gateway.relay.responder import Responder
-from gateway.relay.routes import EngineRoute, Leg, Parsed, Relayed, Remote, Upstream, VllmForm
+from gateway.relay.routes import EngineRoute, Leg, Open, Parsed, Relayed, Remote, Upstream, VllmForm
 from gateway.routing.choose import choose_route
 from gateway.flow.session import session_key
 from gateway.serving.state import GATEWAY, GatewayState
@@ -200,6 +201,30 @@ def check_json_type(http: web.Request) -> None:
         raise UnsupportedMediaType(f"the body must be JSON (Content-Type: application/json), not {sent[:100]}")
 
 
+def open_leg(target: Target, ctx: RequestContext, stream: bool) -> Open:
+    """Sends a leg's engine request (its body made by then) to the engine routing chose.
+
+    Not a method of the exchange: the route holds it, and a route holding its exchange is a
+    reference cycle, which leaves every request's objects (the aiohttp request, its buffers,
+    the answer) to the cyclic collector instead of freeing them when the request ends."""
+
+    @asynccontextmanager
+    async def opened(leg: Leg) -> AsyncIterator[EngineAnswer]:
+        async with target.engines.open(
+            target.choice,
+            leg.body,
+            stream=stream,
+            request_id=leg.request_id,
+            parent=ctx.span,
+            session=ctx.session,
+            facts=target.facts,
+        ) as (url, response):
+            leg.sent_to = url
+            yield response
+
+    return opened
+
+
 def with_abort_handle(request_id: str) -> str:
     """`request_id#<128 random bits>`: the engine request id only this gateway can abort."""
     return f"{request_id}{ABORT_HANDLE_SEPARATOR}{secrets.token_hex(16)}"
@@ -259,20 +284,21 @@ class Exchange:
         presenter = self.presenter
         if presenter is None or self.target.route != "derender" or self.vllm_form:
             return None
-        meta = self._presented(self.legs[0])
-        return Presenting(presenter.final_events, lambda final: presenter.relayed(self.request, meta, final))
+        meta, request = self._presented(self.legs[0]), self.request
+        return Presenting(presenter.final_events, lambda final: presenter.relayed(request, meta, final))
 
     def _route(self) -> EngineRoute:
-        route, endpoint, answer = self.target.route, self.endpoint, self.answer
+        route, endpoint, answer, body = self.target.route, self.endpoint, self.answer, self.body
         limits, engines = self.state.config.limits, self.target.engines
-        upstream = Upstream(self._open, engines.timeouts, limits.max_answer_bytes, self.ctx.tally)
+        opener = open_leg(self.target, self.ctx, self.stream)
+        upstream = Upstream(opener, engines.timeouts, limits.max_answer_bytes, self.ctx.tally)
         if route == "derender" and self.vllm_form:
             chat = endpoint.chat_request(self.request)
             return VllmForm(upstream, answer, bool(chat is not None and chat.return_token_ids))
         if route == "derender":
             return Relayed(upstream, endpoint, self.presenting)
         if route == "tokens-remote":
-            return Remote(upstream, endpoint, lambda leg: endpoint.remote_derender(answer, self.body, leg.prompt))
+            return Remote(upstream, endpoint, lambda leg: endpoint.remote_derender(answer, body, leg.prompt))
         work = DerenderWork(self.ctx, self.state, route)
         request = self.request
         return Parsed(
@@ -300,6 +326,8 @@ class Exchange:
 
     async def run(self) -> web.StreamResponse:
         await self._prefill()
+        for leg in self.legs:  # each leg's engine request, now that its prefill's KV hand-off is known
+            leg.body = self._engine_body(leg)
         try:
             return await (self._respond_stream() if self.stream else self._respond_json())
         finally:
@@ -333,20 +361,6 @@ class Exchange:
         chat = self.endpoint.chat_request(self.request)
         assert chat is not None  # routing offers vLLM's form to chat requests only
         return {"parse_context": vllm_derender.parse_context(chat)}
-
-    @asynccontextmanager
-    async def _open(self, leg: Leg) -> AsyncIterator[EngineAnswer]:
-        async with self.target.engines.open(
-            self.target.choice,
-            self._engine_body(leg),
-            stream=self.stream,
-            request_id=leg.request_id,
-            parent=self.ctx.span,
-            session=self.ctx.session,
-            facts=self.target.facts,
-        ) as (url, response):
-            leg.sent_to = url
-            yield response
 
     async def _prefill(self) -> None:
         """Disaggregated: every prompt is prefilled (concurrently), then decoded with its KV hand-off."""

@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
+from functools import partial
 
 import msgspec
 from aiohttp import web
@@ -48,7 +49,6 @@ class ClientStream:
         "_high",
         "_kept",
         "_protocol",
-        "_stall_s",
         "_timer",
         "_transport",
         "_watch",
@@ -62,7 +62,6 @@ class ClientStream:
         self._transport = http.transport
         self._protocol = http.protocol
         self._high = http.transport.get_write_buffer_limits()[1] if http.transport is not None else 0
-        self._stall_s = stall_s
         writer = http.writer
         assert isinstance(writer, StreamWriter)  # the server's; the abstract writer has no `chunked`
         self._writer = writer
@@ -70,7 +69,11 @@ class ClientStream:
         self._direct = 0
         """Bytes `write_now` put on the transport itself (aiohttp's writer counts them at the end)."""
         transport = http.transport
-        self._watch = ClientWatch(transport, stall_s, self._stalled) if transport is not None else None
+        # Not a method of this stream: the watch is the stream's, and a watch holding its stream
+        # is a reference cycle (the request's objects left to the cyclic collector).
+        self._watch: ClientWatch | None = None
+        if transport is not None:
+            self._watch = ClientWatch(transport, stall_s, partial(_cut_stalled, transport, stall_s))
         self._kept: list[bytes] | None = None
         """Every write, under `tracing.record_content` (`keep`)."""
 
@@ -83,13 +86,6 @@ class ClientStream:
             await self.response.write(data)
         except ConnectionResetError as exc:
             raise ClientGone(self.response) from exc
-
-    def _stalled(self) -> None:
-        # It holds a slot and an engine request and takes nothing: let both go. The abort
-        # cancels the handler; a write the task is waiting on, or its next, raises ClientGone.
-        log.warning("client took nothing of its stream for client_write_s=%s s: the stream is closed", self._stall_s)
-        if self._transport is not None:
-            self._transport.abort()
 
     async def send(self, data: bytes) -> None:
         await self._write(data)
@@ -133,6 +129,14 @@ class ClientStream:
         except ConnectionResetError as exc:
             raise ClientGone(self.response) from exc
         return self.response
+
+
+def _cut_stalled(transport: asyncio.Transport, stall_s: float) -> None:
+    """A client that took nothing of its stream for `stall_s` holds a slot and an engine request:
+    let both go. The abort cancels the handler; a write the task is waiting on, or its next,
+    raises ClientGone."""
+    log.warning("client took nothing of its stream for client_write_s=%s s: the stream is closed", stall_s)
+    transport.abort()
 
 
 def openai_error_end(error: GatewayError) -> bytes:

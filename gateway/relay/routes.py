@@ -72,6 +72,8 @@ class Leg:
     prefilled_on: list[str] = field(default_factory=list)
     """The prefill engine, when disaggregated: aborts go there too."""
     kv: dict[str, Any] | None = None
+    body: bytes = b""
+    """The engine request, made once the prefill (if any) has handed its KV over."""
 
     def engines(self) -> list[str]:
         return [self.sent_to, *self.prefilled_on]

@@ -77,6 +77,7 @@ class Tap:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        self.failure = None  # unraised (the task was cancelled): its traceback holds this tap
 
     def resume(self) -> None:
         """The pending write is out: read the engine again."""
@@ -147,8 +148,14 @@ async def splice(engine: EngineResponse, events: Events, stream: ClientSink, idl
                 if not tap.finished:
                     continue
             if tap.finished:
-                if tap.failure is not None:
-                    raise tap.failure
-                return
+                failure, tap.failure = tap.failure, None
+                if failure is None:
+                    return
+                # Neither the tap nor this frame keeps the failure once raised: its traceback
+                # holds both, and either holding it back is a cycle that keeps the request.
+                try:
+                    raise failure
+                finally:
+                    del failure
     finally:
         tap.detach()
