@@ -63,7 +63,8 @@ def measured(state: GatewayState, name: str, parent: Span) -> Iterator[Span]:
     started = time.perf_counter()
     with stage(state.tracing.tracer, name, parent) as span:
         yield span
-    state.metrics.stage_seconds.labels(name).observe(time.perf_counter() - started)
+    metrics = state.metrics
+    metrics.child(metrics.stage_seconds, name).observe(time.perf_counter() - started)
 
 
 def describe_arrival(span: Span, operation: str, method: str, path: str) -> None:
@@ -178,8 +179,8 @@ class StreamTimer:
     def __init__(self, ctx: Edge, metrics: GatewayMetrics, route: str) -> None:
         self._started = ctx.started
         self._span = ctx.span
-        self._ttft = metrics.time_to_first_token.labels(route)
-        self._itl = metrics.inter_token_latency.labels(route)
+        self._ttft = metrics.child(metrics.time_to_first_token, route)
+        self._itl = metrics.child(metrics.inter_token_latency, route)
         self._gaps = LocalHistogram.like(self._itl)
         self._first = True
         self._last = 0.0

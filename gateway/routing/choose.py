@@ -76,7 +76,8 @@ async def choose_route(
                 described["onehop.engine.choice"] = why
             span.set_attributes(described)
             ctx.span.set_attributes({**described, "onehop.engine.endpoint": endpoint.url})
-    state.metrics.policy_decisions.labels(decision.route, decision.basis).inc()
+    metrics = state.metrics
+    metrics.child(metrics.policy_decisions, decision.route, decision.basis).inc()
     reason = decision.reason if why is None else f"{decision.reason}; engine by {why}"
     return ctx.with_target(Target(decision.route, engines, choice, facts), reason)
 

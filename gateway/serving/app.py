@@ -269,7 +269,8 @@ async def observe_middleware(request: web.Request, handler: Handler) -> web.Stre
     operation = OPERATIONS[endpoint]
     request[STARTED_KEY] = started = time.perf_counter()
     request[TALLY_KEY] = tally = Tally()
-    state.metrics.in_flight.labels(endpoint).inc()
+    in_flight = state.metrics.child(state.metrics.in_flight, endpoint)
+    in_flight.inc()
     status = CLIENT_GONE
     with state.tracing.tracer.start_as_current_span(
         operation,  # `{operation} {model}` once the model is known
@@ -288,7 +289,7 @@ async def observe_middleware(request: web.Request, handler: Handler) -> web.Stre
                 tally.content.append(response.body)  # a whole answer (a stream's frames were kept as sent)
             return response
         finally:
-            state.metrics.in_flight.labels(endpoint).dec()
+            in_flight.dec()
             outcome = _outcome(request, endpoint, status, time.perf_counter() - started, span)
             request[OUTCOME_KEY] = outcome
             state.outcomes.emit(outcome)
