@@ -25,6 +25,7 @@ from plumbing.http_server import Runner, new_event_loop
 from engine.config import EngineConfig
 from gateway.edge.access_log import AccessLogger
 from gateway.serving.app import create_app as create_gateway_app
+from gateway.serving.memory import freeze_start_heap
 from gateway.config import EngineEndpoint, GatewayConfig, ModelConfig, Route
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,7 @@ async def _serve_forever(engine: EngineConfig, host: str, port: int, route: Rout
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     async with embedded(engine, host=host, port=port, route=route, aliases=aliases) as running:
+        freeze_start_heap()
         log.info(
             "onehop serving %s (OpenAI base_url %s/v1, engine backend %s)",
             served_name(engine),

@@ -48,7 +48,7 @@ from gateway.routing.feedback import EngineFeedback
 from gateway.edge.context import OUTCOME_KEY, QUOTA_KEY, SPAN_KEY, STARTED_KEY, TALLY_KEY
 from gateway.observe.spans import OPERATIONS, describe_arrival, describe_outcome
 from gateway.observe.outcome import CLIENT_GONE, Outcome, Tally
-from gateway.serving.memory import release_freed_memory
+from gateway.serving.memory import freeze_start_heap, release_freed_memory
 from gateway.flow.lookups import handle_count_tokens, handle_delete_response, handle_get_response, handle_input_tokens
 from gateway.apis.messages import error_body as messages_error_body
 from gateway.flow.pipeline import handle_chat, handle_completion, handle_messages, handle_responses
@@ -527,6 +527,7 @@ def serve(config: GatewayConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(config)
     app.on_startup.append(_reload_on_sighup)
+    app.on_startup.append(_freeze_start_heap)  # last: after everything start-up builds
     index = worker_index()
     if index is not None:
         app.on_response_prepare.append(_worker_header(str(index)))
@@ -545,6 +546,10 @@ def _worker_header(index: str) -> Callable[[web.Request, web.StreamResponse], Aw
         response.headers[WORKER_HEADER] = index
 
     return name_worker
+
+
+async def _freeze_start_heap(app: web.Application) -> None:
+    freeze_start_heap()
 
 
 async def _reload_on_sighup(app: web.Application) -> None:
