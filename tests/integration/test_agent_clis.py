@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ import yaml
 from engine.qwen3.fixtures import cache_dir, ensure_tokenizer
 from tests.support import harmony_tokenizer
 from tests.support.family_tokenizers import build_family_tokenizer
+from tests.support.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 AGENT_BIN = ROOT / "tools" / "agents" / "node_modules" / ".bin"
@@ -83,11 +83,6 @@ class Onehop:
     """The engine's and the gateway's stderr."""
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
 
 def _wait_healthy(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
     deadline = time.monotonic() + START_S
@@ -122,7 +117,7 @@ def onehop(
     folder = tokenizers[tool_parser]
     tmp = tmp_path_factory.mktemp(f"onehop-{tool_parser}")
     log = tmp / "servers.log"
-    engine_port, gateway_port = _free_port(), _free_port()
+    engine_port, gateway_port = free_port(), free_port()
     engine_url, gateway_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{gateway_port}"
     config = {
         "host": "127.0.0.1",

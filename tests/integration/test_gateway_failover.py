@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.config import Health
 from tests.support.engine import wait_healthy
 from tests.support.gateway import gateway_server
+from tests.support.ports import free_port
 
 # A long scenario (kills, crashes, hundreds of streams): kept out of the default suite, run
 # by CI's `-m slow` stage.
@@ -34,11 +34,6 @@ SLOW = pytest.mark.slow
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me a long story."}]
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _start_engine(tokenizer: Path, port: int) -> subprocess.Popen[bytes]:
@@ -58,7 +53,7 @@ def _kill(process: subprocess.Popen[bytes]) -> None:
 
 @asynccontextmanager
 async def _engines(tokenizer: Path, count: int) -> AsyncIterator[list[tuple[str, subprocess.Popen[bytes]]]]:
-    ports = [_free_port() for _ in range(count)]
+    ports = [free_port() for _ in range(count)]
     running = [(f"http://127.0.0.1:{p}", _start_engine(tokenizer, p)) for p in ports]
     try:
         async with aiohttp.ClientSession() as session:

@@ -7,7 +7,6 @@ other tests, so only a child can say what the gateway alone pulls in.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import textwrap
@@ -17,6 +16,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from tests.support.ports import free_port
 
 IDLE_RSS_BOUND_MIB = 150
 """Measured 109.7 MiB on the Qwen3 tokenizer (554.7 MiB with transformers loaded)."""
@@ -52,15 +53,9 @@ print(json.dumps({"after_import": after_import, "after_start": sorted(m for m in
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def test_the_gateway_path_imports_neither_torch_nor_transformers(qwen3_tokenizer_dir: Path) -> None:
     """Import, start (render, vocabulary, parser resolution, config), count tokens and render a chat."""
-    code = _GATEWAY_PATH.replace("EndpointUrl", f"EngineEndpoint(url='http://127.0.0.1:{_free_port()}')")
+    code = _GATEWAY_PATH.replace("EndpointUrl", f"EngineEndpoint(url='http://127.0.0.1:{free_port()}')")
     done = subprocess.run([sys.executable, "-c", code, str(qwen3_tokenizer_dir)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout.strip().splitlines()[-1])
@@ -99,13 +94,13 @@ def _wait_ready(url: str, process: subprocess.Popen[bytes]) -> None:
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmRSS from /proc")
 def test_an_idle_gateway_stays_under_its_memory_bound(qwen3_tokenizer_dir: Path, tmp_path: Path) -> None:
     """`onehop gateway` on the Qwen3 tokenizer, one model, ready and idle: resident memory bounded."""
-    port = _free_port()
+    port = free_port()
     config = tmp_path / "gateway.yaml"
     config.write_text(
         textwrap.dedent(f"""\
             model: qwen3
             tokenizer: {qwen3_tokenizer_dir}
-            engines: [{{url: "http://127.0.0.1:{_free_port()}"}}]
+            engines: [{{url: "http://127.0.0.1:{free_port()}"}}]
             port: {port}
             """),
         encoding="utf-8",

@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.render.local import LocalRenderer
 from tests.support.engine import engine_server
 from tests.support.redis_server import redis_server
+from tests.support.ports import free_port
 from wire.openai_schema import ChatCompletionRequest
 
 # A long scenario (kills, crashes, hundreds of streams): kept out of the default suite, run
@@ -34,11 +35,6 @@ SLOW = pytest.mark.slow
 REQUESTS = 40
 CHAT = {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 @asynccontextmanager
@@ -100,7 +96,7 @@ async def test_two_workers_share_the_port_the_metrics_the_reload_and_the_store(
     async with engine_server(qwen3_tokenizer_dir) as (engine_url, _):
         config.write_text(yaml.safe_dump({
             "model": "sim", "tokenizer": str(qwen3_tokenizer_dir), "engines": [{"url": engine_url}],
-            "host": "127.0.0.1", "port": _free_port(),
+            "host": "127.0.0.1", "port": free_port(),
             # Only SIGHUP reloads the key file within the test's time.
             "auth": {"api_keys_file": str(keys), "poll_s": 3600},
         }))
@@ -176,7 +172,7 @@ async def test_a_conversation_crosses_workers_and_a_killed_worker_comes_back(
     async with engine_server(qwen3_tokenizer_dir) as (engine_url, _):
         config.write_text(yaml.safe_dump({
             "model": "sim", "tokenizer": str(qwen3_tokenizer_dir), "engines": [{"url": engine_url}],
-            "host": "127.0.0.1", "port": _free_port(),
+            "host": "127.0.0.1", "port": free_port(),
         }))
         async with _workers(config, tmp_path / "gateway.log") as (base, process):
             # Each turn names the one before; the kernel picks the worker of each connection.
@@ -218,7 +214,7 @@ def test_workers_that_keep_dying_make_the_supervisor_give_up(qwen3_tokenizer_dir
     config = tmp_path / "gateway.yaml"
     config.write_text(yaml.safe_dump({
         "model": "sim", "tokenizer": str(qwen3_tokenizer_dir), "engines": [{"url": "http://127.0.0.1:9"}],
-        "host": "127.0.0.1", "port": _free_port(),
+        "host": "127.0.0.1", "port": free_port(),
     }))
     command = [sys.executable, "-m", "onehop", "gateway", "--config", str(config), "--workers", "2"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
@@ -251,7 +247,7 @@ async def test_two_worker_processes_sharing_redis_hold_one_quota_and_one_respons
     async with redis_server(tmp_path) as server, engine_server(qwen3_tokenizer_dir) as (engine_url, _):
         config.write_text(yaml.safe_dump({
             "model": "sim", "tokenizer": str(qwen3_tokenizer_dir), "engines": [{"url": engine_url}],
-            "host": "127.0.0.1", "port": _free_port(), "auth": {"api_keys_file": str(keys)},
+            "host": "127.0.0.1", "port": free_port(), "auth": {"api_keys_file": str(keys)},
             "state": {"backend": "redis", "url": server.url}, "tenants": {"alpha": {"tokens_per_minute": quota}},
         }))
         async with _workers(config, tmp_path / "gateway.log") as (base, _):
@@ -345,7 +341,7 @@ async def test_a_conversation_keeps_its_worker_on_one_connection_and_pays_only_u
     async with engine_server(qwen3_tokenizer_dir) as (engine_url, _):
         config.write_text(yaml.safe_dump({
             "model": "sim", "tokenizer": str(qwen3_tokenizer_dir), "engines": [{"url": engine_url}],
-            "host": "127.0.0.1", "port": _free_port(),
+            "host": "127.0.0.1", "port": free_port(),
         }))
         async with _workers(config, tmp_path / "gateway.log") as (base, _):
             # (i) One kept-alive connection: one worker; every earlier turn comes from its cache.

@@ -15,7 +15,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -28,6 +27,7 @@ import aiohttp
 import pytest
 
 from tests.support.engine import wait_healthy
+from tests.support.ports import free_port
 
 # A long scenario (kills, crashes, hundreds of streams): kept out of the default suite, run
 # by CI's `-m slow` stage.
@@ -36,11 +36,6 @@ SLOW = pytest.mark.slow
 TOKENS = 4096
 STEP_MS = 1  # the sim's pace: a 4k-token answer takes a few seconds, long enough to sample
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _rss_bytes(pid: int) -> int:
@@ -65,7 +60,7 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
 @asynccontextmanager
 async def _engine_and_gateway(tokenizer: Path, tmp_path: Path) -> AsyncIterator[tuple[str, int, int]]:
     """Yield the gateway's /v1 URL, the engine's pid and the gateway's pid."""
-    engine_port, gateway_port = _free_port(), _free_port()
+    engine_port, gateway_port = free_port(), free_port()
     engine = _spawn(
         ["engine", "--backend", "sim", "--model", str(tokenizer), "--served-model-name", "sim",
          "--port", str(engine_port), "--backend-option", f"itl_ms={STEP_MS}"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import socket
 import subprocess
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -21,6 +20,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from tests.support.waiting import POLL_S
+from tests.support.ports import free_port
 
 REQUIRED_ENV = "ONEHOP_REQUIRE_REDIS"
 """Set (by .ci/run): a missing `redis-server` fails the tests that need it instead of skipping them."""
@@ -38,11 +38,6 @@ def redis_binary() -> str:
     return found
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
 
 class RedisServer:
     """One `redis-server` process at a time on `port`: `kill` it (SIGKILL, as a crash) and
@@ -50,7 +45,7 @@ class RedisServer:
 
     def __init__(self, binary: str, folder: Path) -> None:
         self.binary, self.folder = binary, folder
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self._process: subprocess.Popen[bytes] | None = None
 

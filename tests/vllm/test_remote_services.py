@@ -75,7 +75,8 @@ from gateway.upstream.remote import (
     render_chat,
     render_completion,
 )
-from tests.vllm.conftest import ROOT, free_port, server_env, servers, sse_payloads
+from tests.support.ports import free_port
+from tests.vllm.conftest import ROOT, server_env, servers, sse_payloads
 
 pytestmark = pytest.mark.vllm
 

@@ -44,7 +44,8 @@ from wire.protocol import (
     decode_generate_response,
     decode_generate_stream_chunk,
 )
-from tests.vllm.conftest import ROOT, chat_prompt_ids, free_port, has_done, post, server_env, servers, sse_payloads
+from tests.support.ports import free_port
+from tests.vllm.conftest import ROOT, chat_prompt_ids, has_done, post, server_env, servers, sse_payloads
 
 pytestmark = pytest.mark.vllm
 

@@ -20,7 +20,8 @@ from gateway.upstream.kv_events import KVSubscriber
 from tests.support.engine import engine_server
 from tests.support.gateway import configured_gateway
 from tests.support.waiting import wait_until
-from tests.vllm.conftest import ROOT, free_port, server_env, servers
+from tests.support.ports import free_port
+from tests.vllm.conftest import ROOT, server_env, servers
 from wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 
 pytestmark = pytest.mark.vllm

@@ -26,7 +26,8 @@ from typing import Any
 import pytest
 
 from wire.openai_schema import CHAT_COMPLETION_CHUNK_DECODER, CHAT_COMPLETION_DECODER
-from tests.vllm.conftest import ROOT, free_port, has_done, post, server_env, sse_payloads, start_server, stop_server, wait_ready
+from tests.support.ports import free_port
+from tests.vllm.conftest import ROOT, has_done, post, server_env, sse_payloads, start_server, stop_server, wait_ready
 from tests.vllm.run_vllm_parsers import CASES, MESSAGES, REQUESTS, TOOLS
 
 pytestmark = pytest.mark.vllm
