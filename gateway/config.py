@@ -36,8 +36,9 @@ LARGE_RENDER_CHARS = 1024 * 1024
 """Above an agent's turn (142K tokens, ~570K characters) and below the bodies that stalled
 small requests (~4 MB each)."""
 LARGE_RENDER_WORKERS = 2
-RENDER_CACHE_BYTES = 256 * 1024 * 1024
-"""Per worker: ~64M cached prompt tokens at 4 bytes each, ~450 agent sessions of 140K tokens."""
+RENDER_CACHE_BYTES = 512 * 1024 * 1024
+"""Per worker: ~50M cached prompt tokens at ~10.5 bytes each (the ids and their JSON text),
+~360 agent sessions of 140K tokens."""
 KV_INDEX_MAX_BLOCKS = 1_000_000
 KV_BLOCK_SIZE = 16
 KV_REPLAY_TIMEOUT_S = 2.0

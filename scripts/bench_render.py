@@ -55,8 +55,12 @@ sys.path.insert(0, str(ROOT))
 import msgspec  # noqa: E402
 
 from engine.qwen3.fixtures import ensure_tiny_model, ensure_tokenizer  # noqa: E402
+from gateway.config import KV_BLOCK_SIZE  # noqa: E402
 from gateway.render.local import LocalRenderer  # noqa: E402
+from gateway.render.token_ids import TokenIds  # noqa: E402
 from gateway.render.turn_cache import TurnCache  # noqa: E402
+from gateway.routing.kv_index import block_keys  # noqa: E402
+from gateway.upstream.engine_request import generate_body  # noqa: E402
 from wire.openai_schema import ChatCompletionRequest  # noqa: E402
 
 LEVELS = (1, 10, 100, 300)
@@ -205,9 +209,10 @@ def run_single(seed: int) -> dict[str, Any]:
         for _ in range(PLAIN_ENCODES):
             renderer.turn_cache = TurnCache(renderer.turn_cache.budget)
             firsts.append(_timed(lambda: renderer.chat_sync(request)))
-        assert firsts[0][2] == ids, "the cached render differs from a plain encode"
+        assert list(firsts[0][2]) == ids, "the cached render differs from a plain encode"
         again = [_timed(partial(renderer.chat_sync, request))[0] for _ in range(5)]
         template = [_timed(partial(renderer.chat_text, request))[0] for _ in range(5)]
+        rendered = renderer.chat_sync(request)
         return {
             "prompt_tokens": len(ids),
             "prompt_chars": len(text),
@@ -217,10 +222,28 @@ def run_single(seed: int) -> dict[str, Any]:
             "first_wall_ms": statistics.median(f[1] for f in firsts) * 1e3,
             "again_cpu_ms": statistics.median(again) * 1e3,
             "template_ms": statistics.median(template) * 1e3,
+            **onward(rendered),
             **translations(workload),
         }
     finally:
         renderer.close()
+
+
+def onward(rendered: TokenIds) -> dict[str, float]:
+    """What the token path does next with a rendered prompt: the engine request's body and the
+    KV-aware picker's block keys, from the render's `TokenIds` and, beside it, from the list of
+    ints the render returned before (made with `tolist()`, timed with it)."""
+    fields: dict[str, Any] = {"request_id": "r", "model": "m", "sampling": {"max_tokens": 1}, "route": "text"}
+
+    def body(ids: Any) -> bytes:
+        return generate_body(prompt_ids=ids, stream=True, **fields)
+
+    return {
+        "body_ms": _median_ms(partial(body, rendered)),
+        "body_list_ms": _median_ms(lambda: body(rendered.tolist())),
+        "keys_ms": _median_ms(partial(block_keys, rendered, KV_BLOCK_SIZE)),
+        "keys_list_ms": _median_ms(lambda: block_keys(rendered.tolist(), KV_BLOCK_SIZE)),
+    }
 
 
 def translations(workload: Workload) -> dict[str, float]:
@@ -360,7 +383,7 @@ def run_vllm(seed: int) -> dict[str, Any]:
             answer = json.loads(_post(url + "/v1/chat/completions/render", data))
             wall.append(time.perf_counter() - started)
             cpu.append(_tree_cpu_s(process.pid) - before)
-            same = same and answer["token_ids"] == renderer.chat_sync(msgspec.convert(body, ChatCompletionRequest))
+            same = same and answer["token_ids"] == list(renderer.chat_sync(msgspec.convert(body, ChatCompletionRequest)))
         return {
             "cpu_p50_ms": _pct(cpu, 0.5) * 1e3,
             "cpu_p99_ms": _pct(cpu, 0.99) * 1e3,
@@ -422,6 +445,10 @@ def report(results: dict[str, Any]) -> Iterator[str]:
     yield (f"| the same prompt again, every turn cached: the fixed cost of a turn (template, cuts, digests, "
            f"ids joined) | {single['again_cpu_ms']:.1f} ms ({100 * single['again_cpu_ms'] / plain:.1f}% of the plain encode) | |")  # fmt: skip
     yield f"| the chat template alone (jinja) | {single['template_ms']:.1f} ms | |"
+    yield (f"| then the engine request's body, the ids' JSON text joined by the render | {single['body_ms']:.2f} ms "
+           f"(as a list of ints, `tolist()` and encode: {single['body_list_ms']:.2f} ms) | |")  # fmt: skip
+    yield (f"| then the KV-aware picker's block keys, from the array's bytes | {single['keys_ms']:.2f} ms "
+           f"(from a list of ints, `tolist()` and keys: {single['keys_list_ms']:.2f} ms) | |")  # fmt: skip
     if "skipped" in vllm:
         yield f"| vLLM `/render` | {vllm['skipped']} | |"
     else:

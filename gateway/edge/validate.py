@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -315,7 +315,7 @@ def completion_text_chars(request: CompletionRequest) -> int:
     return 0
 
 
-def check_context(prompts: list[list[int]], max_model_len: int | None) -> None:
+def check_context(prompts: list[Sequence[int]], max_model_len: int | None) -> None:
     """As vLLM 0.32 checks: a prompt that fills the model's context (as the engines report
     it) is refused, in the words OpenAI and vLLM use (clients look for them to fall back to
     a larger model); a `max_tokens` over what the prompt leaves is capped by the engine, as

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 import msgspec
@@ -131,10 +131,10 @@ class Endpoint(Protocol[R]):
         """The request's input as sent, for `record_content` only."""
         ...
 
-    async def render(self, model: ModelRuntime, request: R, body: bytes) -> list[list[int]]: ...
+    async def render(self, model: ModelRuntime, request: R, body: bytes) -> list[Sequence[int]]: ...
 
     def features(
-        self, request: R, ctx: RequestContext, prompts: list[list[int]], sampling: dict[str, Any]
+        self, request: R, ctx: RequestContext, prompts: list[Sequence[int]], sampling: dict[str, Any]
     ) -> RequestFeatures:
         """What the policy looks at (the model by its served name: an alias resolved)."""
         ...
@@ -155,9 +155,9 @@ class Endpoint(Protocol[R]):
         """The chat request this runs as (what vLLM's derender form is filled from); None for completions."""
         ...
 
-    def derender(self, request: R, answer: Answer, prompt: list[int], index: int) -> Any: ...
+    def derender(self, request: R, answer: Answer, prompt: Sequence[int], index: int) -> Any: ...
 
-    def remote_derender(self, answer: Answer, body: bytes, prompt: list[int]) -> RemoteDerender:
+    def remote_derender(self, answer: Answer, body: bytes, prompt: Sequence[int]) -> RemoteDerender:
         """vLLM's stateless derender of this endpoint (the tokens-remote route)."""
         ...
 
@@ -225,7 +225,7 @@ class Chat:
     def text_chars(self, request: ChatCompletionRequest) -> int:
         return chat_text_chars(request)
 
-    async def render(self, model: ModelRuntime, request: ChatCompletionRequest, body: bytes) -> list[list[int]]:
+    async def render(self, model: ModelRuntime, request: ChatCompletionRequest, body: bytes) -> list[Sequence[int]]:
         """Local chat template or vLLM's /render, then the forced tool-call opening, if any."""
         forced = forced_tool_prefix(request, model.tool_parser)
         if model.render == "local":
@@ -234,11 +234,15 @@ class Chat:
             rendered = await remote.render_chat(model.engines.session, _remote_url(model), body)
         except remote.RemoteServiceError as exc:
             raise remote_error(exc) from exc
-        suffix = await model.renderer.encode(forced) if forced is not None else []
-        return [rendered.token_ids + suffix]
+        suffix = await model.renderer.encode(forced) if forced is not None else ()
+        return [rendered.token_ids + list(suffix)]
 
     def features(
-        self, request: ChatCompletionRequest, ctx: RequestContext, prompts: list[list[int]], sampling: dict[str, Any]
+        self,
+        request: ChatCompletionRequest,
+        ctx: RequestContext,
+        prompts: list[Sequence[int]],
+        sampling: dict[str, Any],
     ) -> RequestFeatures:
         kwargs = request.chat_template_kwargs or {}
         return RequestFeatures(
@@ -271,7 +275,9 @@ class Chat:
     def chat_request(self, request: ChatCompletionRequest) -> ChatCompletionRequest:
         return request
 
-    def derender(self, request: ChatCompletionRequest, answer: Answer, prompt: list[int], index: int) -> ChatDerender:
+    def derender(
+        self, request: ChatCompletionRequest, answer: Answer, prompt: Sequence[int], index: int
+    ) -> ChatDerender:
         # The text options come from the same request fields the engine's sampling params were built from.
         model = answer.model
         options = ChatOptions.from_request(
@@ -293,7 +299,7 @@ class Chat:
             keep_answer=answer.keep_answer,
         )
 
-    def remote_derender(self, answer: Answer, body: bytes, prompt: list[int]) -> remote.RemoteChatDerender:
+    def remote_derender(self, answer: Answer, body: bytes, prompt: Sequence[int]) -> remote.RemoteChatDerender:
         model = answer.model
         return remote.RemoteChatDerender(
             model.engines.session, _remote_url(model), model=model.name, chat_request=body, prompt_token_ids=prompt
@@ -332,7 +338,7 @@ class Completions:
     def text_chars(self, request: CompletionRequest) -> int:
         return completion_text_chars(request)
 
-    async def render(self, model: ModelRuntime, request: CompletionRequest, body: bytes) -> list[list[int]]:
+    async def render(self, model: ModelRuntime, request: CompletionRequest, body: bytes) -> list[Sequence[int]]:
         if model.render == "local":
             return await model.renderer.completion_prompts(request)
         try:
@@ -342,7 +348,7 @@ class Completions:
         return [item.token_ids for item in rendered]
 
     def features(
-        self, request: CompletionRequest, ctx: RequestContext, prompts: list[list[int]], sampling: dict[str, Any]
+        self, request: CompletionRequest, ctx: RequestContext, prompts: list[Sequence[int]], sampling: dict[str, Any]
     ) -> RequestFeatures:
         return RequestFeatures(
             endpoint="completions",
@@ -372,7 +378,7 @@ class Completions:
         return None
 
     def derender(
-        self, request: CompletionRequest, answer: Answer, prompt: list[int], index: int
+        self, request: CompletionRequest, answer: Answer, prompt: Sequence[int], index: int
     ) -> CompletionsDerender:
         n = request.n or 1
         return CompletionsDerender(
@@ -389,7 +395,7 @@ class Completions:
             keep_answer=answer.keep_answer,
         )
 
-    def remote_derender(self, answer: Answer, body: bytes, prompt: list[int]) -> remote.RemoteCompletionDerender:
+    def remote_derender(self, answer: Answer, body: bytes, prompt: Sequence[int]) -> remote.RemoteCompletionDerender:
         model = answer.model
         return remote.RemoteCompletionDerender(
             model.engines.session,
@@ -423,11 +429,11 @@ class TranslatedChat(Generic[F]):
     def text_chars(self, request: Turn[F]) -> int:
         return CHAT.text_chars(request.chat)
 
-    async def render(self, model: ModelRuntime, request: Turn[F], body: bytes) -> list[list[int]]:
+    async def render(self, model: ModelRuntime, request: Turn[F], body: bytes) -> list[Sequence[int]]:
         return await CHAT.render(model, request.chat, request.chat_body)
 
     def features(
-        self, request: Turn[F], ctx: RequestContext, prompts: list[list[int]], sampling: dict[str, Any]
+        self, request: Turn[F], ctx: RequestContext, prompts: list[Sequence[int]], sampling: dict[str, Any]
     ) -> RequestFeatures:
         return CHAT.features(request.chat, ctx, prompts, sampling)  # a chat, to the policy
 
@@ -443,10 +449,10 @@ class TranslatedChat(Generic[F]):
     def chat_request(self, request: Turn[F]) -> ChatCompletionRequest:
         return request.chat
 
-    def derender(self, request: Turn[F], answer: Answer, prompt: list[int], index: int) -> ChatDerender:
+    def derender(self, request: Turn[F], answer: Answer, prompt: Sequence[int], index: int) -> ChatDerender:
         return CHAT.derender(request.chat, answer, prompt, index)
 
-    def remote_derender(self, answer: Answer, body: bytes, prompt: list[int]) -> remote.RemoteChatDerender:
+    def remote_derender(self, answer: Answer, body: bytes, prompt: Sequence[int]) -> remote.RemoteChatDerender:
         return CHAT.remote_derender(answer, body, prompt)
 
 

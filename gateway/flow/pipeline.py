@@ -148,7 +148,7 @@ async def prepare(
     request: Any,
     body: bytes,
     sampling: dict[str, Any],
-) -> tuple[list[list[int]], RequestContext]:
+) -> tuple[list[Sequence[int]], RequestContext]:
     """Render once, then route: the prompts and the routed context."""
     model = ctx.model
     with measured(state, "render", ctx.span) as span:
@@ -160,7 +160,7 @@ async def prepare(
 
 
 async def reserve_quota(
-    state: GatewayState, ctx: RequestContext, endpoint: Endpoint[Any], request: Any, prompts: list[list[int]]
+    state: GatewayState, ctx: RequestContext, endpoint: Endpoint[Any], request: Any, prompts: list[Sequence[int]]
 ) -> Decision | None:
     """The tenant's quota, once the exact prompt is known and before any engine request: its
     tokens and completion budget reserved (settled from the outcome), or a 429."""
@@ -243,7 +243,7 @@ class Exchange:
         endpoint: Endpoint[Any],
         request: Any,
         body: bytes,
-        prompts: list[list[int]],
+        prompts: list[Sequence[int]],
         sampling: dict[str, Any],
     ) -> None:
         target = ctx.routed

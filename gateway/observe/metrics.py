@@ -227,8 +227,8 @@ class GatewayMetrics:
         self.kv_event_errors = Counter(
             "onehop_gateway_kv_event_errors",
             "KV cache event batches lost or events not indexed, by engine and reason: frames, seq, decode, gap, "
-            "replay_failed, restart, internal (a batch lost); block_size, medium, group, shape, unknown_parent, "
-            "duplicate (a stored event, or a block of one, not indexed).",
+            "replay_failed, restart, internal (a batch lost); block_size, medium, group, shape, token_ids, "
+            "unknown_parent, duplicate (a stored event, or a block of one, not indexed).",
             ["engine", "reason"], registry=r,
         )
         self.kv_replays = Counter(

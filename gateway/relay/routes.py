@@ -18,7 +18,7 @@ request (`route_for`) and never asks which it has.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, aclosing
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -66,7 +66,7 @@ class Leg:
     """The engine request's id: the answer's id, then `#` and an abort handle drawn here
     (`wire.protocol.ABORT_HANDLE_SEPARATOR`): only the whole id aborts it, and the gateway
     logs only the answer's id, so whoever reads the logs or the answer cannot."""
-    prompt: list[int]
+    prompt: Sequence[int]
     sent_to: str
     """The engine that holds the generation (after any retries): aborts go there."""
     prefilled_on: list[str] = field(default_factory=list)

@@ -35,7 +35,6 @@ this project's CI machine, during which no other thread runs).
 from __future__ import annotations
 
 import asyncio
-from array import array
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from itertools import pairwise
@@ -50,6 +49,7 @@ from gateway.render.chat_template import ChatTemplate, ChatTemplateError, pick_t
 from gateway.config import LARGE_RENDER_CHARS, LARGE_RENDER_WORKERS, RENDER_CACHE_BYTES
 from gateway.edge.errors import InvalidRequest
 from gateway.render.tokenizer_folder import load_folder
+from gateway.render.token_ids import TokenIds
 from gateway.render.turn_cache import TurnCache, digest
 from gateway.edge.validate import chat_text_chars, completion_text_chars
 
@@ -122,19 +122,19 @@ class LocalRenderer:
         """The `tokenizers` backend prompts are encoded with (special tokens as the folder declares)."""
         return self._backend
 
-    async def chat(self, request: ChatCompletionRequest, *, suffix: str | None = None) -> list[int]:
+    async def chat(self, request: ChatCompletionRequest, *, suffix: str | None = None) -> TokenIds:
         """The rendered prompt's ids, then `suffix`'s (the forced tool-call opening)."""
         return await self._run(chat_text_chars(request), self.chat_sync, request, suffix)
 
-    async def encode(self, text: str) -> list[int]:
+    async def encode(self, text: str) -> TokenIds:
         return await self._run(len(text), self.encode_sync, text)
 
-    async def completion_prompts(self, request: CompletionRequest) -> list[list[int]]:
+    async def completion_prompts(self, request: CompletionRequest) -> list[Sequence[int]]:
         return await self._run(completion_text_chars(request), self.completion_prompts_sync, request)
 
-    def chat_sync(self, request: ChatCompletionRequest, suffix: str | None = None) -> list[int]:
+    def chat_sync(self, request: ChatCompletionRequest, suffix: str | None = None) -> TokenIds:
         ids = self.encode_sync(self.chat_text(request))
-        return ids + self.encode_sync(suffix) if suffix else ids
+        return TokenIds.joined((ids, self.encode_sync(suffix))) if suffix else ids
 
     def chat_text(self, request: ChatCompletionRequest) -> str:
         messages = [msgspec.to_builtins(message) for message in request.messages]
@@ -152,7 +152,7 @@ class LocalRenderer:
         except ChatTemplateError as exc:  # template errors are the request's fault (a bad role, a missing field)
             raise InvalidRequest(f"the chat template could not render these messages: {exc}", param="messages") from exc
 
-    def completion_prompts_sync(self, request: CompletionRequest) -> list[list[int]]:
+    def completion_prompts_sync(self, request: CompletionRequest) -> list[Sequence[int]]:
         prompt = request.prompt
         if prompt is None or prompt == [] or prompt == "":
             raise InvalidRequest("prompt must not be empty", param="prompt")
@@ -163,21 +163,21 @@ class LocalRenderer:
             return [[item for item in prompt if isinstance(item, int)]]
         return [self._prompt_ids(item, request.add_special_tokens) for item in prompt]
 
-    def _prompt_ids(self, item: str | int | list[int], add_special_tokens: bool) -> list[int]:
+    def _prompt_ids(self, item: str | int | list[int], add_special_tokens: bool) -> Sequence[int]:
         """One prompt of a list: text, encoded; token ids, as they are."""
         if isinstance(item, str):
             return self.encode_sync(item, add_special_tokens=add_special_tokens)
         assert isinstance(item, list)  # a list of ints is the whole prompt, taken above
         return list(item)
 
-    def encode_sync(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+    def encode_sync(self, text: str, *, add_special_tokens: bool = False) -> TokenIds:
         if add_special_tokens or not self.turn_markers:
-            ids = self._ids(text, add_special_tokens)
+            ids = TokenIds.encoded(self._ids(text, add_special_tokens))
             self._report(0, len(ids))
             return ids
-        return self._segmented(text).tolist()  # hot: ~1 ms for 70K ids; the engine request wants a list
+        return self._segmented(text)
 
-    def _segmented(self, text: str) -> array[int]:
+    def _segmented(self, text: str) -> TokenIds:
         """`text`'s ids, segment by segment: cached ones looked up, the others tokenized in one batch."""
         segments = split_turns(text, self.turn_markers)
         keys = [digest(segment) for segment in segments]
@@ -191,22 +191,19 @@ class LocalRenderer:
             tokenized = sum(len(ids) for ids in fresh.values())
             found = [ids if ids is not None else fresh[key] for key, ids in zip(keys, found, strict=True)]
         self._report(hits, tokenized)
-        prompt = array("I")
-        for ids in found:
-            assert ids is not None  # every miss was just filled
-            prompt += ids
-        return prompt
+        return TokenIds.joined(ids for ids in found if ids is not None)  # every miss was just filled
 
     def _report(self, hits: int, tokenized: int) -> None:
         if self._on_cache is not None:
             self._on_cache(hits, tokenized)
 
-    def _encode_many(self, segments: list[str]) -> list[array[int]]:
+    def _encode_many(self, segments: list[str]) -> list[TokenIds]:
         """Segments not cached, tokenized: many or long ones with `encode_batch` (every core, the GIL
         released: a first render of a long conversation is cut at each turn), a short one inline."""
         if len(segments) == 1 and len(segments[0]) <= _RELEASE_GIL_CHARS:
-            return [array("I", self._ids(segments[0]))]
-        return [array("I", encoding.ids) for encoding in self._backend.encode_batch(segments, add_special_tokens=False)]
+            return [TokenIds.encoded(self._ids(segments[0]))]
+        encodings = self._backend.encode_batch(segments, add_special_tokens=False)
+        return [TokenIds.encoded(encoding.ids) for encoding in encodings]
 
     def _ids(self, text: str, add_special_tokens: bool = False) -> list[int]:
         if len(text) > _RELEASE_GIL_CHARS:

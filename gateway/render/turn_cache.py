@@ -2,12 +2,13 @@
 
 An agent re-sends its whole conversation every turn (a median of 43 turns and
 142K input tokens), so nearly every segment of a prompt was tokenized for the
-same conversation's previous turn. This keeps each segment's ids as
-`array('I')` (4 bytes a token; a Python list of ints costs ~36) under a
-16-byte BLAKE2b digest of the segment's text (the text itself is not kept),
-least recently used first out. At 64 MiB of lists and texts the old cache held
-about ten 140K-token sessions and then thrashed (issue #32: a 201 ms render
-per turn at twelve sessions, 7.8 ms at four); the same memory holds ~100 here.
+same conversation's previous turn. This keeps each segment's ids as a
+`TokenIds` (`array('I')`, 4 bytes a token, with their JSON text, ~6 more; a
+Python list of ints costs ~36) under a 16-byte BLAKE2b digest of the segment's
+text (the text itself is not kept), least recently used first out. At 64 MiB of
+lists and texts the old cache held about ten 140K-token sessions and then
+thrashed (issue #32: a 201 ms render per turn at twelve sessions, 7.8 ms at
+four); the same memory holds ~45 here, and the default budget ~400.
 
 A digest match is taken as equal text: a 128-bit BLAKE2b collision between two
 segments is not a risk worth a comparison of the text on every hit.
@@ -17,14 +18,15 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+from gateway.render.token_ids import TokenIds
+
 DIGEST_BYTES = 16
-ENTRY_BYTES = 240
-"""What an entry costs besides its ids: the digest (49 bytes), the array's header (80)
-and the ordered dict's slot and link (~110)."""
+ENTRY_BYTES = 280
+"""What an entry costs besides its ids and their text: the digest (49 bytes), the array's
+header (88), the text's (33) and the ordered dict's slot and link (~110)."""
 
 
 def digest(segment: str) -> bytes:
@@ -32,8 +34,8 @@ def digest(segment: str) -> bytes:
     return hashlib.blake2b(segment.encode("utf-8", "surrogatepass"), digest_size=DIGEST_BYTES).digest()
 
 
-def entry_bytes(ids: array[int]) -> int:
-    return ENTRY_BYTES + ids.itemsize * len(ids)
+def entry_bytes(ids: TokenIds) -> int:
+    return ENTRY_BYTES + ids.nbytes
 
 
 class TurnCache:
@@ -42,7 +44,7 @@ class TurnCache:
     def __init__(self, budget: int) -> None:
         self.budget = budget
         self.bytes = 0
-        self._entries: OrderedDict[bytes, array[int]] = OrderedDict()
+        self._entries: OrderedDict[bytes, TokenIds] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -51,10 +53,10 @@ class TurnCache:
     def __contains__(self, key: bytes) -> bool:
         return key in self._entries
 
-    def lookup(self, keys: Sequence[bytes]) -> list[array[int] | None]:
+    def lookup(self, keys: Sequence[bytes]) -> list[TokenIds | None]:
         """The ids cached for each key (None where there are none), each hit made most recent."""
         entries = self._entries
-        found: list[array[int] | None] = []
+        found: list[TokenIds | None] = []
         with self._lock:
             for key in keys:
                 hit = entries.get(key)
@@ -63,7 +65,7 @@ class TurnCache:
                 found.append(hit)
         return found
 
-    def store(self, items: Iterable[tuple[bytes, array[int]]]) -> None:
+    def store(self, items: Iterable[tuple[bytes, TokenIds]]) -> None:
         """Keep these; an entry over an eighth of the budget is not kept (it would evict many others)."""
         entries = self._entries
         with self._lock:

@@ -6,13 +6,14 @@ chained on its parent's key (`block_keys`), so that a prompt is looked up withou
 the engine's hash function or seed. Each engine's map engine-hash -> our key is kept only
 to apply removals, which arrive by engine hash.
 
-Our key is Python's `hash()` of `(parent_key, *tokens)` (with the block's extra keys
-after the parent when it has any). For ints and tuples of ints this is deterministic
-across processes; strings in extra keys (LoRA names, cache salts) hash differently in
-each process (PYTHONHASHSEED), so keys are only ever compared within one process, which
-is all an index needs. ~0.15 µs a block of 16 tokens. A collision (1 in 2^64 a pair, or
-a crafted prompt) costs one routing decision, never a wrong answer: the engine checks
-its own hash.
+Our key is Python's `hash()` of `(parent_key, tokens)`, `tokens` the block's ids as
+4-byte unsigned ints (`array('I')` bytes: a rendered prompt is held that way, so a
+140K-token prompt is keyed in ~1.4 ms, where a tuple of its ints as Python objects took
+~2.7 ms and the list ~2 ms more to make), with the block's extra keys after the parent
+when it has any. Strings and bytes hash differently in each process (PYTHONHASHSEED), so
+keys are only ever compared within one process, which is all an index needs. A
+collision (1 in 2^64 a pair, or a crafted prompt) costs one routing decision, never a
+wrong answer: the engine checks its own hash.
 
 Layout (~360 bytes a block held; tests/unit/gateway/test_kv_index.py prints it and the CPU
 a block stored, scripts/bench_kv_subscriber.py the CPU in a listening gateway):
@@ -41,6 +42,7 @@ best of its ranks.
 from __future__ import annotations
 
 import logging
+from array import array
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -77,20 +79,34 @@ def block_keys(
     extra: Sequence[ExtraKeys] | None = None,
 ) -> list[int]:
     """Our key of each full block of `token_ids`, chained from `parent_key` (None: the
-    prompt's start); `extra[i]`, when given, goes into block i's key."""
+    prompt's start); `extra[i]`, when given, goes into block i's key. None fit ids that are
+    no token (negative, or past 4 bytes): no engine holds such a block."""
+    raw = token_bytes(token_ids)
+    if raw is None:
+        return []
     parent = _ROOT if parent_key is None else parent_key
+    step = 4 * block_size
     keys: list[int] = []
     for i in range(len(token_ids) // block_size):
-        block = token_ids[i * block_size : (i + 1) * block_size]
-        parent = _key(parent, block, None if extra is None else extra[i])
+        parent = _key(parent, raw[i * step : (i + 1) * step], None if extra is None else extra[i])
         keys.append(parent)
     return keys
 
 
-def _key(parent: int, block: Sequence[int], extra: ExtraKeys) -> int:
+def token_bytes(token_ids: Sequence[int]) -> bytes | None:
+    """The ids as 4-byte unsigned ints, what keys hash; None if one does not fit (no token does not)."""
+    if isinstance(token_ids, array) and token_ids.typecode == "I":
+        return token_ids.tobytes()  # a rendered prompt (`TokenIds`): a copy, no int made
+    try:
+        return array("I", token_ids).tobytes()
+    except OverflowError:
+        return None
+
+
+def _key(parent: int, block: bytes, extra: ExtraKeys) -> int:
     if extra:
-        return hash((parent, _frozen(extra), *block))
-    return hash((parent, *block))
+        return hash((parent, _frozen(extra), block))
+    return hash((parent, block))
 
 
 def _frozen(value: Any) -> Any:
@@ -190,10 +206,11 @@ class KVIndex:
         runs: dict[int, int] = {}
         active = -1
         parent = _ROOT
-        size = self.block_size
-        blocks = len(prompt_ids) // size
+        step = 4 * self.block_size
+        raw = token_bytes(prompt_ids) or b""  # ids no token has: no engine holds a block of them
+        blocks = len(raw) // step
         for i in range(blocks):
-            parent = _key(parent, prompt_ids[i * size : (i + 1) * size], None if extra is None else extra[i])
+            parent = _key(parent, raw[i * step : (i + 1) * step], None if extra is None else extra[i])
             holders = self._holders.get(parent, 0) & active
             if i > 0:
                 self._ended(active & ~holders, i, runs)
@@ -287,30 +304,32 @@ class KVIndex:
             seq = source.by_hash.get(event.parent_block_hash)
             parent = None if seq is None else self._slots[seq] >> _SOURCE_BITS
             reason = "unknown_parent" if parent is None else None  # a chain we cannot follow: never guessed
+        raw = token_bytes(event.token_ids) if reason is None else None
+        if reason is None and raw is None:
+            reason = "token_ids"  # an id no token has (negative, or past 4 bytes)
         if reason is not None:
             self._ignore(source, reason)
             return
-        self._chain(source, event.block_hashes, event.token_ids, parent, event.extra_keys)
+        assert raw is not None
+        self._chain(source, event.block_hashes, raw, parent, event.extra_keys)
 
     def _chain(
-        self, source: _Source, hashes: Sequence[BlockHash], token_ids: Sequence[int], parent: int | None,
+        self, source: _Source, hashes: Sequence[BlockHash], raw: bytes, parent: int | None,
         extra: Sequence[ExtraKeys] | None,
     ) -> None:
         """Store a chain of blocks: `block_keys` and each block's store in one loop, the
         common case (a block this rank did not hold) inline. Hot path: once per block any
         engine computes."""
         slots, hashes_at, holders, by_hash = self._slots, self._hashes, self._holders, source.by_hash
-        sid, bit, size = source.sid, source.bit, self.block_size
+        sid, bit, size = source.sid, source.bit, 4 * self.block_size  # bytes of a block's ids
         key = _ROOT if parent is None else parent
         seq = first = self._next  # [first, seq): stored by this loop, not yet in `_live`
         start = 0
         for i, block_hash in enumerate(hashes):
             end = start + size
             extra_keys = None if extra is None else extra[i]
-            if extra_keys:
-                key = hash((key, _frozen(extra_keys), *token_ids[start:end]))
-            else:
-                key = hash((key, *token_ids[start:end]))
+            block = raw[start:end]
+            key = hash((key, _frozen(extra_keys), block)) if extra_keys else hash((key, block))
             start = end
             holding = holders.get(key, 0)
             if holding & bit:

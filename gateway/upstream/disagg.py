@@ -50,7 +50,7 @@ async def prefill(
     body = generate_body(
         request_id=request_id,
         model=None,
-        prompt_ids=list(facts.prompt or ()),
+        prompt_ids=facts.prompt or (),
         sampling={"n": 1, "max_tokens": 1},
         route="tokens",
         stream=False,

@@ -9,7 +9,7 @@ context, as vLLM does.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -18,6 +18,7 @@ from wire.openai_schema import ChatCompletionRequest, CompletionRequest
 from wire.protocol import CONSTRAINT_KINDS, ProtocolError, SamplingParams
 from gateway.config import Route
 from gateway.edge.errors import InvalidRequest
+from gateway.render.token_ids import json_ids
 
 _encode = msgspec.json.Encoder().encode
 
@@ -135,7 +136,7 @@ def generate_body(
     *,
     request_id: str,
     model: str | None,
-    prompt_ids: list[int],
+    prompt_ids: Sequence[int],
     sampling: dict[str, Any],
     route: Route,
     stream: bool,
@@ -155,7 +156,7 @@ def generate_body(
     mode = ENGINE_MODE[route]
     body: dict[str, Any] = {
         "request_id": request_id,
-        "token_ids": prompt_ids,
+        "token_ids": json_ids(prompt_ids),
         "sampling_params": sampling,
         "output_mode": mode,
         "stream": stream,

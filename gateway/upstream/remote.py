@@ -37,6 +37,8 @@ import aiohttp
 import msgspec
 from msgspec import Raw, Struct
 
+from gateway.render.token_ids import json_ids
+
 __all__ = [
     "InvalidChunk",
     "RemoteChatDerender",
@@ -294,7 +296,7 @@ class _StatelessDerender:
         self._model = _encode(model)
         self._prompt_count = len(prompt_token_ids)
         self._prompt_tokens = str(self._prompt_count).encode()
-        self._prompt_ids = _encode(list(prompt_token_ids))
+        self._prompt_ids = _encode(json_ids(prompt_token_ids))
         self._request = bytes(request)
         # Everything but the chunk and the state, encoded once for the request's life.
         self._head = b"".join(
@@ -488,7 +490,7 @@ async def derender_completions(
     body = _completions_body(
         _encode(model),
         bytes(completion_request),
-        [_encode(list(ids)) for ids in prompt_token_ids],
+        [_encode(json_ids(ids)) for ids in prompt_token_ids],
         [len(ids) for ids in prompt_token_ids],
         generate_responses,
     )

@@ -30,6 +30,7 @@ from derender.text import TextParams
 from derender.vocab import TokenVocab, vocab_for
 from wire.openai_schema import ChatCompletionRequest
 from engine.qwen3.fixtures import ensure_tokenizer
+from tests.support.token_ids import id_list
 from tests.support import deepseek, harmony_tokenizer, mistral
 from tests.support.real_vocabularies import (
     PACKAGES,
@@ -216,7 +217,7 @@ def _prompt(spec: Family) -> list[int]:
 
     renderer = LocalRenderer(spec.folder())
     try:
-        return renderer.chat_sync(_request(spec))
+        return id_list(renderer.chat_sync(_request(spec)))
     finally:
         renderer.close()
 

@@ -25,6 +25,7 @@ from wire.openai_schema import ChatCompletionRequest
 from engine.qwen3.fixtures import cache_dir
 from gateway.edge.errors import InvalidRequest
 from gateway.render.local import LocalRenderer
+from tests.support.token_ids import id_list
 from tests.support import deepseek, glm_tokenizer, harmony_tokenizer, kimi_k2, llama3, minimax_m2, mistral, pythonic
 
 transformers = pytest.importorskip("transformers")
@@ -222,7 +223,7 @@ def _check(pair: tuple[LocalRenderer, Any], case: dict[str, Any]) -> None:
             renderer.chat_text(request)
         return
     assert renderer.chat_text(request) == text
-    assert renderer.chat_sync(request) == list(_expected(tokenizer, request, tokenize=True))
+    assert id_list(renderer.chat_sync(request)) == list(_expected(tokenizer, request, tokenize=True))
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -239,7 +240,7 @@ def test_documents_and_raised_errors_equal_transformers(pair: tuple[LocalRendere
 def test_special_tokens_are_added_as_transformers_adds_them(pair: tuple[LocalRenderer, Any], text: str) -> None:
     renderer, tokenizer = pair
     for add_special_tokens in (True, False):
-        assert renderer.encode_sync(text, add_special_tokens=add_special_tokens) == tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        assert id_list(renderer.encode_sync(text, add_special_tokens=add_special_tokens)) == tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def test_o200k_folder_renders_as_transformers(qwen3_tokenizer_dir: Path) -> None:
@@ -253,7 +254,7 @@ def test_o200k_folder_renders_as_transformers(qwen3_tokenizer_dir: Path) -> None
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
         for case in CASES.values():
             _check((renderer, tokenizer), case)
-        assert renderer.encode_sync("hi", add_special_tokens=True) == tokenizer.encode("hi", add_special_tokens=True)
+        assert id_list(renderer.encode_sync("hi", add_special_tokens=True)) == tokenizer.encode("hi", add_special_tokens=True)
     finally:
         renderer.close()
 

@@ -7,6 +7,7 @@ import tracemalloc
 from collections.abc import Iterator
 from time import process_time
 
+from gateway.render.token_ids import TokenIds
 from gateway.routing.kv_index import KVIndex, block_keys, request_extra_keys
 from wire.kv_events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored
 
@@ -86,8 +87,19 @@ def test_other_block_sizes_media_and_groups_are_ignored_with_a_reason() -> None:
     index.apply(A, [stored([2], tokens(1), medium="CPU")])
     index.apply(A, [stored([3], tokens(1), group_idx=1)])
     index.apply(A, [stored([4, 5], tokens(1))])
+    index.apply(A, [stored([6], [-1, *tokens(1)[1:]])])  # an id no token has
+    index.apply(A, [stored([7], [1 << 32, *tokens(1)[1:]])])
     assert index.size == 0
-    assert dict(index.ignored) == {"block_size": 1, "medium": 1, "group": 1, "shape": 1}
+    assert dict(index.ignored) == {"block_size": 1, "medium": 1, "group": 1, "shape": 1, "token_ids": 2}
+
+
+def test_a_rendered_prompt_is_keyed_as_its_list_and_ids_past_4_bytes_match_nothing() -> None:
+    index = KVIndex(block_size=BS)
+    prompt = tokens(3, start=70_000)
+    index.apply(A, [stored([1, 2, 3], prompt)])
+    assert block_keys(TokenIds(prompt), BS) == block_keys(prompt, BS)
+    assert index.match(TokenIds(prompt)) == index.match(prompt) == {A: 3}
+    assert block_keys([1 << 32, *prompt[1:]], BS) == [] and index.match([1 << 32, *prompt[1:]]) == {}
 
 
 def test_extra_keys_go_into_their_block() -> None:

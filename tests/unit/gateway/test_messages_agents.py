@@ -29,6 +29,7 @@ from gateway.apis.messages import (
 )
 from gateway.render.local import LocalRenderer
 from gateway.apis.translate import Presented, turn
+from tests.support.token_ids import id_list
 from gateway.edge.validate import check_context, check_text_size
 
 _encode = msgspec.json.Encoder().encode
@@ -338,19 +339,19 @@ def test_stripping_lets_two_sessions_share_the_whole_system_prompt(qwen3_tokeniz
     two = session("x-anthropic-billing-header: cc_version=2.1.198.a07; cc_entrypoint=sdk-cli; cch=77c02;")
 
     def prompts(agents: Agents) -> tuple[list[int], list[int]]:
-        return renderer.chat_sync(translated(agents, **one).chat), renderer.chat_sync(translated(agents, **two).chat)
+        return id_list(renderer.chat_sync(translated(agents, **one).chat)), id_list(renderer.chat_sync(translated(agents, **two).chat))
 
     def shared(a: list[int], b: list[int]) -> int:
         return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
     with_strip = prompts(Agents())
     without = prompts(Agents(strip_attribution=False))
-    system = renderer.chat_sync(msgspec.structs.replace(translated(**one).chat, messages=translated(**one).chat.messages[:1], add_generation_prompt=False))
+    system = id_list(renderer.chat_sync(msgspec.structs.replace(translated(**one).chat, messages=translated(**one).chat.messages[:1], add_generation_prompt=False)))
     print(f"shared prefix tokens: stripped {shared(*with_strip)} of {len(with_strip[0])}; "
           f"kept {shared(*without)} of {len(without[0])}; system prompt {len(system)}")
     assert with_strip[0] == with_strip[1]  # the same rest: the whole prompt is shared
     assert shared(*with_strip) >= len(system)
-    line = renderer.encode_sync("<|im_start|>system\nx-anthropic-billing-header: cc_version=2.1.19")
+    line = id_list(renderer.encode_sync("<|im_start|>system\nx-anthropic-billing-header: cc_version=2.1.19"))
     assert shared(*without) <= len(line)  # only the tokens before the line differs
 
 

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from wire.openai_schema import ChatCompletionRequest
 from gateway.render.local import LocalRenderer
 from gateway.render.turn_cache import digest
+from tests.support.token_ids import id_list
 from tests.support.waiting import wait_until
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
@@ -47,15 +48,15 @@ def test_render_equals_the_chat_template(renderer: LocalRenderer, qwen3_tokenize
     expected = qwen3_tokenizer.apply_chat_template(
         case["messages"], tools=case.get("tools"), add_generation_prompt=True, tokenize=True, **case.get("chat_template_kwargs", {})
     )["input_ids"]
-    assert renderer.chat_sync(request) == list(expected)
-    assert renderer.chat_sync(request) == list(expected)  # the second time from the segment cache
+    assert id_list(renderer.chat_sync(request)) == list(expected)
+    assert id_list(renderer.chat_sync(request)) == list(expected)  # the second time from the segment cache
 
 
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.sampled_from(["<|im_start|>", "user\n", " héllo", "🫠", "\n\n", "<|im_end|>", "<think>", "a\u0301", "  "]), max_size=20))
 def test_segmented_encode_equals_whole_encode(renderer: LocalRenderer, parts: list[str]) -> None:
     text = "".join(parts)
-    assert renderer.encode_sync(text) == list(renderer.tokenizer.encode(text, add_special_tokens=False).ids)
+    assert id_list(renderer.encode_sync(text)) == list(renderer.tokenizer.encode(text, add_special_tokens=False).ids)
 
 
 class SignallingRenderer(LocalRenderer):
@@ -92,9 +93,9 @@ async def test_a_huge_render_does_not_hold_up_small_ones(qwen3_tokenizer_dir: Pa
         smalls = [msgspec.convert({"messages": [{"role": "user", "content": f"hi {i}"}]}, ChatCompletionRequest) for i in range(SMALL_RENDERS)]
         big = asyncio.ensure_future(renderer.chat(huge))
         await wait_until(renderer.tokenizing_long.is_set, what="the huge render is in the tokenizer")
-        ids = [await renderer.chat(small) for small in smalls]
+        ids = [id_list(await renderer.chat(small)) for small in smalls]
         assert not renderer.tokenized_long.is_set(), "the small renders waited for the huge one's tokenizer"
-        assert len(await big) > 200_000 and ids == [renderer.chat_sync(small) for small in smalls]
+        assert len(await big) > 200_000 and ids == [id_list(renderer.chat_sync(small)) for small in smalls]
     finally:
         renderer.close()
 
@@ -102,8 +103,8 @@ async def test_a_huge_render_does_not_hold_up_small_ones(qwen3_tokenizer_dir: Pa
 async def test_the_forced_tool_prefix_is_encoded_with_the_render(renderer: LocalRenderer) -> None:
     request = msgspec.convert(CASES[2], ChatCompletionRequest)
     suffix = "<tool_call>\n"
-    ids = await renderer.chat(request, suffix=suffix)
-    assert ids == renderer.chat_sync(request) + renderer.encode_sync(suffix)
+    ids = id_list(await renderer.chat(request, suffix=suffix))
+    assert ids == id_list(renderer.chat_sync(request)) + id_list(renderer.encode_sync(suffix))
 
 
 def test_the_turn_cache_is_bounded_in_bytes(qwen3_tokenizer_dir: Path) -> None:
@@ -111,7 +112,7 @@ def test_the_turn_cache_is_bounded_in_bytes(qwen3_tokenizer_dir: Path) -> None:
     try:
         for i in range(400):
             turn = f"<|im_start|>user\nmessage number {i} " + "words " * 40 + "<|im_end|>\n"
-            assert renderer.encode_sync(turn) == list(renderer.tokenizer.encode(turn).ids)
+            assert id_list(renderer.encode_sync(turn)) == list(renderer.tokenizer.encode(turn).ids)
             assert renderer.cached_bytes <= 64 * 1024
         assert renderer.cached_bytes > 32 * 1024  # it does cache
         huge = "<|im_start|>user\n" + "word " * 20_000

@@ -10,7 +10,6 @@ keep everything and with one small enough to evict on every turn.
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,8 @@ from engine.qwen3.fixtures import ensure_tokenizer
 from gateway.render.local import LocalRenderer, split_turns, turn_markers
 from gateway.render.turn_cache import TurnCache, digest, entry_bytes
 from tests.support import deepseek, kimi_k2, llama3, minimax_m2, mistral, pythonic
+from gateway.render.token_ids import TokenIds
+from tests.support.token_ids import id_list
 from tests.support.glm_tokenizer import glm_tokenizer_dir
 from tests.support.harmony_tokenizer import harmony_tokenizer
 from tests.support.real_vocabularies import deepseek_dir, tekken_v3_dir
@@ -97,8 +98,8 @@ def _replay(renderer: LocalRenderer) -> list[str]:
         request = msgspec.convert({"model": "m", **body}, ChatCompletionRequest)
         text = renderer.chat_text(request)
         whole = renderer.tokenizer.encode(text, add_special_tokens=False).ids
-        assert renderer.chat_sync(request) == whole
-        assert renderer.chat_sync(request) == whole  # all of it from the cache now
+        assert id_list(renderer.chat_sync(request)) == whole
+        assert id_list(renderer.chat_sync(request)) == whole  # all of it from the cache now
         texts.append(text)
     return texts
 
@@ -127,9 +128,9 @@ def test_an_edited_early_turn_is_never_served_from_the_cache() -> None:
         renderer.chat_sync(first)
         edited = msgspec.json.decode(msgspec.json.encode(first), type=ChatCompletionRequest)
         edited.messages[1].content = "Weather in Zürich? 🫡"  # one character of the first user turn
-        ids = renderer.chat_sync(edited)
+        ids = id_list(renderer.chat_sync(edited))
         assert ids == renderer.tokenizer.encode(renderer.chat_text(edited), add_special_tokens=False).ids
-        assert ids != renderer.chat_sync(first)
+        assert ids != id_list(renderer.chat_sync(first))
     finally:
         renderer.close()
 
@@ -149,7 +150,7 @@ def glm() -> Iterator[LocalRenderer]:
 @given(st.lists(st.sampled_from(GLM_PARTS), max_size=24))
 def test_cutting_before_any_of_several_markers_is_exact(glm: LocalRenderer, parts: list[str]) -> None:
     text = "".join(parts)
-    assert glm.encode_sync(text) == glm.tokenizer.encode(text, add_special_tokens=False).ids
+    assert id_list(glm.encode_sync(text)) == glm.tokenizer.encode(text, add_special_tokens=False).ids
 
 
 def test_split_turns_cuts_before_every_marker() -> None:
@@ -174,8 +175,8 @@ def test_markers_that_would_make_a_cut_inexact_are_not_used() -> None:
     assert turn_markers(backend) == ()
 
 
-def _ids(*values: int) -> array[int]:
-    return array("I", values)
+def _ids(*values: int) -> TokenIds:
+    return TokenIds(values)
 
 
 def test_the_cache_evicts_least_recently_used_within_its_budget() -> None:
