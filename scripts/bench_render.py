@@ -27,16 +27,22 @@ venv, `--max-model-len` raised so that 140K-token prompts are accepted) on sessi
 turns 31–40: its server's CPU per request from /proc, over its process tree, and its ids
 compared with the gateway's.
 
+Last, turns 31–40 of 100 sessions through a real gateway (one process) in front of the sim
+engine, streamed, one output token each, on the `text` and `derender` routes: the gateway
+process's CPU per turn, everything it does for a turn (the body's decode, the render, the
+engine request, the stream) beside the render's own.
+
 Memory: sessions' text is cut from one shared 4 MB corpus at offsets drawn per session
 and turn, each prompt built when it is rendered and dropped after, so a 300-session run
 holds no more than the worker itself would.
 
-    .venv/bin/python scripts/bench_render.py [--levels 1,10,100,300] [--no-vllm] [--json out.json]
+    .venv/bin/python scripts/bench_render.py [--levels 1,10,100,300] [--no-vllm] [--no-gateway] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import platform
@@ -45,6 +51,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -65,6 +72,7 @@ from gateway.render.token_ids import TokenIds  # noqa: E402
 from gateway.render.turn_cache import TurnCache  # noqa: E402
 from gateway.routing.kv_index import block_keys  # noqa: E402
 from gateway.upstream.engine_request import generate_body  # noqa: E402
+from scripts import bench_gateway  # noqa: E402
 from wire.openai_schema import ChatCompletionRequest  # noqa: E402
 
 LEVELS = (1, 10, 100, 300)
@@ -332,6 +340,60 @@ def _messages_tools(workload: Workload) -> list[dict[str, Any]]:
 # ------------------------------------------------------------ vLLM's /render
 
 
+GATEWAY_SESSIONS = 100
+GATEWAY_ROUTES = ("text", "derender")
+_JSON = {"Content-Type": "application/json"}
+
+
+def run_gateway(seed: int, sessions: int) -> dict[str, Any]:
+    """Turns 31–40 of `sessions` sessions through a real gateway (one process) in front of the sim
+    engine, streamed, one token each: the gateway process's CPU per turn (from /proc), on the
+    token path (`text`) and on `derender` (the engine also gets the client's request)."""
+    return {route: asyncio.run(_through_gateway(seed, sessions, route)) for route in GATEWAY_ROUTES}
+
+
+async def _through_gateway(seed: int, sessions: int, route: str) -> dict[str, float]:
+    workload = Workload(seed)
+    tokenizer = ensure_tokenizer()
+    folder = Path(tempfile.mkdtemp(prefix="bench_render_"))
+    engine_port, gateway_port = bench_gateway.free_port(), bench_gateway.free_port()
+    options = {"mode": "auto", "output_tokens": 1, "itl_ms": 1, "ttft_ms": 0, "max_model_len": 262_144}
+    engine_args = ["engine", "--backend", "sim", "--model", str(tokenizer), "--served-model-name", bench_gateway.MODEL,
+                   "--port", str(engine_port)]  # fmt: skip
+    for key, value in options.items():
+        engine_args += ["--backend-option", f"{key}={json.dumps(value)}"]
+    engine = bench_gateway.spawn(engine_args, folder / "engine.log")
+    gateway = None
+    url = f"http://127.0.0.1:{gateway_port}"
+    try:
+        async with bench_gateway.client_session() as session:
+            await bench_gateway.wait_ready(session, f"http://127.0.0.1:{engine_port}", engine, folder / "engine.log")
+            gateway = bench_gateway.start_gateway(tokenizer, f"http://127.0.0.1:{engine_port}", gateway_port, folder,
+                                                  extra={"route": route})  # fmt: skip
+            await bench_gateway.wait_ready(session, url, gateway, folder / "gateway.log")
+
+            async def turn(session_index: int, number: int) -> None:
+                body = {**workload.body(session_index, number), "model": bench_gateway.MODEL, "stream": True,
+                        "max_tokens": 1, "stream_options": {"include_usage": True}}  # fmt: skip
+                async with session.post(url + "/v1/chat/completions", data=msgspec.json.encode(body), headers=_JSON) as answer:
+                    text = await answer.read()
+                    if answer.status != 200 or b'"usage"' not in text:
+                        raise RuntimeError(f"turn {number} of session {session_index}: {answer.status} {text[:300]!r}")
+
+            for index in range(sessions):
+                await turn(index, TURNS - MEASURED)
+            before = bench_gateway.process_cpu(gateway.pid)
+            for number in range(TURNS - MEASURED + 1, TURNS + 1):
+                for index in range(sessions):
+                    await turn(index, number)
+            turns = sessions * MEASURED
+            return {"cpu_per_turn_ms": (bench_gateway.process_cpu(gateway.pid) - before) / turns * 1e3, "turns": turns}
+    finally:
+        for process in (gateway, engine):
+            if process is not None:
+                bench_gateway.stop(process)
+
+
 def _tree_cpu_s(root: int) -> float:
     """utime + stime of `root` and every process under it."""
     parents: dict[int, int] = {}
@@ -484,6 +546,15 @@ def report(results: dict[str, Any]) -> Iterator[str]:
         yield f"| {api}: decode the 40-turn body | {single[f'{api}_decode_ms']:.1f} ms | |"
     for api in ("responses", "messages"):
         yield f"| {api}: translate to the chat request | {single[f'{api}_translate_ms']:.2f} ms | |"
+    gateway = results.get("gateway", {"skipped": "not run"})
+    if "skipped" in gateway:
+        yield f"| through a gateway | {gateway['skipped']} | |"
+        return
+    same = next((row for row in levels if row["sessions"] == gateway["sessions"]), None)
+    beside = f" (the render alone, mean: {same['render_mean_ms']:.1f} ms)" if same else ""
+    for route in GATEWAY_ROUTES:
+        yield (f"| through a gateway in front of the sim engine, {gateway['sessions']} sessions, route `{route}`: "
+               f"the gateway process's CPU per turn, mean{beside} | {gateway[route]['cpu_per_turn_ms']:.1f} ms | |")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -491,6 +562,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--levels", default=",".join(map(str, LEVELS)))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-vllm", action="store_true")
+    parser.add_argument("--no-gateway", action="store_true", help="skip the turns through a real gateway")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--level", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--single", action="store_true", help=argparse.SUPPRESS)
@@ -506,6 +578,8 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(level) for level in args.levels.split(",")]
     results["levels"] = [_child(["--level", str(level), "--seed", str(args.seed)]) for level in levels]
     results["vllm"] = {"skipped": "--no-vllm"} if args.no_vllm else run_vllm(args.seed)
+    results["gateway"] = {"skipped": "--no-gateway"} if args.no_gateway else {
+        "sessions": GATEWAY_SESSIONS, **run_gateway(args.seed, GATEWAY_SESSIONS)}  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     print("\n".join(report(results)))

@@ -39,6 +39,9 @@ MAX_LINE_BYTES = 4096
 """A chunk-size line longer than this is not HTTP."""
 HIGH_WATER = 256 * 1024
 """Body bytes kept for `readany()` past which the socket is not read until they are taken."""
+_JOINED_BODY_BYTES = 64 * 1024
+"""A request body up to this is sent in one write with its head (one syscall); a larger one
+apart from it (a copy of the body costs more than the second write)."""
 _CHUNKED, _LENGTH, _UNTIL_CLOSE = 0, 1, 2
 _HEAD, _SIZE, _DATA, _DATA_END, _TRAILER, _DONE = range(6)
 
@@ -426,11 +429,12 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None and not self.lost:
             self.transport.close()
 
-    def send(self, request: bytes) -> EngineResponse:
+    def send(self, request: tuple[bytes, ...]) -> EngineResponse:
         assert self.transport is not None and self.response is None
         response = self.response = EngineResponse(self)
         try:
-            self.transport.write(request)
+            for part in request:
+                self.transport.write(part)
         except (OSError, RuntimeError) as exc:  # closed under us: nothing was answered (a kept one is retried)
             response.fail(EngineFailed(f"the engine stream broke: cannot send: {exc}"))
         return response
@@ -530,8 +534,11 @@ async def _head(response: EngineResponse) -> None:
         raise
 
 
-def _request(target: URL, host: str, port: int, body: bytes, headers: dict[str, Any]) -> bytes:
+def _request(target: URL, host: str, port: int, body: bytes, headers: dict[str, Any]) -> tuple[bytes, ...]:
+    """The request's bytes, to write in order: one piece, or the head and a large body apart
+    (a 140K-token prompt's ~1 MB body is not copied to put 200 bytes before it)."""
     path = target.raw_path_qs or "/"
     lines = [f"POST {path} HTTP/1.1", f"Host: {host}:{port}", f"Content-Length: {len(body)}"]
     lines += [f"{name}: {value}" for name, value in headers.items()]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+    head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+    return (head, body) if len(body) > _JOINED_BODY_BYTES else (head + body,)

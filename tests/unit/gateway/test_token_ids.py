@@ -33,9 +33,23 @@ def test_an_engine_request_carries_the_text_as_it_would_the_list() -> None:
     as_list = generate_body(prompt_ids=ids, **fields)  # type: ignore[arg-type]
     rendered = TokenIds.joined([TokenIds.encoded(ids[:20]), TokenIds.encoded(ids[20:])])
     assert generate_body(prompt_ids=rendered, **fields) == as_list  # type: ignore[arg-type]
-    assert msgspec.json.decode(as_list)["token_ids"] == ids
+    decoded = msgspec.json.decode(as_list)
+    assert decoded["token_ids"] == ids and decoded["request_id"] == "r" and decoded["sampling_params"] == {"max_tokens": 3}
     assert msgspec.json.encode(json_ids(rendered)) == msgspec.json.encode(ids)
     assert msgspec.json.encode(json_ids(tuple(ids))) == msgspec.json.encode(ids)
+
+
+def test_a_derender_request_carries_the_clients_request_as_it_is() -> None:
+    chat = b'{"messages": [{"role": "user", "content": "hi \\u00e9"}], "model": "m"}'
+    body = generate_body(
+        request_id="r", model=None, prompt_ids=TokenIds([1, 2]), sampling={"n": 1}, route="derender", stream=False,
+        derender_fields={"chat_request": msgspec.Raw(chat)}, priority=3,
+    )
+    assert chat in body
+    assert msgspec.json.decode(body) == {
+        "token_ids": [1, 2], "request_id": "r", "sampling_params": {"n": 1}, "output_mode": "derender",
+        "stream": False, "priority": 3, "chat_request": msgspec.json.decode(chat),
+    }
 
 
 def test_the_remote_derender_sends_the_rendered_ids_as_a_list() -> None:
