@@ -94,6 +94,7 @@ from scripts.bench_gateway import (  # noqa: E402
 
 from engine.qwen3.fixtures import ensure_tokenizer  # noqa: E402
 from gateway.render.local import LocalRenderer  # noqa: E402
+from gateway.render.token_ids import TokenIds  # noqa: E402
 from gateway.routing.kv_index import KVIndex, block_keys  # noqa: E402
 from plumbing.http_server import new_event_loop  # noqa: E402
 from wire.kv_events import AllBlocksCleared, BlockStored, EventBatch, decode_batch  # noqa: E402
@@ -324,7 +325,7 @@ def workloads(size: Size, seed: int) -> dict[str, tuple[list[Request], int]]:
 # ------------------------------------------------------------ the oracle
 
 
-def rendered(tokenizer_dir: Path, requests: Sequence[Request]) -> list[list[int]]:
+def rendered(tokenizer_dir: Path, requests: Sequence[Request]) -> list[TokenIds]:
     """Each request's prompt ids as the gateway renders them (its own renderer, in process)."""
     renderer = LocalRenderer(tokenizer_dir)
     try:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from array import array
 import threading
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from hypothesis import strategies as st
 from wire.openai_schema import ChatCompletionRequest
 from gateway.render.local import LocalRenderer
 from gateway.render.turn_cache import digest
+from gateway.render.token_ids import TokenIds
 from tests.support.token_ids import id_list
 from tests.support.waiting import wait_until
 
@@ -67,7 +67,7 @@ class SignallingRenderer(LocalRenderer):
         self.tokenizing_long = threading.Event()
         self.tokenized_long = threading.Event()
 
-    def _encode_many(self, segments: list[str]) -> list[array[int]]:
+    def _encode_many(self, segments: list[str]) -> list[TokenIds]:
         if max(map(len, segments)) <= LONG_CHARS:
             return super()._encode_many(segments)
         self.tokenizing_long.set()
