@@ -18,6 +18,7 @@ another worker writes.
 from __future__ import annotations
 
 import sqlite3
+import time
 from pathlib import Path
 
 import msgspec
@@ -44,6 +45,7 @@ CREATE INDEX IF NOT EXISTS responses_used ON responses (used);
 CREATE INDEX IF NOT EXISTS responses_owner_used ON responses (owner, used);
 """
 BUSY_TIMEOUT_S = 5.0
+_SET_UP_RETRY_S = 0.02
 
 
 class SharedResponseStore:
@@ -57,8 +59,23 @@ class SharedResponseStore:
         # One connection per worker, used by one thread at a time (`InProcess`'s); autocommit,
         # with explicit transactions where a change spans statements.
         self._db = sqlite3.connect(path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.executescript(_SCHEMA)
+        self._set_up(busy_timeout_s)
+
+    def _set_up(self, timeout_s: float) -> None:
+        """WAL and the schema, retried while another worker sets them up: workers start together,
+        and SQLite answers a journal-mode change that meets another connection's lock with "database
+        is locked" at once, without waiting on the busy timeout (1 in ~180 openings of a fresh file
+        by six processes at once; a worker crashed on it at start-up)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self._db.execute("PRAGMA journal_mode=WAL")
+                self._db.executescript(_SCHEMA)
+                return
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(_SET_UP_RETRY_S)
 
     def __len__(self) -> int:
         return int(self._db.execute("SELECT COUNT(*) FROM responses").fetchone()[0])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import threading
 from pathlib import Path
 
 import msgspec
@@ -21,6 +22,30 @@ A, B = "tenant:a", "tenant:b"
 def bounds(**fields: int) -> ResponseStoreConfig:
     big = {"max_entries": 1_000, "max_bytes": 1 << 30, "max_tenant_entries": 1_000, "max_tenant_bytes": 1 << 30}
     return ResponseStoreConfig(**{**big, **fields})
+
+
+def test_workers_opening_a_new_store_at_once_all_open_it(tmp_path: Path) -> None:
+    """Workers start together and open the run's store at once. SQLite answers a journal-mode
+    change that meets another connection's lock with "database is locked" at once, past the busy
+    timeout: a worker crashed on it at start-up (~4 of these 480 openings failed before the retry)."""
+    failures: list[str] = []
+    for round_ in range(60):
+        path = tmp_path / f"responses-{round_}.sqlite"
+        together = threading.Barrier(8)
+
+        def open_store(path: Path = path, together: threading.Barrier = together) -> None:
+            together.wait()
+            try:
+                SharedResponseStore(path).close()
+            except sqlite3.OperationalError as exc:
+                failures.append(str(exc))
+
+        workers = [threading.Thread(target=open_store) for _ in range(8)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+    assert failures == []
 
 
 def test_what_one_worker_stores_the_other_reads_and_deletes(tmp_path: Path) -> None:
