@@ -18,9 +18,10 @@ import pytest
 
 APPS = 50
 WARM_APPS = 10
-GROWTH_BOUND_MIB = 100.0
-"""Over 40 apps. Measured 42-61 MiB here (the allocator and the bounded caches settling); one
-leaked tokenizer with its decode tables is 40 MiB an app, 1,572 MiB over 40 on the old code."""
+GROWTH_BOUND_MIB = 200.0
+"""Over 40 apps: 5 MiB an app. Measured 42-104 MiB here (the allocator and the bounded caches
+settling; 104 on a busy CI run, ~70 for the same commit twice on a quiet one); one leaked
+tokenizer with its decode tables is 40 MiB an app, 1,572 MiB over 40 on the old code."""
 
 _CHURN = """
 import asyncio, gc, json, sys
